@@ -213,3 +213,32 @@ class RequestOutput:
             out.times = delta.times
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         return out
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's load and cumulative counters, for metrics and admission."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    """Prompt tokens of waiting requests not yet computed."""
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 0
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache (cumulative)."""
+    prefix_cache_hits: int = 0
+    """Prompt tokens found in the prefix cache (cumulative)."""
+    prompt_tokens: int = 0
+    """Prompt tokens computed (cumulative, excluding cache hits)."""
+    generation_tokens: int = 0
+    """Tokens sampled (cumulative)."""
+    steps: int = 0
+    last_step_tokens: int = 0
+    """Tokens scheduled in the most recent step."""
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
