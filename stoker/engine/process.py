@@ -1,0 +1,183 @@
+"""The engine core in its own process.
+
+The child runs EngineCore.step() in a tight loop and talks to the front end
+over two ZeroMQ PUSH/PULL sockets carrying msgspec-encoded messages (see
+docs/server.md for why). The loop only ever *polls* its input socket while it
+has work, so HTTP traffic can never make a step wait; when idle it blocks on
+the socket with a timeout so it can notice that its parent is gone.
+
+Wire format: every message is a two-frame multipart [kind, msgpack payload].
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pickle
+import signal
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from stoker.config import EngineConfig, ModelConfig
+from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORE = "stoker.engine.core:EngineCore"
+
+# front end -> engine
+ADD = b"add"
+ABORT = b"abort"
+SHUTDOWN = b"shutdown"
+# engine -> front end
+READY = b"ready"
+OUTPUTS = b"out"
+STATS = b"stats"
+REJECT = b"reject"
+FATAL = b"fatal"
+
+STATS_INTERVAL_S = 0.2
+"""How often a busy engine pushes a stats snapshot; idle transitions push at once."""
+IDLE_POLL_MS = 500
+"""How long an idle engine blocks on its input before checking that its parent lives."""
+
+
+@dataclass
+class EngineInfo:
+    """What the engine tells the front end once it is loaded and warmed up."""
+
+    max_model_len: int
+    model_config: ModelConfig
+    kv_capacity_tokens: int
+    load_seconds: float
+    pid: int
+    tokenizer: bytes
+    """The engine's own tokenizer, pickled, so both sides tokenize identically."""
+
+
+@dataclass
+class Rejection:
+    request_id: str
+    message: str
+
+
+encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+abort_decoder = msgspec.msgpack.Decoder(list[str])
+outputs_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
+stats_decoder = msgspec.msgpack.Decoder(EngineStats)
+info_decoder = msgspec.msgpack.Decoder(EngineInfo)
+rejection_decoder = msgspec.msgpack.Decoder(Rejection)
+
+
+def load_core_factory(spec: str) -> Callable[[EngineConfig], Any]:
+    """'package.module:Name' -> the callable; tests swap in a fake core this way."""
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def warm_up(core: Any) -> None:
+    """One tiny greedy request end to end, so the first real request does not
+    pay for lazy initialisation and /ready means "a forward pass worked"."""
+    prompt = core.tokenizer.encode("Hello") or [0]
+    request = EngineCoreRequest(
+        request_id="__warmup__",
+        prompt_token_ids=list(prompt)[:8],
+        sampling_params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        arrival_time=time.time(),
+    )
+    core.add_request(request)
+    deadline = time.monotonic() + 600
+    while core.has_unfinished_requests():
+        core.step()
+        if time.monotonic() > deadline:
+            raise RuntimeError("warm-up did not finish")
+
+
+def _kv_capacity_tokens(core: Any) -> int:
+    stats: EngineStats = core.stats()
+    return stats.kv_blocks_total * stats.block_size
+
+
+def run_engine(config: EngineConfig, core_spec: str, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Entry point of the engine process (multiprocessing target)."""
+    # Signals sent to the whole process group (Ctrl-C, systemd's SIGTERM) must
+    # not kill the engine under a draining front end: the front end alone
+    # decides when the engine stops, by message, or by SIGKILL as a last resort.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    ctx = zmq.Context(io_threads=1)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.connect(output_addr)
+    try:
+        start = time.monotonic()
+        core = load_core_factory(core_spec)(config)
+        warm_up(core)
+        info = EngineInfo(
+            max_model_len=int(core.max_model_len),
+            model_config=core.model_config,
+            kv_capacity_tokens=_kv_capacity_tokens(core),
+            load_seconds=time.monotonic() - start,
+            pid=os.getpid(),
+            tokenizer=pickle.dumps(core.tokenizer),
+        )
+        out.send_multipart([READY, encoder.encode(info)])
+        out.send_multipart([STATS, encoder.encode(core.stats())])
+        _loop(core, inp, out, parent_pid)
+    except Exception:
+        out.send_multipart([FATAL, traceback.format_exc().encode()])
+        out.close(linger=2000)
+        raise SystemExit(1)
+    finally:
+        ctx.destroy(linger=1000)
+
+
+def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inp, zmq.POLLIN)
+    last_stats = 0.0
+    while True:
+        busy = core.has_unfinished_requests()
+        if not busy and not poller.poll(IDLE_POLL_MS):
+            if os.getppid() != parent_pid:
+                return  # orphaned: the front end is gone, nobody will read our output
+            continue
+        # Take everything that arrived, never waiting: adds join the next step,
+        # aborts free their blocks before it.
+        stats_due = False
+        while True:
+            try:
+                kind, payload = inp.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if kind == ADD:
+                request = request_decoder.decode(payload)
+                try:
+                    core.add_request(request)
+                except ValueError as exc:
+                    out.send_multipart([REJECT, encoder.encode(Rejection(request.request_id, str(exc)))])
+            elif kind == ABORT:
+                outputs = core.abort_requests(abort_decoder.decode(payload))
+                if outputs:
+                    out.send_multipart([OUTPUTS, encoder.encode(outputs)])
+                stats_due = True
+            elif kind == SHUTDOWN:
+                return
+        if core.has_unfinished_requests():
+            outputs = core.step()
+            if outputs:
+                out.send_multipart([OUTPUTS, encoder.encode(outputs)])
+            if not core.has_unfinished_requests():
+                stats_due = True  # went idle: the front end should see the freed blocks now
+        now = time.monotonic()
+        if stats_due or now - last_stats >= STATS_INTERVAL_S:
+            out.send_multipart([STATS, encoder.encode(core.stats())])
+            last_stats = now

@@ -1,0 +1,159 @@
+"""A deterministic stand-in for EngineCore (and its tokenizer) so the process,
+client and server layers can be tested in seconds without a model.
+
+Sample k of a request emits the letters "a", "b", "c", ... (offset by k), one
+per step, each a byte token. STOKER_FAKE_STEP_S sets the time one step takes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from stoker.config import EngineConfig, ModelConfig
+from stoker.engine.params import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    FinishReason,
+    RequestTimes,
+    TokenLogprob,
+)
+
+OFFSET = 3  # ids 0..2 are special: 0 pad, 1 bos, 2 eos
+EOS = 2
+
+
+class FakeTokenizer:
+    """Bytes as tokens; a ChatML-like template."""
+
+    eos_token_ids = [EOS]
+    vocab_size = 256 + OFFSET
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [b + OFFSET for b in text.encode()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        if add_generation_prompt:
+            text += "<assistant>"
+        return self.encode(text) if tokenize else text
+
+
+def model_config() -> ModelConfig:
+    return ModelConfig(
+        architecture="FakeForCausalLM", vocab_size=FakeTokenizer.vocab_size, hidden_size=8,
+        intermediate_size=16, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
+        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        eos_token_ids=[EOS], name="fake-model",
+    )
+
+
+@dataclass
+class _Sample:
+    index: int
+    generated: int = 0
+    done: bool = False
+
+
+@dataclass
+class _Req:
+    request: EngineCoreRequest
+    samples: list[_Sample] = field(default_factory=list)
+    times: RequestTimes | None = None
+
+
+class FakeEngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = FakeTokenizer()
+        self.model_config = model_config()
+        self.max_model_len = config.max_model_len or 256
+        self.block_size = config.block_size
+        self.num_blocks = config.num_kv_blocks or 64
+        self.step_s = float(os.environ.get("STOKER_FAKE_STEP_S", "0.01"))
+        self.requests: dict[str, _Req] = {}
+        self.steps = 0
+        self.generated = 0
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        if not request.prompt_token_ids:
+            raise ValueError("empty prompt")
+        if any(not 0 <= t < FakeTokenizer.vocab_size for t in request.prompt_token_ids):
+            raise ValueError("token id out of range")
+        n = request.sampling_params.n
+        self.requests[request.request_id] = _Req(
+            request, [_Sample(i) for i in range(n)], RequestTimes(arrival=request.arrival_time)
+        )
+
+    def _out(self, req: _Req, sample: _Sample, ids: list[int], reason: FinishReason | None) -> EngineCoreOutput:
+        params = req.request.sampling_params
+        logprobs = None
+        if params.logprobs is not None and ids:
+            logprobs = [TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (OFFSET + 32, -1.5)][: params.logprobs])]
+        times = None
+        if reason is not None:
+            times = req.times
+            times.finished = time.time()
+        return EngineCoreOutput(
+            request_id=req.request.request_id, index=sample.index, new_token_ids=ids,
+            new_text=self.tokenizer.decode(ids), new_logprobs=logprobs,
+            num_prompt_tokens=len(req.request.prompt_token_ids), num_cached_tokens=0,
+            finish_reason=reason, times=times,
+        )
+
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            req = self.requests.pop(request_id, None)
+            if req is None:
+                continue
+            outputs += [self._out(req, s, [], FinishReason.ABORT) for s in req.samples if not s.done]
+        return outputs
+
+    def step(self) -> list[EngineCoreOutput]:
+        time.sleep(self.step_s)
+        self.steps += 1
+        outputs = []
+        running = list(self.requests.values())[: self.config.max_num_seqs]
+        for req in running:
+            params = req.request.sampling_params
+            limit = params.max_tokens or self.max_model_len - len(req.request.prompt_token_ids)
+            for sample in req.samples:
+                if sample.done:
+                    continue
+                token = OFFSET + ord("a") + (sample.generated + sample.index) % 26
+                sample.generated += 1
+                self.generated += 1
+                reason = FinishReason.LENGTH if sample.generated >= limit else None
+                sample.done = reason is not None
+                outputs.append(self._out(req, sample, [token], reason))
+            if all(s.done for s in req.samples):
+                del self.requests[req.request.request_id]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> EngineStats:
+        used = 0
+        for req in self.requests.values():
+            tokens = len(req.request.prompt_token_ids) + max(s.generated for s in req.samples)
+            used += -(-tokens // self.block_size)
+        return EngineStats(
+            num_running=len(self.requests), kv_blocks_total=self.num_blocks, kv_blocks_used=used,
+            block_size=self.block_size, steps=self.steps, generation_tokens=self.generated,
+        )
+
+
+class FailingEngineCore:
+    """Fails to load, like a bad model path."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        raise FileNotFoundError("no such model: fake")
