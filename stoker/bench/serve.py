@@ -1,0 +1,241 @@
+"""The load generator: streams requests at an OpenAI-compatible server in a
+closed loop (fixed concurrency), an open loop (Poisson arrivals) or a burst,
+and records what the client saw for each request.
+
+Requests are standard OpenAI plus vLLM's `ignore_eos` field when asked for; a
+server that rejects that field shows up as failed requests, not as a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+from urllib.parse import urlparse
+
+import httpx
+
+from stoker.bench.stats import RequestResult, alternating_schedule, summarize
+from stoker.bench.workload import RequestSpec, as_messages, as_prompt
+
+
+@dataclass
+class Stage:
+    """One load shape: closed loop at `value` concurrent clients, Poisson
+    arrivals at `value` req/s, or everything at once."""
+
+    mode: str  # "closed" | "poisson" | "burst"
+    value: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.mode == "closed":
+            return f"c={int(self.value or 1)}"
+        if self.mode == "poisson":
+            return f"rate={self.value:g}/s"
+        return "burst"
+
+
+@dataclass
+class Target:
+    url: str
+    """Base URL without /v1."""
+    label: str
+    model: str | None = None
+
+
+@dataclass
+class BenchConfig:
+    targets: list[Target]
+    stages: list[Stage]
+    endpoint: str = "chat"  # "chat" | "completions"
+    num_requests: int = 100
+    duration: float | None = None
+    """Seconds after which no new request starts (in-flight ones finish)."""
+    repeats: int = 1
+    api_key: str | None = None
+    ignore_eos: bool = False
+    temperature: float | None = None
+    timeout: float = 600.0
+    warmup: int = 1
+    seed: int = 0
+    extra_body: dict = field(default_factory=dict)
+
+
+def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
+    targets = []
+    for i, url in enumerate(urls):
+        base = url.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        label = urlparse(base).netloc or base
+        if any(t.label == label for t in targets):
+            label = f"{label}#{i}"
+        targets.append(Target(base, label, model))
+    return targets
+
+
+def build_payload(spec: RequestSpec, cfg: BenchConfig, model: str | None) -> dict:
+    payload: dict = {"model": model or "default", "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.endpoint == "chat":
+        payload["messages"] = as_messages(spec)
+    else:
+        payload["prompt"] = as_prompt(spec)
+    if spec.output_len is not None:
+        payload["max_tokens"] = spec.output_len
+    if cfg.ignore_eos:
+        payload["ignore_eos"] = True  # vLLM's extension; stoker and llama.cpp honour it too
+    if cfg.temperature is not None:
+        payload["temperature"] = cfg.temperature
+    payload.update(cfg.extra_body)
+    return payload
+
+
+def _headers(cfg: BenchConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+
+
+async def send_request(client: httpx.AsyncClient, url: str, payload: dict, headers: dict[str, str],
+                       index: int, t_run: float, input_len: int | None) -> RequestResult:
+    """One streamed request. Never raises: every failure becomes a result."""
+    r = RequestResult(index=index, prompt_tokens=input_len or 0)
+    t0 = time.perf_counter()
+    r.start = t0 - t_run
+    chunks, last, finished, usage = 0, t0, False, None
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as resp:
+            r.status = resp.status_code
+            if resp.status_code != 200:
+                body = (await resp.aread()).decode("utf-8", "replace")
+                r.error = f"HTTP {resp.status_code}: {body[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    finished = True
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    r.error = f"stream error: {json.dumps(obj['error'])[:200]}"
+                    return r
+                usage = obj.get("usage") or usage
+                for choice in obj.get("choices") or []:
+                    text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if r.ttft is None:
+                            r.ttft = now - t0
+                        else:
+                            r.itls.append(now - last)
+                        last, chunks = now, chunks + 1
+                    if choice.get("finish_reason"):
+                        finished = True
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        r.error = f"{type(exc).__name__}: {exc}"[:300]
+        return r
+    r.e2e = time.perf_counter() - t0
+    if not finished:
+        r.error = "incomplete stream: closed before finish_reason or [DONE]"
+        return r
+    if usage:
+        r.prompt_tokens = int(usage.get("prompt_tokens") or r.prompt_tokens)
+        r.output_tokens = int(usage.get("completion_tokens") or chunks)
+    else:  # without usage, one content chunk is taken as one token
+        r.output_tokens = chunks
+    r.ok = r.ttft is not None
+    if not r.ok:
+        r.error = "no tokens in the stream"
+    return r
+
+
+Callback = Callable[[RequestResult], None]
+
+
+async def run_stage(client: httpx.AsyncClient, target: Target, stage: Stage, specs: list[RequestSpec],
+                    cfg: BenchConfig, on_done: Callback | None = None, rep: int = 0) -> tuple[list[RequestResult], float]:
+    """One stage against one target: returns every request's result and the
+    wall time from the first send to the last answer."""
+    url = f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}"
+    headers = _headers(cfg)
+    results: list[RequestResult] = []
+    t_run = time.perf_counter()
+    deadline = t_run + cfg.duration if cfg.duration else float("inf")
+
+    async def one(i: int) -> None:
+        spec = specs[i % len(specs)]
+        res = await send_request(client, url, build_payload(spec, cfg, target.model), headers, i, t_run, spec.input_len)
+        results.append(res)
+        if on_done:
+            on_done(res)
+
+    if stage.mode == "closed":
+        counter = itertools.count()
+
+        async def worker() -> None:
+            while (i := next(counter)) < cfg.num_requests and time.perf_counter() < deadline:
+                await one(i)
+
+        await asyncio.gather(*(worker() for _ in range(int(stage.value or 1))))
+    else:
+        # Same seed per (stage, repetition): every target sees the same arrival times.
+        rng = random.Random(f"{cfg.seed}/{stage.label}/{rep}")
+        tasks, t_next = [], t_run
+        for i in range(cfg.num_requests):
+            if stage.mode == "poisson":
+                await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
+                t_next += rng.expovariate(float(stage.value or 1.0))
+            if time.perf_counter() >= deadline:
+                break
+            tasks.append(asyncio.create_task(one(i)))
+        await asyncio.gather(*tasks)
+    duration = time.perf_counter() - t_run
+    results.sort(key=lambda x: x.index)
+    return results, duration
+
+
+async def discover_model(client: httpx.AsyncClient, target: Target, cfg: BenchConfig) -> str | None:
+    """The first model the server lists, when --model was not given."""
+    try:
+        resp = await client.get(f"{target.url}/v1/models", headers=_headers(cfg))
+        data = resp.json().get("data") or []
+        return data[0]["id"] if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+async def run_bench(cfg: BenchConfig, specs: list[RequestSpec], on_done: Callback | None = None,
+                    on_run: Callable[[Target, Stage, int, int], None] | None = None,
+                    slo: dict[str, float] | None = None) -> list[dict]:
+    """Every stage against every target, targets alternating within each
+    repetition (A, B, A, B ...). Returns one dict per run, for stats and report."""
+    if not specs:
+        raise ValueError("empty workload")
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0))
+    runs: list[dict] = []
+    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+        for target in cfg.targets:
+            if target.model is None:
+                target.model = await discover_model(client, target, cfg)
+            for i in range(cfg.warmup):  # first requests pay for lazy init and cold caches
+                spec = RequestSpec(prompt="Warm up.", messages=None, output_len=8)
+                await send_request(client, f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}",
+                                   build_payload(spec, cfg, target.model), _headers(cfg), -1 - i, time.perf_counter(), None)
+        for stage in cfg.stages:
+            for rep, label in alternating_schedule([t.label for t in cfg.targets], cfg.repeats):
+                target = next(t for t in cfg.targets if t.label == label)
+                if on_run:
+                    on_run(target, stage, rep, min(cfg.num_requests, 10**9))
+                results, duration = await run_stage(client, target, stage, specs, cfg, on_done, rep)
+                runs.append({
+                    "target": target.label, "url": target.url, "model": target.model,
+                    "stage": stage.label, "mode": stage.mode, "stage_value": stage.value, "repetition": rep,
+                    "summary": summarize(results, duration, slo),
+                    "requests": [r.to_dict() for r in results],
+                })
+    return runs

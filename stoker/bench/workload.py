@@ -1,0 +1,255 @@
+"""Benchmark workloads: synthetic prompts of exact token lengths, shared-prefix
+prompts, and JSONL datasets.
+
+Synthetic text is random words from a built-in list (no downloads), measured
+with the served model's tokenizer so `--input-len 100:1000` means tokens, not
+words."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+# Plain lowercase ASCII words: byte-level BPE splits them at the leading space,
+# so cutting a prompt after a word never changes the tokens before it.
+WORDS = """
+the of and to in is was for that with as on by at from his her they which this be
+are or an had not but were have one all their there been has when who would more
+will some into out time them about other can what these than then its only over
+first new two after most also many like may such any made city water river stone
+garden market window engine bridge winter summer morning evening harbour valley
+mountain forest village letter record signal number circle metal paper copper silver
+ancient modern quiet bright narrow simple careful sudden gentle distant famous hidden
+travel measure follow gather listen answer build carry divide explain remember repair
+machine pattern railway lantern kitchen library journey station captain teacher doctor
+weather question history science reason surface corner border season animal orchard
+because through between against without although whether during before beneath beyond
+north south east west green yellow purple orange silent golden wooden frozen crowded
+""".split()
+
+
+def load_tokenizer(model: str | None = None) -> Tokenizer:
+    """The served model's tokenizer: transformers' reading of the GGUF (or a HF
+    folder). Offline only; the default is stoker's default GGUF."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    from stoker.config import default_model_path
+
+    path = model or default_model_path()
+    if path.endswith(".gguf"):
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    else:
+        hf = AutoTokenizer.from_pretrained(path)
+    return HFTokenizer(hf)
+
+
+class HFTokenizer:
+    """Counts content tokens only: the server adds its own BOS / chat template."""
+
+    def __init__(self, hf) -> None:  # noqa: ANN001 - any transformers tokenizer
+        self.hf = hf
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode(list(ids))
+
+    def chat_overhead(self) -> int:
+        """Tokens the chat template wraps around one user message."""
+        try:
+            ids = self.hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
+        except Exception:  # no template: nothing to subtract
+            return 0
+        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return max(0, len(ids) - len(self.encode("x")))
+
+
+@dataclass
+class LengthDist:
+    """fixed N, uniform A:B (inclusive), normal:MEAN:STD (clipped to >= 1)."""
+
+    kind: str
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str | int) -> "LengthDist":
+        s = str(spec).strip().lower()
+        parts = s.split(":")
+        try:
+            if len(parts) == 1 or (parts[0] == "fixed" and len(parts) == 2):
+                return cls("fixed", int(parts[-1]))
+            if parts[0] == "uniform" and len(parts) == 3:
+                parts = parts[1:]
+            if len(parts) == 2:
+                lo, hi = int(parts[0]), int(parts[1])
+                if lo > hi:
+                    raise ValueError
+                return cls("uniform", lo, hi)
+            if parts[0] == "normal" and len(parts) == 3:
+                return cls("normal", float(parts[1]), float(parts[2]))
+        except ValueError:
+            pass
+        raise ValueError(f"bad length {spec!r}: use N, A:B (uniform) or normal:MEAN:STD")
+
+    def sample(self, rng: random.Random, n: int) -> list[int]:
+        if self.kind == "fixed":
+            return [int(self.a)] * n
+        if self.kind == "uniform":
+            return [rng.randint(int(self.a), int(self.b)) for _ in range(n)]
+        return [max(1, round(rng.gauss(self.a, self.b))) for _ in range(n)]
+
+
+@dataclass
+class RequestSpec:
+    """One request to send. Either `prompt` (completions) or `messages` (chat);
+    the load generator converts between them for the other endpoint."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    input_len: int | None = None
+    """Prompt tokens as counted locally (content only), when known."""
+    output_len: int | None = None
+    """max_tokens to ask for; None lets the server decide."""
+    prefix_group: int | None = None
+
+
+def random_words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def fit_text(tok: Tokenizer, rng: random.Random, n_tokens: int, prefix: str = "") -> str:
+    """Text starting with `prefix` that encodes to exactly n_tokens tokens
+    (when the tokenizer allows it; else the nearest found)."""
+    if n_tokens < 1:
+        raise ValueError("n_tokens must be at least 1")
+    count = lambda t: len(tok.encode(t))  # noqa: E731
+    text = prefix
+    sep = " " if prefix else ""
+    # Grow by about the missing number of words (English words are ~1-1.5 tokens).
+    while (have := count(text)) < n_tokens:
+        text = text + sep + random_words(rng, max(1, n_tokens - have))
+        sep = " "
+    if have == n_tokens:
+        return text
+    # Overshot: cut the suffix token by token, re-measuring after each cut
+    # because a cut word may re-encode into a different number of tokens.
+    suffix_ids = tok.encode(text[len(prefix):])
+    k = len(suffix_ids) - (have - n_tokens)
+    best, best_err, seen = text, have - n_tokens, set()
+    while 0 <= k <= len(suffix_ids) and k not in seen:
+        seen.add(k)
+        candidate = prefix + tok.decode(suffix_ids[:k])
+        c = count(candidate)
+        if c == n_tokens:
+            return candidate
+        if abs(c - n_tokens) < abs(best_err):
+            best, best_err = candidate, c - n_tokens
+        k += n_tokens - c
+    return best
+
+
+def synthetic(
+    tok: Tokenizer,
+    num: int,
+    input_len: LengthDist,
+    output_len: LengthDist | None,
+    seed: int = 0,
+    shared_prefix_len: int = 0,
+    num_prefixes: int = 1,
+    chat_overhead: int = 0,
+) -> list[RequestSpec]:
+    """`num` random prompts. With a shared prefix, request i starts with prefix
+    i % num_prefixes (shared_prefix_len tokens) followed by its own input_len
+    tokens. chat_overhead is subtracted so the templated prompt hits the length."""
+    rng = random.Random(seed)
+    prefixes = [fit_text(tok, rng, shared_prefix_len) for _ in range(num_prefixes)] if shared_prefix_len > 0 else []
+    in_lens = input_len.sample(rng, num)
+    out_lens = output_len.sample(rng, num) if output_len else [None] * num
+    specs = []
+    for i in range(num):
+        n = max(1, in_lens[i] - chat_overhead)
+        group = i % num_prefixes if prefixes else None
+        if prefixes:
+            text = fit_text(tok, rng, shared_prefix_len + n, prefix=prefixes[group])
+        else:
+            text = fit_text(tok, rng, n)
+        specs.append(RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i], prefix_group=group))
+    return specs
+
+
+def synthetic_token_ids(tok: Tokenizer, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Token id prompts of exactly these lengths (for the offline bench)."""
+    rng = random.Random(seed)
+    return [tok.encode(fit_text(tok, rng, n))[:n] for n in lengths]
+
+
+def load_dataset(path: str, output_len: LengthDist | None = None, seed: int = 0,
+                 tok: Tokenizer | None = None) -> list[RequestSpec]:
+    """JSONL, one request a line: {"prompt": "..."} or {"messages": [...]}, with
+    an optional "max_tokens" / "output_len". A conversation ending with an
+    assistant turn is sent without it; that turn's length becomes max_tokens."""
+    rng = random.Random(seed)
+    specs = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            out = row.get("max_tokens", row.get("output_len"))
+            if "messages" in row:
+                messages = list(row["messages"])
+                if messages and messages[-1].get("role") == "assistant":
+                    reply = messages.pop()["content"]
+                    if out is None and tok is not None:
+                        out = max(1, len(tok.encode(reply)))
+                spec = RequestSpec(messages=messages)
+                text = "\n".join(m.get("content", "") for m in messages)
+            elif "prompt" in row:
+                spec = RequestSpec(prompt=row["prompt"])
+                text = row["prompt"]
+            else:
+                raise ValueError(f"{path}:{lineno}: expected a 'prompt' or 'messages' field")
+            if tok is not None:
+                spec.input_len = len(tok.encode(text))
+            if out is None and output_len is not None:
+                out = output_len.sample(rng, 1)[0]
+            spec.output_len = int(out) if out is not None else None
+            specs.append(spec)
+    return specs
+
+
+def as_prompt(spec: RequestSpec) -> str:
+    """Completions endpoint: a conversation flattened to plain text."""
+    if spec.prompt is not None:
+        return spec.prompt
+    return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in spec.messages or []) + "\nassistant:"
+
+
+def as_messages(spec: RequestSpec) -> list[dict]:
+    if spec.messages is not None:
+        return spec.messages
+    return [{"role": "user", "content": spec.prompt or ""}]
+
+
+_RANGE = re.compile(r"^\d+(,\d+)*$")
+
+
+def parse_int_list(spec: str) -> list[int]:
+    """'1,4,16,32' -> [1, 4, 16, 32]."""
+    if not _RANGE.match(spec.replace(" ", "")):
+        raise ValueError(f"expected comma-separated integers, got {spec!r}")
+    return [int(x) for x in spec.replace(" ", "").split(",")]
