@@ -1,0 +1,167 @@
+"""The control plane's database: API keys and the usage ledger, through
+SQLAlchemy Core. SQLite file by default, PostgreSQL (or anything SQLAlchemy
+speaks) by URL.
+
+Migrations: a small versioned table (`stoker_schema`) rather than Alembic.
+The schema is two tables owned by one package; Alembic would add a
+dependency, an env.py and a migrations folder that every user would carry,
+and it still needs a "stamp head on a fresh database" step. Here a fresh
+database is created from the current table definitions and stamped with
+SCHEMA_VERSION; an older one gets each later step of MIGRATIONS applied, in
+order, in one transaction, so an interrupted upgrade leaves nothing half done.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from sqlalchemy import (
+    Column,
+    Connection,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    create_engine,
+    event,
+    inspect,
+    select,
+)
+
+metadata = MetaData()
+
+api_keys = Table(
+    "stoker_api_keys",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("prefix", String(40), nullable=False),  # shown in listings so people can tell keys apart
+    Column("secret_hash", String(64), nullable=False, unique=True),
+    Column("scopes", Text, nullable=False),  # JSON list
+    Column("models", Text, nullable=True),  # JSON list; NULL means every model
+    Column("rpm", Integer, nullable=True),
+    Column("tpm", Integer, nullable=True),
+    Column("max_concurrent", Integer, nullable=True),
+    Column("budget_tokens", Integer, nullable=True),
+    Column("budget_period", String(10), nullable=False, default="month"),
+    Column("priority", String(20), nullable=False, default="interactive"),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=True),
+    Column("revoked_at", Float, nullable=True),
+)
+
+usage = Table(
+    "stoker_usage",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("request_id", String(128), nullable=False),
+    Column("key_id", String(32), nullable=True),  # NULL in open mode
+    Column("model", String(200), nullable=False),
+    Column("prompt_tokens", Integer, nullable=False),
+    Column("cached_tokens", Integer, nullable=False),
+    Column("completion_tokens", Integer, nullable=False),
+    Column("queue_time", Float, nullable=True),
+    Column("ttft", Float, nullable=True),
+    Column("latency", Float, nullable=True),
+    Column("finish_reason", String(20), nullable=True),
+    Column("status", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    # Budget checks sum one key's rows since the start of a period.
+    Index("ix_stoker_usage_key_time", "key_id", "created_at"),
+)
+
+schema_table = Table(
+    "stoker_schema",
+    metadata,
+    Column("version", Integer, primary_key=True),
+    Column("applied_at", Float, nullable=False),
+)
+
+SCHEMA_VERSION = 1
+
+# version -> step that upgrades a database from version-1 to version. Add a
+# step here (and bump SCHEMA_VERSION) whenever a table above changes.
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+
+
+def default_db_url() -> str:
+    """$STOKER_DB if set, else a SQLite file under ~/.stoker (shared by `stoker keys` and `stoker serve`)."""
+    configured = os.environ.get("STOKER_DB")
+    if configured:
+        return configured
+    return str(Path.home() / ".stoker" / "stoker.db")
+
+
+def to_url(db: str) -> str:
+    """A bare path means a SQLite file; anything with a scheme is a SQLAlchemy URL."""
+    if "://" in db:
+        return db
+    if db == ":memory:":
+        return "sqlite://"
+    path = Path(db).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def make_engine(db: str | None = None) -> Engine:
+    url = to_url(db or default_db_url())
+    if url.startswith("sqlite"):
+        from sqlalchemy.pool import StaticPool
+
+        kwargs: dict = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+        if url in ("sqlite://", "sqlite:///:memory:"):
+            # One shared connection, or every thread would see its own empty database.
+            kwargs["poolclass"] = StaticPool
+        engine = create_engine(url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+            cur = dbapi_conn.cursor()
+            # WAL lets the CLI read keys while the server's ledger writer commits.
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+    else:
+        engine = create_engine(url, pool_pre_ping=True)
+    return engine
+
+
+def current_version(conn: Connection) -> int:
+    if not inspect(conn).has_table(schema_table.name):
+        return 0
+    found = conn.execute(select(schema_table.c.version).order_by(schema_table.c.version.desc())).first()
+    return int(found[0]) if found else 0
+
+
+def migrate(engine: Engine) -> int:
+    """Bring the schema to SCHEMA_VERSION; idempotent and safe to call at every start."""
+    import time
+
+    with engine.begin() as conn:
+        version = current_version(conn)
+        if version > SCHEMA_VERSION:
+            raise RuntimeError(
+                f"database schema version {version} is newer than this stoker ({SCHEMA_VERSION}); upgrade stoker"
+            )
+        if version == 0:
+            metadata.create_all(conn)
+            conn.execute(schema_table.insert().values(version=SCHEMA_VERSION, applied_at=time.time()))
+            return SCHEMA_VERSION
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            MIGRATIONS[step](conn)
+            conn.execute(schema_table.insert().values(version=step, applied_at=time.time()))
+    return SCHEMA_VERSION
+
+
+def open_db(db: str | None = None) -> Engine:
+    """Engine with an up-to-date schema."""
+    engine = make_engine(db)
+    migrate(engine)
+    return engine

@@ -1,0 +1,293 @@
+"""API keys: generated with `secrets`, stored hashed, looked up by a public id.
+
+A secret looks like `sk-stoker-<id>-<random>`. The id (not secret) lets the
+server fetch exactly one row without a secret-dependent database lookup; the
+random part carries 256 bits from `secrets.token_urlsafe(32)`.
+
+Hashing: plain SHA-256 of the secret. Slow password hashes (bcrypt, argon2)
+exist to make guessing *low-entropy* human passwords expensive; a 256-bit
+random secret cannot be guessed however fast the hash is, so a slow hash
+would only add milliseconds to every request. A leaked database therefore
+yields no usable keys. The stored and presented hashes are compared with
+hmac.compare_digest so the comparison time says nothing about the secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Literal
+
+from sqlalchemy import Engine, func, select
+
+from stoker.control.db import api_keys
+
+SECRET_PREFIX = "sk-stoker-"
+ID_HEX_CHARS = 12
+
+PriorityClass = Literal["interactive", "batch"]
+BudgetPeriod = Literal["day", "month"]
+PRIORITY_CLASSES: tuple[str, ...] = ("interactive", "batch")
+BUDGET_PERIODS: tuple[str, ...] = ("day", "month")
+SCOPE_INFERENCE = "inference"
+SCOPE_ADMIN = "admin"
+
+
+def hash_secret(secret: str) -> str:
+    return hashlib.sha256(secret.encode("utf-8")).hexdigest()
+
+
+def parse_key_id(secret: str) -> str | None:
+    """The public id inside a well-formed secret, or None."""
+    if not secret.startswith(SECRET_PREFIX):
+        return None
+    rest = secret[len(SECRET_PREFIX):]
+    key_id, sep, random_part = rest[:ID_HEX_CHARS], rest[ID_HEX_CHARS:ID_HEX_CHARS + 1], rest[ID_HEX_CHARS + 1:]
+    if sep != "-" or len(random_part) < 16 or any(c not in "0123456789abcdef" for c in key_id):
+        return None
+    return key_id
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One key's settings; never holds the secret, only its hash."""
+
+    id: str
+    name: str
+    prefix: str
+    scopes: tuple[str, ...] = (SCOPE_INFERENCE,)
+    models: tuple[str, ...] | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    budget_tokens: int | None = None
+    budget_period: BudgetPeriod = "month"
+    priority: PriorityClass = "interactive"
+    created_at: float = 0.0
+    expires_at: float | None = None
+    revoked_at: float | None = None
+    secret_hash: str = field(default="", repr=False)
+
+    @property
+    def is_admin(self) -> bool:
+        return SCOPE_ADMIN in self.scopes
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+    def expired(self, now: float | None = None) -> bool:
+        return self.expires_at is not None and (now if now is not None else time.time()) >= self.expires_at
+
+    def allows_model(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+    def has_scope(self, scope: str) -> bool:
+        # Admin keys may do everything an inference key may.
+        return scope in self.scopes or self.is_admin
+
+    def public(self) -> dict:
+        """What listings and the admin API show: everything but the hash."""
+        out = asdict(self)
+        out.pop("secret_hash")
+        out["scopes"] = list(self.scopes)
+        out["models"] = list(self.models) if self.models is not None else None
+        out["status"] = "revoked" if self.revoked else "expired" if self.expired() else "active"
+        return out
+
+
+class AuthOutcome(str, Enum):
+    OK = "ok"
+    MALFORMED = "malformed"
+    UNKNOWN = "unknown"
+    WRONG_SECRET = "wrong_secret"
+    REVOKED = "revoked"
+    EXPIRED = "expired"
+
+
+def _row_to_key(row) -> ApiKey:  # type: ignore[no-untyped-def]
+    m = row._mapping
+    return ApiKey(
+        id=m["id"],
+        name=m["name"],
+        prefix=m["prefix"],
+        scopes=tuple(json.loads(m["scopes"])),
+        models=tuple(json.loads(m["models"])) if m["models"] is not None else None,
+        rpm=m["rpm"],
+        tpm=m["tpm"],
+        max_concurrent=m["max_concurrent"],
+        budget_tokens=m["budget_tokens"],
+        budget_period=m["budget_period"],
+        priority=m["priority"],
+        created_at=m["created_at"],
+        expires_at=m["expires_at"],
+        revoked_at=m["revoked_at"],
+        secret_hash=m["secret_hash"],
+    )
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class KeyStore:
+    """Keys in the database, with a short-lived in-process cache so that
+    authenticating a request rarely touches the database. Changes made by this
+    process are visible at once; changes from elsewhere (the `stoker keys` CLI)
+    within cache_ttl seconds."""
+
+    def __init__(self, engine: Engine, cache_ttl: float = 5.0, negative_cache_size: int = 10_000) -> None:
+        self.engine = engine
+        self.cache_ttl = cache_ttl
+        self._lock = threading.Lock()
+        self._cache: dict[str, tuple[float, ApiKey]] = {}
+        # Unknown ids are cached too (bounded), so a flood of made-up keys
+        # cannot turn into a flood of database queries.
+        self._unknown: OrderedDict[str, float] = OrderedDict()
+        self._unknown_max = negative_cache_size
+
+    # -- management -------------------------------------------------------
+
+    def create(
+        self,
+        name: str,
+        *,
+        rpm: int | None = None,
+        tpm: int | None = None,
+        max_concurrent: int | None = None,
+        budget_tokens: int | None = None,
+        budget_period: str = "month",
+        priority: str = "interactive",
+        models: list[str] | tuple[str, ...] | None = None,
+        expires_at: float | None = None,
+        admin: bool = False,
+    ) -> tuple[ApiKey, str]:
+        """Create a key; returns it and its secret, which is never stored or shown again."""
+        if not name or len(name) > 200:
+            raise ValueError("name must be 1-200 characters")
+        for label, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent),
+                             ("budget_tokens", budget_tokens)):
+            _positive(label, value)
+        if budget_period not in BUDGET_PERIODS:
+            raise ValueError(f"budget_period must be one of {BUDGET_PERIODS}, got {budget_period!r}")
+        if priority not in PRIORITY_CLASSES:
+            raise ValueError(f"priority must be one of {PRIORITY_CLASSES}, got {priority!r}")
+        if models is not None:
+            models = tuple(m.strip() for m in models if m.strip())
+            if not models:
+                raise ValueError("models must name at least one model (omit it to allow all)")
+        key_id = secrets.token_hex(ID_HEX_CHARS // 2)
+        secret = f"{SECRET_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
+        scopes = (SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,)
+        key = ApiKey(
+            id=key_id, name=name, prefix=secret[: len(SECRET_PREFIX) + ID_HEX_CHARS], scopes=scopes,
+            models=models, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, budget_tokens=budget_tokens,
+            budget_period=budget_period, priority=priority, created_at=time.time(),  # type: ignore[arg-type]
+            expires_at=expires_at, secret_hash=hash_secret(secret),
+        )
+        row = asdict(key)
+        row["scopes"] = json.dumps(list(scopes))
+        row["models"] = json.dumps(list(models)) if models is not None else None
+        with self.engine.begin() as conn:
+            conn.execute(api_keys.insert().values(**row))
+        with self._lock:
+            self._unknown.pop(key_id, None)
+        return key, secret
+
+    def get(self, key_id: str) -> ApiKey | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(select(api_keys).where(api_keys.c.id == key_id)).first()
+        return _row_to_key(row) if row else None
+
+    def list_keys(self, include_revoked: bool = True) -> list[ApiKey]:
+        query = select(api_keys).order_by(api_keys.c.created_at)
+        if not include_revoked:
+            query = query.where(api_keys.c.revoked_at.is_(None))
+        with self.engine.connect() as conn:
+            return [_row_to_key(r) for r in conn.execute(query)]
+
+    def revoke(self, key_id: str) -> bool:
+        """True if the key existed and was active; effective at once in this process."""
+        with self.engine.begin() as conn:
+            result = conn.execute(
+                api_keys.update()
+                .where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+                .values(revoked_at=time.time())
+            )
+        self.invalidate(key_id)
+        return result.rowcount > 0
+
+    def count_active(self, now: float | None = None) -> int:
+        now = now if now is not None else time.time()
+        query = select(func.count()).select_from(api_keys).where(
+            api_keys.c.revoked_at.is_(None),
+            (api_keys.c.expires_at.is_(None)) | (api_keys.c.expires_at > now),
+        )
+        with self.engine.connect() as conn:
+            return int(conn.execute(query).scalar_one())
+
+    def invalidate(self, key_id: str | None = None) -> None:
+        with self._lock:
+            if key_id is None:
+                self._cache.clear()
+                self._unknown.clear()
+            else:
+                self._cache.pop(key_id, None)
+                self._unknown.pop(key_id, None)
+
+    # -- request path ------------------------------------------------------
+
+    def cached(self, key_id: str, now: float) -> tuple[bool, ApiKey | None]:
+        """(hit, key) from the cache without touching the database."""
+        with self._lock:
+            entry = self._cache.get(key_id)
+            if entry and now - entry[0] < self.cache_ttl:
+                return True, entry[1]
+            seen = self._unknown.get(key_id)
+            if seen is not None and now - seen < self.cache_ttl:
+                return True, None
+        return False, None
+
+    def lookup(self, key_id: str, now: float | None = None) -> ApiKey | None:
+        now = now if now is not None else time.monotonic()
+        hit, key = self.cached(key_id, now)
+        if hit:
+            return key
+        key = self.get(key_id)
+        with self._lock:
+            if key is None:
+                self._unknown[key_id] = now
+                self._unknown.move_to_end(key_id)
+                while len(self._unknown) > self._unknown_max:
+                    self._unknown.popitem(last=False)
+            else:
+                self._cache[key_id] = (now, key)
+        return key
+
+    def authenticate(self, secret: str) -> tuple[AuthOutcome, ApiKey | None]:
+        """Check a presented secret. May query the database on a cache miss."""
+        key_id = parse_key_id(secret)
+        if key_id is None:
+            return AuthOutcome.MALFORMED, None
+        key = self.lookup(key_id)
+        return check_secret(key, secret)
+
+
+def check_secret(key: ApiKey | None, secret: str, now: float | None = None) -> tuple[AuthOutcome, ApiKey | None]:
+    if key is None:
+        return AuthOutcome.UNKNOWN, None
+    if not hmac.compare_digest(key.secret_hash, hash_secret(secret)):
+        return AuthOutcome.WRONG_SECRET, None
+    if key.revoked:
+        return AuthOutcome.REVOKED, key
+    if key.expired(now):
+        return AuthOutcome.EXPIRED, key
+    return AuthOutcome.OK, key
