@@ -1,0 +1,191 @@
+"""Per-key rate limits: requests/min and tokens/min token buckets, plus a cap
+on concurrent requests.
+
+A request's token cost is not known until it ends, so admission takes an
+estimate (prompt tokens + max_tokens) and the lease reconciles it with the
+real count at the end, refunding what was not used. A bucket may go into
+debt: a request bigger than what is left is admitted when the bucket is full
+(or holds at least its cost), and the debt delays the next ones. Without that
+a request larger than the per-minute limit could never run at all.
+
+State lives in the server process and is touched only from its event loop,
+so no locks; it is per process, which matches one API server per engine.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from stoker.control.errors import ControlError
+from stoker.control.keys import ApiKey
+
+
+class TokenBucket:
+    """capacity tokens, refilled continuously at capacity per `period` seconds."""
+
+    def __init__(self, capacity: float, period: float = 60.0, now: float | None = None) -> None:
+        self.capacity = float(capacity)
+        self.rate = self.capacity / period
+        self.tokens = self.capacity
+        self.updated = now if now is not None else time.monotonic()
+
+    def refill(self, now: float) -> None:
+        if now > self.updated:
+            self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
+            self.updated = now
+
+    def needed(self, cost: float) -> float:
+        # Debt allowed: asking for more than the capacity only needs a full bucket.
+        return min(cost, self.capacity)
+
+    def wait_time(self, cost: float, now: float) -> float:
+        """Seconds until take(cost) would succeed (0 if now)."""
+        self.refill(now)
+        missing = self.needed(cost) - self.tokens
+        return max(0.0, missing / self.rate)
+
+    def take(self, cost: float, now: float) -> bool:
+        self.refill(now)
+        if self.tokens + 1e-9 < self.needed(cost):
+            return False
+        self.tokens -= cost
+        return True
+
+    def give(self, amount: float, now: float) -> None:
+        """Return unused tokens (or, with a negative amount, charge more)."""
+        self.refill(now)
+        self.tokens = min(self.capacity, self.tokens + amount)
+
+    def reset_time(self, now: float) -> float:
+        """Seconds until the bucket is full again (OpenAI's x-ratelimit-reset-*)."""
+        self.refill(now)
+        return max(0.0, (self.capacity - self.tokens) / self.rate)
+
+
+def format_duration(seconds: float) -> str:
+    """OpenAI's reset format: "20ms", "1.5s", "6m0s", "1h2m3s"."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    if seconds < 60:
+        return f"{round(seconds, 3):g}s"
+    total = math.ceil(seconds)
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    return (f"{hours}h" if hours else "") + f"{minutes}m{secs}s"
+
+
+@dataclass
+class KeyState:
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+    in_flight: int = 0
+    limits: tuple[int | None, int | None] = (None, None)
+
+
+@dataclass
+class Lease:
+    """What one admitted request holds against its key's limits."""
+
+    key_id: str | None
+    estimated_tokens: int
+    headers: dict[str, str] = field(default_factory=dict)
+    """x-ratelimit-* headers to send with the response."""
+    done: bool = False
+
+
+class RateLimiter:
+    def __init__(self, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+        self._clock = clock
+        self._state: dict[str, KeyState] = {}
+
+    def _get(self, key: ApiKey, now: float) -> KeyState:
+        state = self._state.get(key.id)
+        limits = (key.rpm, key.tpm)
+        if state is None or state.limits != limits:
+            # New key, or its limits were changed: start from full buckets.
+            in_flight = state.in_flight if state else 0
+            state = KeyState(
+                requests=TokenBucket(key.rpm, now=now) if key.rpm else None,
+                tokens=TokenBucket(key.tpm, now=now) if key.tpm else None,
+                in_flight=in_flight,
+                limits=limits,
+            )
+            self._state[key.id] = state
+        return state
+
+    def headers(self, key: ApiKey, now: float | None = None) -> dict[str, str]:
+        now = now if now is not None else self._clock()
+        state = self._get(key, now)
+        out: dict[str, str] = {}
+        for kind, bucket in (("requests", state.requests), ("tokens", state.tokens)):
+            if bucket is None:
+                continue
+            bucket.refill(now)
+            out[f"x-ratelimit-limit-{kind}"] = str(int(bucket.capacity))
+            out[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.tokens)))
+            out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.reset_time(now))
+        return out
+
+    def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+        """Take one request and estimated_tokens from the key's buckets, or
+        raise ControlError(429) saying how long to wait."""
+        if key is None:
+            return Lease(None, estimated_tokens)
+        now = self._clock()
+        state = self._get(key, now)
+        if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
+            raise ControlError(
+                429, f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
+                "rate_limit_exceeded", code="rate_limit_exceeded", reason="concurrency",
+                # The wait depends on running requests we cannot predict; 1s is the shortest honest hint.
+                headers=self.headers(key, now), retry_after=1,
+            )
+        waits = []
+        if state.requests is not None:
+            waits.append(("requests", state.requests.wait_time(1, now), key.rpm))
+        if state.tokens is not None:
+            waits.append(("tokens", state.tokens.wait_time(estimated_tokens, now), key.tpm))
+        blocking = [(kind, wait, limit) for kind, wait, limit in waits if wait > 0]
+        if blocking:
+            kind, wait, limit = max(blocking, key=lambda w: w[1])
+            unit = "requests" if kind == "requests" else "tokens"
+            raise ControlError(
+                429,
+                f"Rate limit reached for {unit} per minute (limit {limit}); "
+                f"this request needs {1 if kind == 'requests' else estimated_tokens}. "
+                f"Retry after {wait:.1f}s.",
+                "rate_limit_exceeded", code="rate_limit_exceeded", reason=kind,
+                headers=self.headers(key, now), retry_after=wait,
+            )
+        if state.requests is not None:
+            state.requests.take(1, now)
+        if state.tokens is not None:
+            state.tokens.take(estimated_tokens, now)
+        state.in_flight += 1
+        return Lease(key.id, estimated_tokens, headers=self.headers(key, now))
+
+    def release(self, lease: Lease, actual_tokens: int | None) -> None:
+        """End a lease. actual_tokens=None means the request never ran: refund
+        everything, the request itself included."""
+        if lease.done or lease.key_id is None:
+            lease.done = True
+            return
+        lease.done = True
+        state = self._state.get(lease.key_id)
+        if state is None:
+            return
+        now = self._clock()
+        state.in_flight = max(0, state.in_flight - 1)
+        if actual_tokens is None:
+            if state.requests is not None:
+                state.requests.give(1, now)
+            if state.tokens is not None:
+                state.tokens.give(lease.estimated_tokens, now)
+        elif state.tokens is not None:
+            state.tokens.give(lease.estimated_tokens - actual_tokens, now)
+
+    def in_flight(self, key_id: str) -> int:
+        state = self._state.get(key_id)
+        return state.in_flight if state else 0
