@@ -1,0 +1,154 @@
+"""Prometheus metrics. vLLM's names (with a `model_name` label) wherever the
+meaning is the same, so existing vLLM dashboards and alerts work unchanged;
+`stoker:` names for what vLLM does not have (admission, quotas, drain).
+
+Everything lives in this object's own CollectorRegistry: no global state, so
+tests and several apps in one process do not collide.
+
+Counters the engine keeps cumulatively (tokens, preemptions, prefix cache)
+are turned into increments here, so an engine restart (its counters start
+again from zero) never makes a Prometheus counter go backwards.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from stoker.engine.params import EngineStats, RequestTimes
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# EngineStats counter field -> attribute name of our Counter
+_CUMULATIVE = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
+               "generation_tokens", "steps")
+
+
+class Metrics:
+    def __init__(self, model_name: str = "model", per_key_labels: bool = False) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.per_key_labels = per_key_labels
+        r, m = self.registry, ["model_name"]
+
+        # -- vLLM-compatible --------------------------------------------------
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, registry=r)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=r)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed (prefix-cache hits included).", m, registry=r)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       m + ["finished_reason"], registry=r)
+        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", m, registry=r)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m,
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m,
+                                               buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", m,
+                                                   buckets=_TOKEN_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", m,
+                                          buckets=_TOKEN_BUCKETS, registry=r)
+
+        # -- stoker ----------------------------------------------------------
+        self.prompt_tokens_computed = Counter("stoker:prompt_tokens_computed", "Prompt tokens computed by the model (prefix-cache hits excluded).", m, registry=r)
+        self.admission_rejections = Counter("stoker:admission_rejections", "Requests refused with 503 for lack of capacity, by reason.",
+                                            ["reason"], registry=r)
+        self.rate_limit_rejections = Counter("stoker:rate_limit_rejections", "Requests refused with 429 for a key's quota, by limit.",
+                                             ["limit"], registry=r)
+        self.auth_failures = Counter("stoker:auth_failures", "Requests refused with 401/403, by reason.", ["reason"], registry=r)
+        self.deadline_drops = Counter("stoker:deadline_exceeded", "Requests whose deadline passed, by phase.", ["phase"], registry=r)
+        self.engine_restarts = Counter("stoker:engine_restarts", "Times the engine process was restarted.", registry=r)
+        self.draining = Gauge("stoker:draining", "1 while the server drains (refuses new requests) before shutdown.", registry=r)
+        self.in_flight = Gauge("stoker:requests_in_flight", "Requests admitted and not yet finished.", registry=r)
+        self.queued_requests = Gauge("stoker:admission_queue_requests", "Waiting requests as admission sees them (engine + in transit).", registry=r)
+        self.queued_tokens = Gauge("stoker:admission_queue_tokens", "Waiting prompt tokens as admission sees them (engine + in transit).", registry=r)
+        self.drain_rate = Gauge("stoker:drain_rate_tokens_per_second", "Prompt tokens finished per second recently (drives Retry-After).", registry=r)
+        self.request_errors = Counter("stoker:request_errors", "Requests that ended with an error status, by HTTP status.", ["status"], registry=r)
+        self.ledger_pending = Gauge("stoker:ledger_pending_records", "Usage records not yet written to the database.", registry=r)
+        self.budget_exhausted_keys = Gauge("stoker:budget_exhausted_keys", "Keys refused for budget in the current period.", registry=r)
+        self.budget_remaining = (
+            Gauge("stoker:budget_remaining_tokens", "Tokens left in a key's budget for the period.", ["key_id", "key_name"], registry=r)
+            if per_key_labels else None
+        )
+
+        self._last = EngineStats()
+
+    # -- engine ------------------------------------------------------------------
+
+    def engine_restarted(self) -> None:
+        self.engine_restarts.inc()
+        self._last = EngineStats()  # the new engine counts from zero
+
+    def update_from_engine_stats(self, stats: EngineStats) -> None:
+        """Set the gauges and add the growth of the engine's cumulative counters."""
+        name = self.model_name
+        self.running.labels(name).set(stats.num_running)
+        self.waiting.labels(name).set(stats.num_waiting)
+        self.kv_usage.labels(name).set(stats.kv_usage)
+        last = self._last
+        if any(getattr(stats, f) < getattr(last, f) for f in _CUMULATIVE):
+            last = EngineStats()  # counters went back: the engine restarted without telling us
+        delta = {f: getattr(stats, f) - getattr(last, f) for f in _CUMULATIVE}
+        self.prompt_tokens.labels(name).inc(delta["prompt_tokens"] + delta["prefix_cache_hits"])
+        self.prompt_tokens_computed.labels(name).inc(delta["prompt_tokens"])
+        self.generation_tokens.labels(name).inc(delta["generation_tokens"])
+        self.preemptions.labels(name).inc(delta["num_preemptions"])
+        self.prefix_queries.labels(name).inc(delta["prefix_cache_queries"])
+        self.prefix_hits.labels(name).inc(delta["prefix_cache_hits"])
+        steps = delta["steps"]
+        if steps >= 1:
+            # Exact when we see every step; when snapshots skip steps, the
+            # skipped ones get the mean of the tokens processed in between, so
+            # the histogram's count and sum stay right.
+            self.iteration_tokens.labels(name).observe(stats.last_step_tokens)
+            rest = delta["prompt_tokens"] + delta["generation_tokens"] - stats.last_step_tokens
+            if steps > 1 and rest > 0:
+                mean = rest / (steps - 1)
+                for _ in range(min(steps - 1, 1000)):
+                    self.iteration_tokens.labels(name).observe(mean)
+        self._last = stats
+
+    # -- requests -----------------------------------------------------------------
+
+    def observe_finished(self, times: RequestTimes | None, prompt_tokens: int, generation_tokens: int,
+                         finish_reason: str | None) -> None:
+        """Latency histograms from the engine's own timestamps, for one finished request."""
+        name = self.model_name
+        self.request_success.labels(name, finish_reason or "abort").inc()
+        self.request_prompt_tokens.labels(name).observe(prompt_tokens)
+        self.request_generation_tokens.labels(name).observe(generation_tokens)
+        if times is None:
+            return
+        if times.scheduled is not None:
+            self.queue_time.labels(name).observe(max(0.0, times.scheduled - times.arrival))
+        if times.first_token is not None:
+            self.ttft.labels(name).observe(max(0.0, times.first_token - times.arrival))
+        stamps = times.token_times
+        for earlier, later in zip(stamps, stamps[1:]):
+            self.itl.labels(name).observe(max(0.0, later - earlier))
+        if times.finished is not None:
+            self.e2e.labels(name).observe(max(0.0, times.finished - times.arrival))
+
+    def observe_error(self, status: int) -> None:
+        self.request_errors.labels(str(status)).inc()
+
+    def set_budget_remaining(self, key_id: str, key_name: str, remaining: int) -> None:
+        if self.budget_remaining is not None:
+            self.budget_remaining.labels(key_id, key_name).set(remaining)
+
+    # -- exposition ---------------------------------------------------------------
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) for GET /metrics."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
