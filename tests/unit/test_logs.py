@@ -1,0 +1,60 @@
+"""One JSON line per request; request ids accepted or generated."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from stoker.observe.logs import RequestIdMiddleware, RequestLogger, RequestLogRecord, request_id_from
+
+
+def test_one_json_line_with_the_fields():
+    stream = io.StringIO()
+    logger = logging.getLogger("test.requests.one")
+    handler = logging.StreamHandler(stream)
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    RequestLogger(logger=logger).log(RequestLogRecord(
+        request_id="r1", status=200, model="m", key_id="k1", key_name="alice", prompt_tokens=10, cached_tokens=4,
+        completion_tokens=5, queue_time=0.01, ttft=0.123456789, latency=0.5, finish_reason="stop"))
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 1
+    line = json.loads(lines[0])
+    assert line["request_id"] == "r1" and line["key_name"] == "alice" and line["cached_tokens"] == 4
+    assert line["ttft"] == 0.123457 and "error" not in line and line["event"] == "request"
+
+
+def test_default_logger_writes_raw_json_to_its_stream():
+    stream = io.StringIO()
+    logging.getLogger("stoker.requests").handlers.clear()
+    RequestLogger(stream=stream).log(RequestLogRecord(request_id="r2", status=429, error="rate_limit_exceeded"))
+    assert json.loads(stream.getvalue())["error"] == "rate_limit_exceeded"
+    logging.getLogger("stoker.requests").handlers.clear()
+
+
+def test_request_id_accepted_when_safe():
+    assert request_id_from("abc-123.x:y") == "abc-123.x:y"
+    assert request_id_from(None).startswith("req-")
+    assert request_id_from("bad id\nwith newline").startswith("req-")
+    assert request_id_from("x" * 200).startswith("req-")
+
+
+def test_middleware_returns_the_id_and_exposes_it():
+    app = FastAPI()
+
+    @app.get("/x")
+    async def x(request: __import__("fastapi").Request) -> dict:
+        return {"rid": request.state.request_id}
+
+    app.add_middleware(RequestIdMiddleware)
+    client = TestClient(app)
+    r = client.get("/x", headers={"X-Request-Id": "mine-1"})
+    assert r.headers["x-request-id"] == "mine-1" and r.json()["rid"] == "mine-1"
+    r = client.get("/x")
+    assert r.headers["x-request-id"] == r.json()["rid"] and r.json()["rid"].startswith("req-")
+    assert client.get("/missing").headers["x-request-id"].startswith("req-")
