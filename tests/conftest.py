@@ -9,3 +9,91 @@ import sys
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
+
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+REPO = os.path.dirname(TESTS_DIR)
+FAKE_CORE = "server_fakes:FakeEngineCore"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    """A `stoker serve` child process on 127.0.0.1, stopped by stop() whatever happens."""
+
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(args: list[str], tmp_dir: str, env: dict[str, str] | None = None,
+                 ready_timeout: float = 120) -> ServerProcess:
+    port = free_port()
+    log_path = os.path.join(tmp_dir, f"server-{port}.log")
+    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]), **(env or {})}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "stoker.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+            stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+        )
+    server = ServerProcess(proc, port, log_path)
+    server.wait_ready(ready_timeout)
+    return server
+
+
+@pytest.fixture(scope="session")
+def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server over the fake core, shared by the fast server tests."""
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--max-body-bytes", "65536"],
+        str(tmp_path_factory.mktemp("fake-server")),
+    )
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -38,7 +38,10 @@ class FakeTokenizer:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        def content(c: object) -> str:
+            return c if isinstance(c, str) else "\n".join(p["text"] for p in c)  # type: ignore[union-attr]
+
+        text = "".join(f"<{m['role']}>{content(m.get('content') or '')}\n" for m in messages)
         if add_generation_prompt:
             text += "<assistant>"
         return self.encode(text) if tokenize else text

@@ -1,0 +1,193 @@
+"""The FastAPI app: lifespan (start the engine in the background, so /health
+answers while the model loads), error shapes, body limit, drain."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stoker.config import EngineConfig
+from stoker.engine.client import AsyncEngineClient, EngineStartupError
+from stoker.server.config import ServerConfig
+from stoker.server.protocol import APIError
+from stoker.server.routes import embeddings, health, openai, tokens
+from stoker.server.state import ServerState
+
+logger = logging.getLogger("stoker.server")
+
+# Optional modules of other areas; each may define install(app, state) to add
+# hooks, routes (/metrics) and exception handlers. Missing ones are skipped.
+EXTENSIONS = ["stoker.control.server", "stoker.observe.server"]
+
+
+class BodyLimitMiddleware:
+    """413 for bodies over the limit, by Content-Length or by counting a chunked body."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope["headers"]:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
+                return await _too_large(self.max_bytes)(scope, receive, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # FastAPI passes HTTPException through as is
+                raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
+            return message
+
+        await self.app(scope, limited, send)
+
+
+def _too_large(limit: int) -> JSONResponse:
+    return JSONResponse(APIError(413, f"request body exceeds {limit} bytes").body(), status_code=413)
+
+
+def _is_type_tag(part: str) -> bool:
+    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or part.startswith("function-")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    # Drop "body" and pydantic's union-member tags (str, list[int], ...) from the path.
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    where = ".".join(loc)
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return (f"{where}: {message}" if where else message), (where or None)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def validation(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        message, param = _validation_message(exc)
+        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, HTTPException)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = APIError(exc.status_code, str(exc.detail), type=kind).body()
+        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=exc)
+        body = APIError(500, "internal server error", type="server_error").body()
+        return JSONResponse(body, status_code=500)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)
+
+
+async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callable[[str], None]) -> None:
+    """Start the engine and the embedding model; announce where we serve."""
+    start = time.monotonic()
+    try:
+        info = await state.engine.start()
+        if state.config.embedding_model:
+            state.embedder = await asyncio.to_thread(_load_embedder, state.config)
+    except (EngineStartupError, OSError, ValueError) as exc:
+        state.startup_error = str(exc)
+        on_fatal(str(exc))
+        return
+    state.served_model_name = engine_config.served_model_name or info.model_config.name
+    state.loaded = True
+    embedding = f", embeddings: {state.embedder.name}" if state.embedder else ""
+    print(
+        f"stoker: serving {state.served_model_name} ({engine_config.model or 'default model'}) on "
+        f"http://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
+        f"context {info.max_model_len}; engine loaded in {info.load_seconds:.1f} s, "
+        f"ready in {time.monotonic() - start:.1f} s",
+        flush=True,
+    )
+
+
+def _load_embedder(config: ServerConfig) -> Any:
+    from stoker.models.embedding import BUNDLED_NAME, EmbeddingBatcher, EmbeddingModel, bundled_model_path
+
+    name = config.embedding_model
+    path = bundled_model_path() if name == BUNDLED_NAME else name
+    return EmbeddingBatcher(EmbeddingModel(path), max_batch=config.embedding_batch_size)
+
+
+async def drain(state: ServerState, timeout: float) -> None:
+    """Refuse new work at once; let in-flight requests finish for up to
+    timeout seconds; then abort the rest (they end with finish_reason "abort")."""
+    state.draining = True
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while state.engine.num_in_flight and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    if state.engine.num_in_flight:
+        logger.warning("drain timeout: aborting %d requests", state.engine.num_in_flight)
+        state.engine.abort_all_soft()
+        grace = loop.time() + 5.0
+        while state.engine.num_in_flight and loop.time() < grace:
+            await asyncio.sleep(0.02)
+
+
+def create_app(
+    config: ServerConfig,
+    engine_config: EngineConfig,
+    engine: AsyncEngineClient | None = None,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    engine = engine or AsyncEngineClient(engine_config, config.engine_core, config.engine_startup_timeout)
+    state = ServerState(config=config, engine=engine)
+
+    def fatal(message: str) -> None:
+        logger.error("startup failed: %s", message)
+        if on_fatal is not None:
+            on_fatal(message)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(load(state, engine_config, fatal))
+        yield
+        loading.cancel()
+        if state.embedder is not None:
+            state.embedder.close()
+        await engine.shutdown()
+
+    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
+    app.state.stoker = state
+    install_error_handlers(app)
+    for router in (health.router, openai.router, embeddings.router, tokens.router):
+        app.include_router(router)
+    for name in EXTENSIONS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        module.install(app, state)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    return app

@@ -1,0 +1,118 @@
+"""`stoker serve`: the OpenAI-compatible server.
+
+Options come from the command line, STOKER_* environment variables and a YAML
+file (--config), in that order of precedence; every EngineConfig and
+ServerConfig field is an option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from types import FrameType
+from typing import Any
+
+from stoker.config import EngineConfig
+from stoker.server.config import ServerConfig, add_model_options, build, load_yaml
+
+logger = logging.getLogger("stoker.server")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description=__doc__,
+    )
+    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
+                        help="GGUF file or Hugging Face folder (same as --model)")
+    parser.add_argument("--config", metavar="YAML", default=None,
+                        help="YAML file of options (keys as the long option names, _ or -); env STOKER_CONFIG")
+    add_model_options(parser, EngineConfig, "engine")
+    add_model_options(parser, ServerConfig, "server", skip=("embedding_model",))
+    parser.add_argument("--embedding-model", dest="embedding_model", metavar="PATH", default=argparse.SUPPRESS,
+                        help="embedding model for /v1/embeddings: all-MiniLM-L6-v2 (bundled, the default) "
+                             "or a sentence-transformers BERT folder; env STOKER_EMBEDDING_MODEL (none disables)")
+    parser.add_argument("--no-embedding-model", dest="embedding_model", action="store_const", const=None,
+                        default=argparse.SUPPRESS, help="serve no embedding model")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def resolve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    import os
+
+    values = load_yaml(getattr(args, "config", None) or os.environ.get("STOKER_CONFIG"))
+    unknown = set(values) - set(EngineConfig.model_fields) - set(ServerConfig.model_fields)
+    if unknown:
+        raise ValueError(f"unknown option(s) in the config file: {', '.join(sorted(unknown))}")
+    if getattr(args, "model_path", None):
+        args.model = args.model_path
+    engine = build(EngineConfig, values, args)
+    server = build(ServerConfig, values, args)
+    assert isinstance(engine, EngineConfig) and isinstance(server, ServerConfig)
+    return engine, server
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        engine_config, server_config = resolve_configs(args)
+    except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"stoker serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(engine_config, server_config)
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    import torch
+    import uvicorn
+
+    from stoker.server.app import create_app, drain
+
+    logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The engine process owns the cores; the front end's torch work (embeddings) stays small.
+    torch.set_num_threads(1)
+
+    class Server(uvicorn.Server):
+        """uvicorn, with SIGTERM/SIGINT starting a drain instead of an immediate stop."""
+
+        exit_code = 0
+        loop: asyncio.AbstractEventLoop | None = None
+        draining = False
+
+        async def serve(self, sockets: Any = None) -> None:
+            self.loop = asyncio.get_running_loop()
+            await super().serve(sockets)
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            # Not recorded in _captured_signals: uvicorn would re-raise it after
+            # the shutdown and the process would not exit 0.
+            if self.draining or self.loop is None:
+                self.should_exit = True
+                self.force_exit = self.draining and sig == signal.SIGINT
+                return
+            self.draining = True
+            logger.info("signal %d: draining (up to %.0f s)", sig, server_config.shutdown_timeout)
+            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+        async def _drain(self) -> None:
+            await drain(app.state.stoker, server_config.shutdown_timeout)
+            self.should_exit = True
+
+    def on_fatal(message: str) -> None:
+        print(f"stoker serve: startup failed: {message}", file=sys.stderr, flush=True)
+        server.exit_code = 1
+        server.should_exit = True
+
+    app = create_app(server_config, engine_config, on_fatal=on_fatal)
+    uv_config = uvicorn.Config(
+        app, host=server_config.host, port=server_config.port, loop="uvloop", http="httptools",
+        log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = Server(uv_config)
+    server.run()
+    return server.exit_code

@@ -1,0 +1,143 @@
+"""ServerConfig, and the one mechanism that turns pydantic config models into
+`stoker serve` options, YAML keys and STOKER_* environment variables.
+
+Precedence: command line > environment > YAML file > defaults. Each field's
+docstring (in the class body) is its --help text, so it is written once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import os
+import textwrap
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+
+
+class ServerConfig(BaseModel):
+    """How the HTTP front end listens, limits and shuts down."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    host: str = "127.0.0.1"
+    """Address to listen on (0.0.0.0 for every interface)."""
+    port: int = Field(8000, ge=0, le=65535)
+    """TCP port to listen on (0: pick a free one)."""
+    embedding_model: str | None = DEFAULT_EMBEDDING_MODEL
+    """Embedding model for /v1/embeddings: the bundled all-MiniLM-L6-v2 or a sentence-transformers folder; none disables."""
+    embedding_batch_size: int = Field(32, ge=1, le=1024)
+    """Most embedding inputs run in one forward pass."""
+    shutdown_timeout: float = Field(30.0, ge=0)
+    """Seconds in-flight requests may take to finish after SIGTERM; past it they end with finish_reason "abort"."""
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    """Largest accepted request body; bigger ones get 413."""
+    engine_startup_timeout: float = Field(900.0, gt=0)
+    """Seconds the engine may take to load and warm up before startup fails."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the server."""
+    engine_core: str = "stoker.engine.core:EngineCore"
+    """module:callable that builds the engine core from an EngineConfig (tests swap in a fake)."""
+
+
+def field_docs(cls: type[BaseModel]) -> dict[str, str]:
+    """Attribute docstrings of a class body, the way pydantic's use_attribute_docstrings reads them."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not (isinstance(klass, type) and issubclass(klass, BaseModel)) or klass is BaseModel:
+            continue
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body  # type: ignore[attr-defined]
+        for node, nxt in zip(body, body[1:]):
+            if (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool]:
+    """(the non-None type, whether None is allowed)."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        rest = [a for a in args if a is not type(None)]
+        return (rest[0] if len(rest) == 1 else str), len(rest) < len(args)
+    return annotation, False
+
+
+def _none_or(convert: Any, nullable: bool) -> Any:
+    def parse(text: str) -> Any:
+        if nullable and text.lower() in ("none", "null", ""):
+            return None
+        return convert(text)
+
+    parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def add_model_options(parser: argparse.ArgumentParser, cls: type[BaseModel], title: str,
+                      skip: tuple[str, ...] = ()) -> None:
+    group = parser.add_argument_group(title)
+    docs = field_docs(cls)
+    for name, info in cls.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        kind, nullable = _base_type(info.annotation)
+        default = info.default
+        help_text = f"{docs.get(name, '')} (default: {default}; env STOKER_{name.upper()})"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is Literal:
+            group.add_argument(flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
+        else:
+            convert = kind if kind in (int, float) else str
+            group.add_argument(flag, type=_none_or(convert, nullable), default=argparse.SUPPRESS,
+                               metavar=name.upper(), help=help_text)
+
+
+def env_values(cls: type[BaseModel], environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """STOKER_<FIELD> variables as raw strings (pydantic converts them; "none" means None)."""
+    environ = dict(os.environ) if environ is None else environ
+    values: dict[str, Any] = {}
+    for name, info in cls.model_fields.items():
+        raw = environ.get(f"STOKER_{name.upper()}")
+        if raw is None:
+            continue
+        _, nullable = _base_type(info.annotation)
+        values[name] = None if nullable and raw.lower() in ("none", "null", "") else raw
+    return values
+
+
+def build(cls: type[BaseModel], yaml_values: dict[str, Any], args: argparse.Namespace,
+          environ: dict[str, str] | None = None) -> BaseModel:
+    """Merge the three sources for the fields cls knows, in precedence order."""
+    values: dict[str, Any] = {k: v for k, v in yaml_values.items() if k in cls.model_fields}
+    values.update(env_values(cls, environ))
+    values.update({k: v for k, v in vars(args).items() if k in cls.model_fields})
+    return cls.model_validate(values)
+
+
+def load_yaml(path: str | None) -> dict[str, Any]:
+    if not path:
+        return {}
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of option names to values")
+    return {str(k).replace("-", "_"): v for k, v in data.items()}

@@ -1,0 +1,89 @@
+"""Where control (keys, limits, admission) and observability plug into the
+request path, without the server knowing what they do.
+
+  before(request)            every /v1/* and tokenizer call, before the body is
+                             used: authenticate, rate-limit. Raise to refuse.
+  admit(request, info)       generation requests after tokenization, when the
+                             prompt size is known and before the engine sees
+                             them: token limits, admission. Raise to refuse. May
+                             set request.state.priority / request.state.deadline.
+  finished(record)           once per generation request, however it ended:
+                             usage ledger, metrics, log line, trace.
+
+Anything raised that has .status and .body() (stoker.control.errors.ControlError,
+stoker.server.protocol.APIError) becomes that HTTP response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from stoker.engine.params import RequestTimes
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AdmissionInfo:
+    endpoint: str
+    """"chat", "completion" or "embedding"."""
+    model: str
+    prompt_tokens: int
+    """Sum over the request's prompts (a completion may carry several)."""
+    max_tokens: int
+    """Upper bound on generated tokens per sample."""
+    n: int
+    stream: bool
+
+
+@dataclass
+class FinishedRecord:
+    request_id: str
+    endpoint: str
+    model: str
+    status: int
+    """HTTP status the client saw (200 for a stream that later failed; see error)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+    times: list[RequestTimes] = field(default_factory=list)
+    """Engine-stamped times per sample (queue, first token, tokens, finish)."""
+    error: str | None = None
+    stream: bool = False
+    started: float = 0.0
+    """time.time() when the server received the request."""
+    http_request: Request | None = None
+    """For request.state set by the before/admit hooks (key id, trace span, ...)."""
+
+
+BeforeHook = Callable[[Request], Awaitable[None]]
+AdmitHook = Callable[[Request, AdmissionInfo], Awaitable[None]]
+FinishedHook = Callable[[FinishedRecord], Any]
+
+
+@dataclass
+class ServerHooks:
+    before: list[BeforeHook] = field(default_factory=list)
+    admit: list[AdmitHook] = field(default_factory=list)
+    finished: list[FinishedHook] = field(default_factory=list)
+
+    async def run_before(self, request: Request) -> None:
+        for hook in self.before:
+            await hook(request)
+
+    async def run_admit(self, request: Request, info: AdmissionInfo) -> None:
+        for hook in self.admit:
+            await hook(request, info)
+
+    def run_finished(self, record: FinishedRecord) -> None:
+        for hook in self.finished:
+            try:
+                hook(record)
+            except Exception:  # a broken metric must never break a response
+                logger.exception("finished hook failed")

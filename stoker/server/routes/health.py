@@ -1,0 +1,46 @@
+"""Liveness, readiness and version: cheap, never behind the engine or auth."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+import stoker
+from stoker.server.state import get_state
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """Live: the process answers. Says nothing about the model."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Ready: model loaded, warm-up done, engine alive, not draining. 503 otherwise.
+    The body tells why, with the engine's latest load snapshot."""
+    state = get_state(request)
+    engine = state.engine
+    body: dict[str, Any] = {
+        "ready": state.ready,
+        "loaded": state.loaded,
+        "draining": state.draining,
+        "engine_alive": engine.ready,
+        "engine_restarts": engine.restart_count,
+        "engine_pid": engine.info.pid if engine.info and engine.ready else None,
+        "in_flight": engine.num_in_flight,
+        "engine_stats": dataclasses.asdict(engine.stats()),
+    }
+    if state.startup_error:
+        body["error"] = state.startup_error
+    return JSONResponse(body, status_code=200 if state.ready else 503)
+
+
+@router.get("/version")
+async def version() -> dict[str, str]:
+    return {"version": getattr(stoker, "__version__", "0.1.0")}

@@ -1,0 +1,247 @@
+"""/v1/chat/completions and /v1/completions in OpenAI's request and response shapes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from stoker.engine.client import EngineUnavailableError
+from stoker.engine.params import CompletionOutput, EngineCoreOutput, SamplingParams, TokenLogprob
+from stoker.server.hooks import AdmissionInfo
+from stoker.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    bad_request,
+    flatten_prompts,
+)
+from stoker.server.serving import ClientDisconnected, EngineStreamingResponse, Job, engine_error, run_job, sse, until_disconnect
+from stoker.server.state import ServerState, get_state, run_before_hooks
+
+router = APIRouter(dependencies=[Depends(run_before_hooks)])
+CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
+
+
+def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    try:
+        return SamplingParams(
+            n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+            seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
+
+
+def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: int | None) -> int:
+    """The per-sample token budget; 400 naming the numbers when it cannot fit the context."""
+    limit = state.engine.max_model_len
+    vocab = state.engine.info.model_config.vocab_size if state.engine.info else None
+    longest = 0
+    for ids in prompts:
+        if not ids:
+            raise bad_request("the prompt is empty", param="prompt")
+        if vocab is not None and any(not 0 <= t < vocab for t in ids):
+            raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+        longest = max(longest, len(ids))
+    if requested is None:
+        if longest >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens, but the prompt has {longest} tokens "
+                "and leaves no room for a completion.", param="messages", code="context_length_exceeded")
+        return limit - longest
+    if longest + requested > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
+            "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+    return requested
+
+
+async def run(request: Request, state: ServerState, job: Job, stream: bool, include_usage: bool,
+              render_delta: Any, render_final: Any, obj: str) -> Response:
+    await state.hooks.run_admit(request, AdmissionInfo(
+        job.endpoint, job.model, sum(map(len, job.prompts)), job.params.max_tokens or 0, job.params.n, stream))
+    job.priority = getattr(request.state, "priority", job.priority)
+    job.deadline = getattr(request.state, "deadline", job.deadline)
+    events = run_job(state.engine, job)
+    try:
+        # Wait for the first delta before committing to a status, so early
+        # failures (engine down, request rejected) are real HTTP errors.
+        first = await until_disconnect(request, events.__anext__())
+        if not stream:
+            async def rest() -> None:
+                async for _ in events:
+                    pass
+            await until_disconnect(request, rest())
+    except ClientDisconnected:
+        state.hooks.run_finished(job.record(CLIENT_CLOSED, "client disconnected", stream, request))
+        return Response(status_code=CLIENT_CLOSED)
+    except (EngineUnavailableError, ValueError) as exc:
+        await events.aclose()
+        error = engine_error(exc)
+        state.hooks.run_finished(job.record(error.status, error.message, stream, request))
+        raise error from None
+    if not stream:
+        state.hooks.run_finished(job.record(200, None, False, request))
+        return JSONResponse(render_final(job))
+    prefix = "chatcmpl" if job.endpoint == "chat" else "cmpl"
+    head = {"id": f"{prefix}-{job.request_id}", "object": obj, "created": job.created, "model": job.model}
+    outcome: dict[str, Any] = {"status": 200, "error": None}
+
+    async def body() -> AsyncIterator[str]:
+        try:
+            for chunk in render_delta(job, *first, head):
+                yield sse(chunk)
+            async for prompt_index, delta in events:
+                for chunk in render_delta(job, prompt_index, delta, head):
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": job.usage()})
+        except EngineUnavailableError as exc:
+            outcome["error"] = str(exc)
+            yield sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None,
+                                 "code": "engine_unavailable"}})
+        finally:
+            await events.aclose()
+        yield "data: [DONE]\n\n"
+
+    def on_close() -> None:
+        if not all(o.finished for o in job.outputs) and outcome["error"] is None:
+            outcome.update(status=CLIENT_CLOSED, error="client disconnected")
+        state.hooks.run_finished(job.record(outcome["status"], outcome["error"], True, request))
+
+    return EngineStreamingResponse(body(), on_close=on_close)
+
+
+# ---- chat ------------------------------------------------------------------
+
+
+def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    if items is None:
+        return None
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = state.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [
+        {**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items
+    ]}
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    model = state.check_model(body.model)
+    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    try:
+        ids = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise bad_request(str(exc), param="messages") from None
+    max_tokens = resolve_max_tokens(state, [ids], body.max_completion_tokens or body.max_tokens)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    job = Job("chat", model, [ids], sampling_params(body, max_tokens, logprobs), [None])
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    sent_role: set[int] = set()
+
+    def render_delta(job: Job, _p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
+        delta: dict[str, Any] = {"content": d.new_text} if d.new_text or d.finished else {}
+        if d.index not in sent_role:
+            sent_role.add(d.index)
+            delta = {"role": "assistant", "content": d.new_text}
+        if not delta and not d.new_logprobs:
+            return []
+        choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state, d.new_logprobs),
+                  "finish_reason": d.finish_reason.value if d.finish_reason else None}
+        return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
+
+    def render_final(job: Job) -> dict[str, Any]:
+        choices = [
+            {"index": c.index, "message": {"role": "assistant", "content": c.text},
+             "logprobs": chat_logprobs(state, c.logprobs), "finish_reason": _reason(c)}
+            for c in job.outputs[0].outputs
+        ]
+        return {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion", "created": job.created,
+                "model": job.model, "choices": choices, "usage": job.usage()}
+
+    return await run(request, state, job, body.stream, include_usage, render_delta, render_final,
+                     "chat.completion.chunk" if body.stream else "chat.completion")
+
+
+def _reason(c: CompletionOutput) -> str | None:
+    return c.finish_reason.value if c.finish_reason else None
+
+
+# ---- completions -----------------------------------------------------------
+
+
+def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+    if items is None:
+        return None
+    tokens = [state.token_text(i.token_id) for i in items]
+    offsets = []
+    for token in tokens:
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
+            "top_logprobs": [{state.token_text(t): lp for t, lp in i.top} for i in items], "text_offset": offsets}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    model = state.check_model(body.model)
+    tokenizer = state.engine.tokenizer
+    prompts: list[list[int]] = []
+    texts: list[str | None] = []
+    for prompt in flatten_prompts(body.prompt):
+        if isinstance(prompt, str):
+            prompts.append(tokenizer.encode(prompt))
+            texts.append(prompt)
+        else:
+            prompts.append(list(prompt))
+            texts.append(None)
+    max_tokens = resolve_max_tokens(state, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
+    if body.echo:
+        texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+    job = Job("completion", model, prompts, sampling_params(body, max_tokens, body.logprobs), texts)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    echoed: set[int] = set()
+    text_len: dict[int, int] = {}
+
+    def render_delta(job: Job, p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
+        index = job.choice_index(p, d.index)
+        text = d.new_text
+        if body.echo and index not in echoed:
+            echoed.add(index)
+            text = (job.prompt_texts[p] or "") + text
+        offset = text_len.get(index, 0)
+        text_len[index] = offset + len(text)
+        choice = {"index": index, "text": text, "logprobs": completion_logprobs(state, d.new_logprobs, offset),
+                  "finish_reason": d.finish_reason.value if d.finish_reason else None}
+        return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
+
+    def render_final(job: Job) -> dict[str, Any]:
+        choices = []
+        for p, out in enumerate(job.outputs):
+            prefix = (job.prompt_texts[p] or "") if body.echo else ""
+            for c in out.outputs:
+                choices.append({"index": job.choice_index(p, c.index), "text": prefix + c.text,
+                                "logprobs": completion_logprobs(state, c.logprobs, 0), "finish_reason": _reason(c)})
+        return {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": job.created,
+                "model": job.model, "choices": choices, "usage": job.usage()}
+
+    return await run(request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion")
+
+
+__all__ = ["router", "APIError"]

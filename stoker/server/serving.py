@@ -1,0 +1,194 @@
+"""Running one HTTP generation request through the engine: fan-out over its
+prompts, disconnect detection, SSE framing, usage. Endpoint-specific shapes
+live in routes/openai.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from stoker.engine.client import AsyncEngineClient, EngineUnavailableError, RequestRejectedError
+from stoker.engine.params import (
+    CompletionOutput,
+    EngineCoreOutput,
+    EngineCoreRequest,
+    RequestOutput,
+    SamplingParams,
+)
+from stoker.server.hooks import FinishedRecord
+from stoker.server.protocol import APIError, bad_request, unavailable
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+@dataclass
+class Job:
+    """One HTTP generation request: one engine request per prompt, n samples each."""
+
+    endpoint: str
+    model: str
+    prompts: list[list[int]]
+    params: SamplingParams
+    prompt_texts: list[str | None]
+    priority: int = 0
+    deadline: float | None = None
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.time)
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = self.params.n
+        self.outputs = [
+            RequestOutput(f"{self.request_id}-{i}", text, ids, [CompletionOutput(index=k) for k in range(n)])
+            for i, (ids, text) in enumerate(zip(self.prompts, self.prompt_texts))
+        ]
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.params.n + sample_index
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
+        cached = sum(o.num_cached_tokens for o in self.outputs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+
+    def record(self, status: int, error: str | None, stream: bool, request: Request) -> FinishedRecord:
+        usage = self.usage()
+        samples = [c for o in self.outputs for c in o.outputs]
+        return FinishedRecord(
+            request_id=self.request_id, endpoint=self.endpoint, model=self.model, status=status,
+            prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+            cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
+            finish_reasons=[c.finish_reason.value for c in samples if c.finish_reason is not None],
+            times=[c.times for c in samples if c.times is not None],
+            error=error, stream=stream, started=self.started, http_request=request,
+        )
+
+
+async def run_job(engine: AsyncEngineClient, job: Job) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+    """Yield (prompt index, delta) for every prompt of the job, folding each
+    delta into job.outputs. Several prompts run concurrently in the engine."""
+    requests = [
+        EngineCoreRequest(o.request_id, o.prompt_token_ids, job.params, job.started, job.priority, job.deadline)
+        for o in job.outputs
+    ]
+    if len(requests) == 1:
+        async for delta in engine.generate(requests[0]):
+            job.outputs[0].apply(delta)
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, EngineCoreOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, req: EngineCoreRequest) -> None:
+        try:
+            async for delta in engine.generate(req):
+                queue.put_nowait((i, delta))
+            queue.put_nowait(None)
+        except Exception as exc:
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                job.outputs[item[0]].apply(item[1])
+                yield item
+    finally:
+        for task in tasks:  # cancelling a pump closes its engine stream, which aborts it
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(exc: Exception) -> APIError:
+    """Map engine-side failures to HTTP errors (before any header is sent)."""
+    if isinstance(exc, RequestRejectedError):
+        return bad_request(str(exc))
+    if isinstance(exc, EngineUnavailableError):
+        return unavailable(str(exc))
+    raise exc
+
+
+async def wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be a disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
+    """Await while watching the client; if it leaves, cancel the work (which aborts
+    the engine requests) and raise ClientDisconnected."""
+    work = asyncio.ensure_future(awaitable)
+    watch = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    raise ClientDisconnected()
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that always watches for the client leaving (whatever
+    the ASGI spec version) and always closes its body iterator, so the engine
+    request is aborted within a step of the disconnect."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream() -> None:
+            with contextlib.suppress(OSError):
+                await self.stream_response(send)
+
+        streaming = asyncio.ensure_future(stream())
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (streaming, listening):
+                task.cancel()
+            await asyncio.gather(streaming, listening, return_exceptions=True)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+            if self._on_close is not None:
+                self._on_close()
