@@ -1,0 +1,118 @@
+"""FastAPI dependencies for authentication: `Authorization: Bearer <key>`.
+
+    @router.post("/v1/chat/completions")
+    async def chat(..., key: ApiKey | None = Depends(require_key)): ...
+
+They find the ControlPlane at request.app.state.control. Every failure is a
+ControlError in OpenAI's error shape (install stoker.control.errors.
+install_error_handler on the app): 401 for a missing, malformed, unknown,
+wrong, revoked or expired key; 403 for a key without the needed scope (and,
+at admission, for a model the key may not use). In open mode (no key
+exists) inference routes pass with key None, but the admin API stays shut:
+otherwise anyone could mint the first admin key of an open server.
+"""
+
+from __future__ import annotations
+
+import time
+
+from fastapi import Request
+from starlette.concurrency import run_in_threadpool
+
+from stoker.control.errors import ControlError
+from stoker.control.keys import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey, AuthOutcome, check_secret, parse_key_id
+from stoker.control.plane import ControlPlane
+from stoker.observe.logs import request_id_from
+
+_MESSAGES = {
+    AuthOutcome.MALFORMED: ("Incorrect API key provided.", "invalid_api_key"),
+    AuthOutcome.UNKNOWN: ("Incorrect API key provided.", "invalid_api_key"),
+    AuthOutcome.WRONG_SECRET: ("Incorrect API key provided.", "invalid_api_key"),
+    AuthOutcome.REVOKED: ("This API key has been revoked.", "api_key_revoked"),
+    AuthOutcome.EXPIRED: ("This API key has expired.", "api_key_expired"),
+}
+
+
+def get_plane(request: Request) -> ControlPlane:
+    plane = getattr(request.app.state, "control", None)
+    if plane is None:
+        raise RuntimeError("app.state.control is not set: create a ControlPlane in the app's lifespan")
+    return plane
+
+
+def request_id_of(request: Request) -> str:
+    """The id set by RequestIdMiddleware, else the client's header, else a new one (remembered)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request_id_from(request.headers.get("x-request-id"))
+        request.state.request_id = rid
+    return rid
+
+
+def _fail(request: Request, plane: ControlPlane, status: int, message: str, code: str, reason: str,
+          type: str = "invalid_request_error", key: ApiKey | None = None) -> ControlError:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    exc = ControlError(status, message, type, code=code, headers=headers, reason=reason)
+    plane.metrics.auth_failures.labels(reason).inc()
+    plane.metrics.observe_error(status)
+    plane.gate.refused(exc, request_id=request_id_of(request), key=key, method=request.method,
+                       path=request.url.path, headers=dict(request.headers))
+    return exc
+
+
+async def authenticate(request: Request, scope: str = SCOPE_INFERENCE) -> ApiKey | None:
+    """The caller's key, None in open mode, or raise ControlError (401/403)."""
+    plane = get_plane(request)
+    if not plane.auth_enabled():
+        request.state.api_key = None
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if not header:
+        raise _fail(request, plane, 401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+                    "missing_api_key", "missing")
+    if scheme.lower() != "bearer" or not token:
+        raise _fail(request, plane, 401, "Malformed Authorization header; expected 'Bearer <key>'.",
+                    "invalid_api_key", "malformed")
+    key_id = parse_key_id(token)
+    if key_id is None:
+        outcome, key = AuthOutcome.MALFORMED, None
+    else:
+        hit, cached = plane.keys.cached(key_id, time.monotonic())
+        # A cache miss queries the database: do it off the event loop.
+        found = cached if hit else await run_in_threadpool(plane.keys.lookup, key_id)
+        outcome, key = check_secret(found, token)
+    if outcome is not AuthOutcome.OK:
+        message, code = _MESSAGES[outcome]
+        raise _fail(request, plane, 401, message, code, outcome.value)
+    assert key is not None
+    if not key.has_scope(scope):
+        raise _fail(request, plane, 403, f"This API key lacks the '{scope}' permission.", "insufficient_permissions",
+                    "scope", type="permission_error", key=key)
+    request.state.api_key = key
+    return key
+
+
+async def require_key(request: Request) -> ApiKey | None:
+    """Dependency for inference routes."""
+    return await authenticate(request, SCOPE_INFERENCE)
+
+
+async def require_admin(request: Request) -> ApiKey:
+    """Dependency for /admin routes: an admin key, even in open mode."""
+    plane = get_plane(request)
+    if not plane.auth_enabled():
+        raise _fail(request, plane, 403, "The admin API needs an admin key; create one with "
+                    "`stoker keys create --name NAME --admin` (this also switches authentication on).",
+                    "insufficient_permissions", "open_mode", type="permission_error")
+    key = await authenticate(request, SCOPE_ADMIN)
+    assert key is not None
+    return key
+
+
+async def require_metrics_access(request: Request) -> ApiKey | None:
+    """Dependency for GET /metrics: a key only when metrics_require_auth is set."""
+    if not get_plane(request).settings.metrics_require_auth:
+        return None
+    return await authenticate(request, SCOPE_INFERENCE)

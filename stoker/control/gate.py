@@ -1,0 +1,286 @@
+"""RequestGate: the request path through the control layer in two calls.
+
+    adm = await gate.admit(...)   # model allowed? budget? rate limits? capacity?
+    ...  run the request in the engine with adm.priority / adm.deadline ...
+    gate.finish(adm, ...)         # reconcile limits, ledger row, metrics, log line, trace
+
+Order of checks at admission: the key's own quota first (403 model, 429
+budget, 429 rate/concurrency), capacity last (503), so a client over its
+quota is told so even when the server is busy, and a capacity refusal
+refunds what the rate limiter had taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from stoker.control.admission import AdmissionController, Ticket
+from stoker.control.errors import ControlError
+from stoker.control.keys import ApiKey
+from stoker.control.ledger import UsageLedger, UsageRecord, period_end
+from stoker.control.limits import Lease, RateLimiter
+from stoker.engine.params import RequestTimes
+from stoker.observe.logs import RequestLogger, RequestLogRecord
+from stoker.observe.metrics import Metrics
+from stoker.observe.tracing import RequestTracer
+
+
+@dataclass
+class Admission:
+    request_id: str
+    key: ApiKey | None
+    model: str
+    priority: int
+    deadline: float | None
+    prompt_tokens: int
+    estimated_tokens: int
+    arrival: float
+    admitted_at: float
+    lease: Lease
+    ticket: Ticket
+    trace_headers: dict[str, str] = field(default_factory=dict)
+    done: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """x-ratelimit-* headers to put on the response."""
+        return self.lease.headers
+
+
+class RequestGate:
+    def __init__(
+        self,
+        limiter: RateLimiter,
+        admission: AdmissionController,
+        ledger: UsageLedger | None = None,
+        metrics: Metrics | None = None,
+        request_log: RequestLogger | None = None,
+        tracer: RequestTracer | None = None,
+    ) -> None:
+        self.limiter = limiter
+        self.admission = admission
+        self.ledger = ledger
+        self.metrics = metrics
+        self.request_log = request_log
+        self.tracer = tracer
+        self._reserved: dict[str, int] = {}  # key id -> estimated tokens of its in-flight requests
+        self._exhausted: dict[str, float] = {}  # key id -> end of the period it ran out in
+        self.in_flight = 0
+
+    # -- admission ---------------------------------------------------------------
+
+    async def admit(
+        self,
+        *,
+        request_id: str,
+        key: ApiKey | None,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        priority: int = 0,
+        deadline: float | None = None,
+        n: int = 1,
+        arrival: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> Admission:
+        """Admit or raise ControlError (403/429/503); a refusal is counted,
+        logged and traced here. priority/deadline come from stoker.control.policy."""
+        arrival = arrival if arrival is not None else time.time()
+        trace_headers = {k: v for k, v in (headers or {}).items() if k.lower() in ("traceparent", "tracestate")}
+        estimate = prompt_tokens + max_tokens * max(1, n)
+        try:
+            if key is not None:
+                if not key.allows_model(model):
+                    raise ControlError(403, f"This API key may not use the model '{model}'.", "permission_error",
+                                       code="model_not_allowed", param="model", reason="model")
+                await self._check_budget(key, arrival)
+            lease = self.limiter.acquire(key, estimate)
+            try:
+                ticket = self.admission.admit(prompt_tokens, priority)
+            except ControlError:
+                self.limiter.release(lease, None)
+                raise
+        except ControlError as exc:
+            self._count_refusal(exc)
+            self.refused(exc, request_id=request_id, key=key, model=model, arrival=arrival,
+                         headers=trace_headers, prompt_tokens=prompt_tokens, priority=priority)
+            raise
+        if key is not None:
+            self._reserved[key.id] = self._reserved.get(key.id, 0) + estimate
+        self.in_flight += 1
+        if self.metrics:
+            self.metrics.in_flight.set(self.in_flight)
+            q = self.admission.queue()
+            self.metrics.queued_requests.set(q.requests)
+            self.metrics.queued_tokens.set(q.tokens)
+        return Admission(request_id, key, model, priority, deadline, prompt_tokens, estimate,
+                         arrival, time.time(), lease, ticket, trace_headers)
+
+    async def _check_budget(self, key: ApiKey, now: float) -> None:
+        if key.budget_tokens is None or self.ledger is None:
+            return
+        used = self.ledger.used_cached(key.id, key.budget_period, now)
+        if used is None:
+            # First check this period: one query, off the event loop.
+            used = await asyncio.to_thread(self.ledger.used, key.id, key.budget_period, now)
+        reserved = self._reserved.get(key.id, 0)
+        remaining = key.budget_tokens - used
+        if self.metrics:
+            self.metrics.set_budget_remaining(key.id, key.name, max(0, remaining))
+        if used + reserved >= key.budget_tokens:
+            end = period_end(key.budget_period, now)
+            self._exhausted[key.id] = end
+            self._update_exhausted(now)
+            raise ControlError(
+                429,
+                f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
+                f"({used} used, {reserved} reserved by requests in flight).",
+                "insufficient_quota", code="insufficient_quota", reason="budget",
+                # Waiting for in-flight requests may free reserved tokens; otherwise the period must end.
+                retry_after=(1 if used < key.budget_tokens else end - now),
+            )
+
+    def _update_exhausted(self, now: float) -> None:
+        for key_id, end in list(self._exhausted.items()):
+            if end <= now:
+                del self._exhausted[key_id]
+        if self.metrics:
+            self.metrics.budget_exhausted_keys.set(len(self._exhausted))
+
+    def _count_refusal(self, exc: ControlError) -> None:
+        if self.metrics is None:
+            return
+        if exc.status == 503:
+            self.metrics.admission_rejections.labels(exc.reason).inc()
+        elif exc.status == 429:
+            self.metrics.rate_limit_rejections.labels(exc.reason).inc()
+        elif exc.status in (401, 403):
+            self.metrics.auth_failures.labels(exc.reason).inc()
+        self.metrics.observe_error(exc.status)
+
+    # -- the end of a request ----------------------------------------------------
+
+    def finish(
+        self,
+        adm: Admission,
+        *,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+        prompt_tokens: int | None = None,
+        finish_reason: str | None = None,
+        status: int = 200,
+        times: RequestTimes | None = None,
+        error: str | None = None,
+        stream: bool | None = None,
+        method: str | None = None,
+        path: str | None = None,
+        submitted: bool = True,
+    ) -> None:
+        """Call exactly once per admission, in a finally block, whatever
+        happened (success, error, disconnect, drain); a second call is ignored.
+
+        completion_tokens: tokens generated so far (all n samples), also when cut off.
+        times: the engine's stamps from the finished output, if it got that far.
+        submitted: False if the request failed before reaching the engine."""
+        if adm.done:
+            return
+        adm.done = True
+        now = time.time()
+        prompt = adm.prompt_tokens if prompt_tokens is None else prompt_tokens
+        # Metered unless it never reached the engine or was dropped while still
+        # waiting (e.g. at its deadline): then it used no compute.
+        never_scheduled = times is not None and times.scheduled is None and completion_tokens == 0
+        ran = submitted and not never_scheduled
+        # A request that used nothing is refunded entirely, the request itself included.
+        self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
+        if adm.key is not None:
+            left = self._reserved.get(adm.key.id, 0) - adm.estimated_tokens
+            if left > 0:
+                self._reserved[adm.key.id] = left
+            else:
+                self._reserved.pop(adm.key.id, None)
+        self.admission.mark_visible(adm.ticket)
+        if ran:
+            self.admission.record_finished(prompt, now)
+        self.in_flight -= 1
+        if self.ledger is not None:
+            self.ledger.record(UsageRecord(
+                request_id=adm.request_id, key_id=adm.key.id if adm.key else None, model=adm.model,
+                prompt_tokens=prompt if ran else 0, cached_tokens=cached_tokens, completion_tokens=completion_tokens,
+                status=status, finish_reason=finish_reason, queue_time=_queue_time(times), ttft=_ttft(times),
+                latency=now - adm.arrival, created_at=now,
+            ))
+        if self.metrics is not None:
+            self._finish_metrics(adm, times, prompt, completion_tokens, finish_reason, status, error, ran)
+        if self.request_log is not None:
+            self.request_log.log(RequestLogRecord(
+                request_id=adm.request_id, status=status, model=adm.model,
+                key_id=adm.key.id if adm.key else None, key_name=adm.key.name if adm.key else None,
+                method=method, path=path, prompt_tokens=prompt, cached_tokens=cached_tokens,
+                completion_tokens=completion_tokens, queue_time=_queue_time(times), ttft=_ttft(times),
+                latency=now - adm.arrival, finish_reason=finish_reason, priority=adm.priority,
+                stream=stream, error=error,
+            ))
+        if self.tracer is not None and self.tracer.enabled:
+            self.tracer.record(
+                request_id=adm.request_id, headers=adm.trace_headers, start=adm.arrival, end=now,
+                admitted_at=adm.admitted_at, times=times, error=error if status >= 400 or error else None,
+                attributes=_trace_attrs(adm.model, adm.key, prompt, completion_tokens, cached_tokens,
+                                        finish_reason, status, adm.priority),
+            )
+
+    def _finish_metrics(self, adm: Admission, times: RequestTimes | None, prompt: int, completion: int,
+                        finish_reason: str | None, status: int, error: str | None, ran: bool) -> None:
+        m = self.metrics
+        assert m is not None
+        m.in_flight.set(self.in_flight)
+        if error == "deadline":
+            m.deadline_drops.labels("queue" if times is None or times.first_token is None else "running").inc()
+        if ran and status < 400:
+            m.observe_finished(times, prompt, completion, finish_reason)
+        else:
+            m.observe_error(status)
+        if adm.key is not None and adm.key.budget_tokens is not None and self.ledger is not None:
+            used = self.ledger.used_cached(adm.key.id, adm.key.budget_period)
+            if used is not None:
+                m.set_budget_remaining(adm.key.id, adm.key.name, max(0, adm.key.budget_tokens - used))
+
+    def refused(self, exc: ControlError, *, request_id: str, key: ApiKey | None = None, model: str | None = None,
+                arrival: float | None = None, headers: Mapping[str, str] | None = None,
+                prompt_tokens: int | None = None, priority: int | None = None,
+                method: str | None = None, path: str | None = None) -> None:
+        """Log and trace a request refused before it was admitted."""
+        now = time.time()
+        arrival = arrival if arrival is not None else now
+        if self.request_log is not None:
+            self.request_log.log(RequestLogRecord(
+                request_id=request_id, status=exc.status, model=model, key_id=key.id if key else None,
+                key_name=key.name if key else None, method=method, path=path, prompt_tokens=prompt_tokens,
+                latency=now - arrival, priority=priority, error=exc.code or exc.type,
+            ), reason=exc.reason)
+        if self.tracer is not None and self.tracer.enabled:
+            self.tracer.record(request_id=request_id, headers=headers, start=arrival, end=now, error=exc.code or exc.type,
+                               attributes=_trace_attrs(model, key, prompt_tokens, None, None, None, exc.status, priority))
+
+
+def _queue_time(times: RequestTimes | None) -> float | None:
+    return times.scheduled - times.arrival if times and times.scheduled is not None else None
+
+
+def _ttft(times: RequestTimes | None) -> float | None:
+    return times.first_token - times.arrival if times and times.first_token is not None else None
+
+
+def _trace_attrs(model: str | None, key: ApiKey | None, prompt: int | None, completion: int | None,
+                 cached: int | None, finish_reason: str | None, status: int, priority: int | None) -> dict:
+    # gen_ai.* follow OpenTelemetry's GenAI semantic conventions.
+    return {
+        "gen_ai.system": "stoker", "gen_ai.request.model": model, "gen_ai.usage.input_tokens": prompt,
+        "gen_ai.usage.output_tokens": completion, "stoker.cached_tokens": cached,
+        "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
+        "http.response.status_code": status, "stoker.key_id": key.id if key else None,
+        "stoker.priority": priority,
+    }

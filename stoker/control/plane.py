@@ -1,0 +1,215 @@
+"""ControlPlane: every control and observability part, built from one
+settings object, with the lifecycle the server's lifespan needs.
+
+    plane = ControlPlane.open(ControlSettings(db=..., require_auth=...))
+    app.state.control = plane          # auth dependencies and admin routes find it here
+    ...
+    plane.close()                      # at shutdown: flushes the usage ledger
+
+Open mode: when the database holds no active key (and --require-auth is not
+given) the server accepts unauthenticated requests and says so loudly. The
+first key created (CLI or admin API) switches authentication on within
+`key_cache_ttl` seconds, without a restart; revoking every key later never
+switches it off again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from stoker.control.admission import AdmissionController
+from stoker.control.db import default_db_url, open_db
+from stoker.control.gate import Admission, RequestGate
+from stoker.control.keys import ApiKey, KeyStore
+from stoker.control.ledger import UsageLedger
+from stoker.control.limits import RateLimiter
+from stoker.control.policy import DEADLINE_HEADER, resolve_deadline, resolve_priority
+from stoker.engine.params import EngineStats
+from stoker.observe.logs import RequestLogger
+from stoker.observe.metrics import Metrics
+from stoker.observe.tracing import RequestTracer
+
+log = logging.getLogger("stoker.control")
+
+
+@dataclass
+class ControlSettings:
+    db: str | None = None
+    """SQLite file path or SQLAlchemy URL; None: $STOKER_DB or ~/.stoker/stoker.db."""
+    require_auth: bool = False
+    """Refuse to start without at least one active key."""
+    metrics_require_auth: bool = False
+    """Require a key (any scope) for GET /metrics."""
+    max_queued_requests: int = 256
+    """Admission bound on waiting requests (engine waiting + in transit); beyond it 503."""
+    max_queued_tokens: int = 65_536
+    """Admission bound on waiting prompt tokens; beyond it 503."""
+    batch_queue_share: float = 0.8
+    """Share of the queue bounds batch-priority requests may fill."""
+    max_queue_wait: float | None = 300.0
+    """Cap (seconds) on a client's deadline (x-stoker-deadline-ms / timeout)."""
+    model_name: str = "model"
+    """model_name label of the vllm: metrics."""
+    metrics_per_key: bool = False
+    """Export per-key series (budget remaining); off to keep cardinality bounded."""
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP endpoint (e.g. http://collector:4318); tracing is off without it."""
+    ledger_flush_interval: float = 1.0
+    key_cache_ttl: float = 5.0
+
+
+class AuthRequiredButNoKeys(RuntimeError):
+    pass
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        settings: ControlSettings,
+        keys: KeyStore,
+        ledger: UsageLedger,
+        metrics: Metrics,
+        tracer: RequestTracer,
+        request_log: RequestLogger,
+    ) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.ledger = ledger
+        self.metrics = metrics
+        self.tracer = tracer
+        self.request_log = request_log
+        self.limiter = RateLimiter()
+        self.admission = AdmissionController(
+            max_queued_requests=settings.max_queued_requests,
+            max_queued_tokens=settings.max_queued_tokens,
+            batch_share=settings.batch_queue_share,
+        )
+        self.gate = RequestGate(self.limiter, self.admission, ledger, metrics, request_log, tracer)
+        self._auth_on = settings.require_auth
+        self._auth_checked = 0.0
+        metrics.ledger_pending.set_function(lambda: ledger.pending)
+
+    @classmethod
+    def open(cls, settings: ControlSettings | None = None, tracer: RequestTracer | None = None,
+             request_log: RequestLogger | None = None) -> ControlPlane:
+        """Open the database (migrating it), start the ledger writer, check the auth mode.
+        Raises AuthRequiredButNoKeys when require_auth is set and no key exists."""
+        settings = settings or ControlSettings()
+        engine = open_db(settings.db)
+        keys = KeyStore(engine, cache_ttl=settings.key_cache_ttl)
+        ledger = UsageLedger(engine, flush_interval=settings.ledger_flush_interval)
+        plane = cls(settings, keys, ledger, Metrics(settings.model_name, settings.metrics_per_key),
+                    tracer or RequestTracer(settings.otlp_endpoint), request_log or RequestLogger())
+        active = keys.count_active()
+        if settings.require_auth and active == 0:
+            engine.dispose()
+            raise AuthRequiredButNoKeys(
+                f"--require-auth is set but the key database ({settings.db or default_db_url()}) has no active key; "
+                "create one with `stoker keys create --name NAME`"
+            )
+        plane._auth_on = settings.require_auth or active > 0
+        plane._auth_checked = time.monotonic()
+        if not plane._auth_on:
+            log.warning("=" * 72)
+            log.warning("NO API KEYS: stoker is running OPEN; anyone who can reach it can use it.")
+            log.warning("Create a key with `stoker keys create --name NAME` (auth switches on by itself)")
+            log.warning("or start with --require-auth to refuse to run without keys.")
+            log.warning("=" * 72)
+        ledger.start()
+        return plane
+
+    # -- auth mode ------------------------------------------------------------------
+
+    def auth_enabled(self) -> bool:
+        """True once any key exists (a one-way latch); re-checked at most every key_cache_ttl."""
+        if self._auth_on:
+            return True
+        now = time.monotonic()
+        if now - self._auth_checked >= self.settings.key_cache_ttl:
+            self._auth_checked = now
+            if self.keys.count_active() > 0:
+                self._auth_on = True
+                log.warning("an API key now exists: authentication is on")
+        return self._auth_on
+
+    def enable_auth(self) -> None:
+        self._auth_on = True
+
+    # -- request path ---------------------------------------------------------------
+
+    async def admit_http(
+        self,
+        request: Any,
+        key: ApiKey | None,
+        *,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        n: int = 1,
+        priority: int | str | None = None,
+        timeout: float | None = None,
+        arrival: float | None = None,
+    ) -> Admission:
+        """gate.admit for an HTTP request: resolves the request id (request.state.request_id,
+        set by RequestIdMiddleware), priority (body field), deadline (x-stoker-deadline-ms
+        header or body `timeout`) and trace headers. Raises ControlError (400/403/429/503)."""
+        from stoker.control.auth import request_id_of
+
+        return await self.gate.admit(
+            request_id=request_id_of(request),
+            key=key,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            n=n,
+            priority=resolve_priority(key, priority),
+            deadline=resolve_deadline(request.headers.get(DEADLINE_HEADER), timeout, self.settings.max_queue_wait),
+            arrival=arrival,
+            headers=request.headers,
+        )
+
+    # -- engine and lifecycle ---------------------------------------------------------
+
+    async def poll_engine_stats(self, fetch: Callable[[], Awaitable[EngineStats]], interval: float = 0.25) -> None:
+        """Run as a task for the server's lifetime: feeds update_engine_stats every
+        `interval` seconds. A failing fetch (engine restarting) is skipped, not fatal."""
+        while True:
+            taken_at = time.time()
+            try:
+                stats = await fetch()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the engine may be restarting; keep the last view
+                log.debug("engine stats unavailable: %s", exc)
+            else:
+                self.update_engine_stats(stats, taken_at)
+            await asyncio.sleep(interval)
+
+
+    def update_engine_stats(self, stats: EngineStats, taken_at: float | None = None) -> None:
+        """Feed every fresh EngineStats snapshot here (admission + metrics)."""
+        self.admission.update(stats, taken_at)
+        self.metrics.update_from_engine_stats(stats)
+        q = self.admission.queue()
+        self.metrics.queued_requests.set(q.requests)
+        self.metrics.queued_tokens.set(q.tokens)
+        self.metrics.drain_rate.set(self.admission.drain_rate()[1])
+
+    def engine_restarted(self) -> None:
+        self.metrics.engine_restarted()
+
+    def start_drain(self) -> None:
+        """Refuse new requests (503) while in-flight ones finish."""
+        self.admission.draining = True
+        self.metrics.draining.set(1)
+
+    def close(self) -> None:
+        """Flush the usage ledger and traces. Call after in-flight requests have finished."""
+        self.ledger.close()
+        self.tracer.shutdown()
+        self.keys.engine.dispose()

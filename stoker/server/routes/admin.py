@@ -1,0 +1,80 @@
+"""Admin HTTP API for keys: /admin/keys (admin keys only).
+
+    POST   /admin/keys          create; the response holds the secret, shown once
+    GET    /admin/keys          list (never secrets or hashes)
+    GET    /admin/keys/{id}     one key with its usage this period and in total
+    DELETE /admin/keys/{id}     revoke (effective at once in this server)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.concurrency import run_in_threadpool
+
+from stoker.control.auth import get_plane, require_admin
+from stoker.control.errors import ControlError
+from stoker.control.keys import ApiKey
+
+router = APIRouter(prefix="/admin", tags=["admin"])
+
+
+class CreateKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    rpm: int | None = Field(None, ge=1)
+    tpm: int | None = Field(None, ge=1)
+    max_concurrent: int | None = Field(None, ge=1)
+    budget_tokens: int | None = Field(None, ge=1)
+    budget_period: Literal["day", "month"] = "month"
+    priority: Literal["interactive", "batch"] = "interactive"
+    models: list[str] | None = None
+    expires_at: float | None = Field(None, description="Unix time (seconds) after which the key stops working.")
+    admin: bool = False
+
+
+def _not_found(key_id: str) -> ControlError:
+    return ControlError(404, f"No API key with id '{key_id}'.", "invalid_request_error", code="key_not_found")
+
+
+@router.post("/keys", status_code=201)
+async def create_key(body: CreateKey, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+    plane = get_plane(request)
+    if body.expires_at is not None and body.expires_at <= time.time():
+        raise ControlError(400, "expires_at is in the past.", "invalid_request_error", code="invalid_value",
+                           param="expires_at")
+    try:
+        key, secret = await run_in_threadpool(lambda: plane.keys.create(**body.model_dump()))
+    except ValueError as exc:
+        raise ControlError(400, str(exc), "invalid_request_error", code="invalid_value") from None
+    return {**key.public(), "secret": secret}
+
+
+@router.get("/keys")
+async def list_keys(request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+    keys = await run_in_threadpool(get_plane(request).keys.list_keys)
+    return {"object": "list", "data": [k.public() for k in keys]}
+
+
+@router.get("/keys/{key_id}")
+async def show_key(key_id: str, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+    plane = get_plane(request)
+    key = await run_in_threadpool(plane.keys.get, key_id)
+    if key is None:
+        raise _not_found(key_id)
+    usage = await run_in_threadpool(plane.ledger.key_report, key.id, key.budget_period, key.budget_tokens)
+    return {**key.public(), "usage": usage}
+
+
+@router.delete("/keys/{key_id}")
+async def revoke_key(key_id: str, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+    plane = get_plane(request)
+    key = await run_in_threadpool(plane.keys.get, key_id)
+    if key is None:
+        raise _not_found(key_id)
+    revoked = await run_in_threadpool(plane.keys.revoke, key_id)
+    return {"id": key_id, "revoked": True, "already_revoked": not revoked}
