@@ -1,0 +1,231 @@
+"""Sampler: exact greedy, penalties against straightforward references,
+min_tokens masking, shape controls against transformers' warpers, seeds
+that ignore the rest of the batch, and logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from stoker.engine.params import SamplingParams
+from stoker.engine.sampler import Sampler, SampleRow, _invert_cdf, _shaped_probs
+
+VOCAB = 64
+
+
+def row(
+    prompt: list[int] | None = None,
+    output: list[int] | None = None,
+    seed: int | None = None,
+    eos: list[int] | None = None,
+    **kw: object,
+) -> SampleRow:
+    params = SamplingParams(**kw)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SampleRow(params, prompt or [], output or [], gen, eos if eos is not None else [])
+
+
+def logits(n: int, vocab: int = VOCAB, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn(n, vocab, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_greedy_fast_path_is_argmax_any_dtype() -> None:
+    x = logits(8).to(torch.bfloat16)
+    out = Sampler()(x, [row(temperature=0.0) for _ in range(8)])
+    assert [o.token_id for o in out] == x.float().argmax(-1).tolist()
+    assert all(o.logprob is None for o in out)
+
+
+def test_greedy_ties_pick_the_first_index_like_torch() -> None:
+    x = torch.zeros(3, 1000)
+    x[0, [700, 300]] = 5.0  # tie across blocks
+    x[1, [3, 5]] = 5.0  # tie inside a block
+    x[2] = -math.inf
+    x[2, 999] = 1.0  # in the padded last block
+    out = Sampler()(x, [row(temperature=0.0) for _ in range(3)])
+    assert [o.token_id for o in out] == [300, 3, 999] == x.argmax(-1).tolist()
+
+
+def test_empty_batch_and_shape_check() -> None:
+    assert Sampler()(torch.empty(0, VOCAB), []) == []
+    with pytest.raises(ValueError):
+        Sampler()(logits(2), [row()])
+
+
+def reference_penalties(x: torch.Tensor, r: SampleRow) -> torch.Tensor:
+    x = x.clone()
+    p = r.params
+    for t in set(r.prompt_token_ids + r.output_token_ids):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(r.output_token_ids):
+        c = r.output_token_ids.count(t)
+        x[t] -= p.frequency_penalty * c + p.presence_penalty
+    return x
+
+
+def test_penalties_match_reference_and_leave_input_alone() -> None:
+    x = logits(4)
+    before = x.clone()
+    rows = [
+        row([1, 2, 3], [3, 3, 5], temperature=0.0, repetition_penalty=1.3),
+        row([7], [8, 8, 8, 9], temperature=0.0, frequency_penalty=0.7, presence_penalty=0.4),
+        row([10, 11], [11, 12, 12], temperature=0.0, repetition_penalty=0.8, frequency_penalty=-0.5),
+        row([1], [2], temperature=0.0),
+    ]
+    out = Sampler()(x, rows)
+    assert torch.equal(x, before)
+    for i, r in enumerate(rows):
+        assert out[i].token_id == int(reference_penalties(x[i], r).argmax())
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    x = logits(1, 16)
+    ids = [4, 9, 9, 13]
+    r = row(ids[:2], ids[2:], temperature=0.0, repetition_penalty=1.7, logprobs=16)
+    hf = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([ids]), x.clone())
+    lp = Sampler()(x, [r])[0].logprob
+    assert lp is not None
+    ours = torch.full((16,), math.nan)
+    for t, v in lp.top:
+        ours[t] = v
+    assert torch.allclose(ours, torch.log_softmax(hf[0], -1), atol=1e-5)
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached() -> None:
+    x = torch.zeros(3, VOCAB)
+    x[:, 5] = 10.0  # eos would win greedy
+    x[:, 6] = 9.0  # a stop token id comes next
+    rows = [
+        row(output=[1], eos=[5], temperature=0.0, min_tokens=3, stop_token_ids=[6]),
+        row(output=[1, 2, 3], eos=[5], temperature=0.0, min_tokens=3, stop_token_ids=[6]),
+        row(output=[1], eos=[5], temperature=0.0, min_tokens=3, ignore_eos=True),
+    ]
+    out = Sampler()(x, rows)
+    assert [o.token_id for o in out] == [0, 5, 5]
+
+
+def test_min_tokens_masked_ids_never_sampled() -> None:
+    x = torch.zeros(16, 4)
+    x[:, 0] = 5.0
+    rows = [row(output=[], eos=[0], min_tokens=2, seed=i) for i in range(16)]
+    assert all(o.token_id != 0 for o in Sampler()(x, rows))
+
+
+def hf_mask(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    z = x.unsqueeze(0) / temperature
+    if top_k > 0:
+        z = TopKLogitsWarper(top_k)(None, z)
+    if top_p < 1.0:
+        z = TopPLogitsWarper(top_p)(None, z)
+    return z[0] > -math.inf
+
+
+@pytest.mark.parametrize("vocab", [64, 5000])
+def test_top_k_top_p_keep_the_same_tokens_as_transformers(vocab: int) -> None:
+    # vocab 5000 with scale 0.3 is flat enough that the nucleus exceeds the
+    # 256 candidates and the full-sort fallback runs.
+    settings = [(0.7, 0, 0.9), (1.0, 10, 1.0), (1.3, 20, 0.5), (1.0, 0, 0.95), (0.5, 3, 0.99), (1.0, 1, 1.0)]
+    for scale in (3.0, 0.3):
+        x = logits(len(settings), vocab, seed=vocab, scale=scale)
+        rows = [row(temperature=t, top_k=k, top_p=p) for t, k, p in settings]
+        z = _shaped_probs(x.clone(), rows, list(range(len(rows))))
+        for i, (t, k, p) in enumerate(settings):
+            assert torch.equal(z[i] > 0, hf_mask(x[i], t, k, p)), (scale, settings[i])
+
+
+def test_top_p_widens_its_net_for_a_long_tail() -> None:
+    # One token at ~50% and a tail of tiny tokens far below 1e-4 of it that
+    # together hold the other half: the first candidate net is not enough.
+    x = logits(2, 49152, scale=0.05)  # distinct tail values: no ties at the cut
+    x[0, 7] = math.log(49151.0)
+    x[1, 9] = math.log(49151.0 * 1e9)  # second row: net of the best token suffices
+    rows = [row(top_p=0.9), row(top_p=0.9)]
+    z = _shaped_probs(x.clone(), rows, [0, 1])
+    for i in range(2):
+        assert torch.equal(z[i] > 0, hf_mask(x[i], 1.0, 0, 0.9))
+
+
+def test_invert_cdf_edges() -> None:
+    probs = torch.zeros(3, 1000)  # not a multiple of the block size
+    probs[:, 999] = 1.0
+    probs[1, 0] = 1.0
+    probs[2, 255:257] = 1.0  # straddles a block boundary
+    assert _invert_cdf(probs, torch.tensor([0.0, 0.0, 0.0])) == [999, 0, 255]
+    assert _invert_cdf(probs, torch.tensor([1 - 2**-24] * 3)) == [999, 999, 999]
+    assert _invert_cdf(probs, torch.tensor([0.5, 0.49, 0.4])) == [999, 0, 256]
+
+
+def test_min_p_keeps_tokens_within_factor_of_best() -> None:
+    x = logits(1)
+    z = _shaped_probs(x.clone(), [row(temperature=0.8, min_p=0.1)], [0])[0]
+    probs = torch.softmax(x[0] / 0.8, -1)
+    assert torch.equal(z > 0, probs >= 0.1 * probs.max())
+
+
+def test_sampling_follows_the_distribution() -> None:
+    torch.manual_seed(1234)
+    x = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(4000, 1)
+    out = Sampler()(x, [row() for _ in range(4000)])
+    freq = torch.bincount(torch.tensor([o.token_id for o in out]), minlength=4).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03)
+    # top_k=2 renormalises over the two best.
+    out = Sampler()(x, [row(top_k=2) for _ in range(4000)])
+    freq = torch.bincount(torch.tensor([o.token_id for o in out]), minlength=4).float() / 4000
+    assert freq[2:].sum() == 0 and abs(freq[0] - 0.625) < 0.03
+
+
+def test_seeded_rows_ignore_batch_composition() -> None:
+    def run(batch_extra: int, steps: int = 12) -> list[int]:
+        sampler = Sampler()
+        seeded = row(seed=42, temperature=0.9, top_p=0.9)
+        others = [row(temperature=1.0, top_k=5) for _ in range(batch_extra)]
+        got = []
+        for step in range(steps):
+            x_main = logits(1, 512, seed=step)
+            x_other = logits(batch_extra, 512, seed=100 + step)
+            batch = [*others[: batch_extra // 2], seeded, *others[batch_extra // 2 :]]
+            x = torch.cat([x_other[: batch_extra // 2], x_main, x_other[batch_extra // 2 :]])
+            out = sampler(x, batch)
+            got.append(out[batch_extra // 2].token_id)
+        return got
+
+    torch.manual_seed(0)
+    a = run(0)
+    torch.manual_seed(1)
+    b = run(7)
+    torch.manual_seed(2)
+    c = run(20)
+    assert a == b == c
+    assert len(set(a)) > 1
+
+
+def test_logprobs_are_processed_logits_before_temperature() -> None:
+    x = logits(3)
+    rows = [
+        row(temperature=0.0, logprobs=5),
+        row(seed=1, temperature=0.5, top_k=3, logprobs=0),
+        row(output=[7], temperature=0.0, presence_penalty=2.0, logprobs=2),
+    ]
+    out = Sampler()(x, rows)
+    for i, o in enumerate(out):
+        ref = torch.log_softmax(reference_penalties(x[i], rows[i]), -1)
+        lp = o.logprob
+        assert lp is not None and lp.token_id == o.token_id
+        assert lp.logprob == pytest.approx(float(ref[o.token_id]), abs=1e-5)
+        k = rows[i].params.logprobs
+        assert [t for t, _ in lp.top] == ref.topk(k).indices.tolist() if k else lp.top == []
+        assert all(a >= b for (_, a), (_, b) in zip(lp.top, lp.top[1:]))
+
+
+def test_mixed_batch_greedy_rows_stay_exact() -> None:
+    x = logits(6, 1000)
+    rows = [row(temperature=0.0) if i % 2 else row(temperature=1.0, top_p=0.8, seed=i) for i in range(6)]
+    out = Sampler()(x, rows)
+    for i in range(1, 6, 2):
+        assert out[i].token_id == int(x[i].argmax())
