@@ -92,6 +92,7 @@ def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
     server = start_server(
         ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--max-body-bytes", "65536"],
         str(tmp_path_factory.mktemp("fake-server")),
+        env={"STOKER_FAKE_STEP_S": "0.02"},  # 50 tokens/s: long requests are easy to catch in flight
     )
     try:
         yield server
