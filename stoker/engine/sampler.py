@@ -281,7 +281,10 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> _Nucleus:
         covered = torch.where(net, sub, 0.0).sum(dim=-1).double() >= want
         if floor == 0.0:  # the whole row: only float rounding could fall short
             covered[:] = True
-        if bool(covered.any()):
+        if bool(covered.all()):  # the usual case: no boolean row copies
+            r, c, v, before, keep = _sorted_net(sub, net, want)
+            parts.append((todo[r], c, v, before, keep))
+        elif bool(covered.any()):
             r, c, v, before, keep = _sorted_net(sub[covered], net[covered], want[covered])
             parts.append((todo[covered][r], c, v, before, keep))
         todo = todo[~covered]
