@@ -11,9 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from tiny_models import make_tiny_hf_model, set_config
 
 from stoker.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer
-from tiny_models import make_tiny_hf_model, set_config
 
 
 def reference_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -145,3 +145,99 @@ def test_tiny_model_matches_transformers_tokenizer(tmp_path: Path) -> None:
     ref = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     for text in ["Hello 👋 wörld", "<|im_start|>user\nhi<|im_end|>"]:
         assert ours.encode(text) == ref.encode(text)
+
+
+# --- GGUF written here from random tensors: name mapping, q/k order, cache ------------
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, so a byte-level BPE covers any text."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A 2-layer GGUF laid out as llama.cpp's converter would; returns the HF-layout tensors."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_tokens(), "he"]
+    heads, kv_heads, head_dim, hidden, ffn = 4, 2, 16, 64, 128
+    gen = torch.Generator().manual_seed(seed)
+    w = GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    for key, value in [("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
+                       ("feed_forward_length", ffn), ("attention.head_count", heads),
+                       ("attention.head_count_kv", kv_heads)]:
+        w.add_uint32(f"{arch}.{key}", value)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_float32(f"{arch}.rope.freq_base", 10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    w.add_token_merges(["h e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}")
+
+    expected: dict[str, torch.Tensor] = {}
+
+    def add(gguf_name: str, hf_name: str, shape: tuple[int, ...], stored: torch.Tensor | None = None) -> None:
+        t = torch.randn(shape, generator=gen)
+        data = (stored if stored is not None else t).numpy()
+        if gguf_name == "token_embd.weight":  # one quantized tensor: the reference is its round trip
+            q = quantize(data, GGMLQuantizationType.Q8_0)
+            w.add_tensor(gguf_name, q, raw_dtype=GGMLQuantizationType.Q8_0)
+            t = torch.from_numpy(dequantize(q, GGMLQuantizationType.Q8_0))
+        else:
+            w.add_tensor(gguf_name, data)
+        expected[hf_name] = t
+
+    add("token_embd.weight", "model.embed_tokens.weight", (len(tokens), hidden))
+    add("output_norm.weight", "model.norm.weight", (hidden,))
+    for i in range(2):
+        p = f"model.layers.{i}."
+        for g, h, n in [("attn_q", "q_proj", heads), ("attn_k", "k_proj", kv_heads)]:
+            t = torch.randn((n * head_dim, hidden), generator=gen)
+            # llama.cpp interleaves each head's rotary halves; qwen files keep HF order.
+            stored = t.reshape(n, 2, head_dim // 2, hidden).transpose(1, 2).reshape(t.shape) if arch == "llama" else t
+            w.add_tensor(f"blk.{i}.{g}.weight", stored.contiguous().numpy())
+            expected[f"{p}self_attn.{h}.weight"] = t
+            if arch == "qwen2":
+                add(f"blk.{i}.{g}.bias", f"{p}self_attn.{h}.bias", (n * head_dim,))
+            if arch == "qwen3":
+                add(f"blk.{i}.{g}_norm.weight", f"{p}self_attn.{h[0]}_norm.weight", (head_dim,))
+        add(f"blk.{i}.attn_v.weight", f"{p}self_attn.v_proj.weight", (kv_heads * head_dim, hidden))
+        add(f"blk.{i}.attn_output.weight", f"{p}self_attn.o_proj.weight", (hidden, heads * head_dim))
+        add(f"blk.{i}.attn_norm.weight", f"{p}input_layernorm.weight", (hidden,))
+        add(f"blk.{i}.ffn_norm.weight", f"{p}post_attention_layernorm.weight", (hidden,))
+        add(f"blk.{i}.ffn_gate.weight", f"{p}mlp.gate_proj.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_up.weight", f"{p}mlp.up_proj.weight", (ffn, hidden))
+        add(f"blk.{i}.ffn_down.weight", f"{p}mlp.down_proj.weight", (hidden, ffn))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return expected
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / f"Tiny-{arch}-Q8_0.gguf"
+    expected = write_tiny_gguf(path, arch)
+    for attempt in range(2):  # the second load reads the cache back
+        loaded = load_model(str(path), torch.float32)
+        assert sorted(loaded.weights) == sorted(expected)
+        for name, tensor in expected.items():
+            assert torch.equal(loaded.weights[name], tensor), (attempt, name)
+    c = loaded.config
+    assert c.name == f"tiny-{arch}"
+    assert c.tie_word_embeddings and c.head_dim == 16 and c.num_kv_heads == 2
+    assert (c.attention_bias, c.qk_norm) == (arch == "qwen2", arch == "qwen3")
+    assert c.eos_token_ids == [2] and c.bos_token_id == 1
+    assert loaded.tokenizer.decode(loaded.tokenizer.encode("hello ✓")) == "hello ✓"
+    assert (tmp_path / "cache" / "gguf").is_dir()
+    bf16 = load_model(str(path), torch.bfloat16)
+    assert bf16.weights["model.norm.weight"].dtype == torch.bfloat16

@@ -7,10 +7,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from tiny_models import make_tiny_hf_model
 
 from stoker.models.loader import load_tokenizer
 from stoker.models.tokenizer import Tokenizer
-from tiny_models import make_tiny_hf_model
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,266 @@
+"""GGUF files: header to ModelConfig, tensors dequantized into Hugging Face
+names and layouts, tokenizer converted by transformers (the reference).
+
+The slow parts (parsing the header with its vocabulary, converting the
+tokenizer, numpy dequantization) are cached under ~/.cache/stoker
+(STOKER_CACHE_DIR overrides), so a second load reads back a small JSON file,
+a tokenizer folder and a safetensors file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+# transformers converts the tokenizer; it must never try to reach a model hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np
+import torch
+
+from stoker.config import ModelConfig
+from stoker.models.tokenizer import Tokenizer
+
+_GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# Bump when the cached layout or its derivation changes, so stale entries are ignored.
+_CACHE_VERSION = "1"
+# Dequantized weights are cached only up to this size: a 7B model in float32 would cost 28 GB of disk.
+_WEIGHT_CACHE_MAX_BYTES = 4 << 30
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("STOKER_CACHE_DIR") or Path.home() / ".cache" / "stoker")
+
+
+def _gguf_cache_dir(path: str) -> Path:
+    """Identity of a GGUF: path, size, mtime and its first MiB (header + vocabulary).
+
+    Hashing whole multi-GB files would cost more than the cache saves; the
+    conversion code's versions are part of the key because they shape the output.
+    """
+    st = os.stat(path)
+    h = hashlib.sha256()
+    ident = [_CACHE_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns, version("gguf"), version("transformers")]
+    h.update(repr(ident).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+    return cache_root() / "gguf" / h.hexdigest()[:32]
+
+
+def _cached(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build target once, atomically: concurrent processes may race; one rename wins."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.exists():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+_GGUF_LAYER_PARTS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_TOP: dict[str, str] = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_QUANT_SUFFIX = re.compile(r"[._-](i?q\d\w*|f16|f32|bf16|fp16|fp32)$")
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """GGUF tensor name -> Hugging Face name; None for tensors HF has no place for (rope_freqs)."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base.startswith("blk."):
+        _, layer, part = base.split(".", 2)
+        hf = _GGUF_LAYER_PARTS.get(part)
+        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
+    hf = _GGUF_TOP.get(base)
+    return f"{hf}.{kind}" if hf else None
+
+
+def _gguf_meta(path: str) -> dict[str, Any]:
+    """ModelConfig fields and a tensor index (offset, type, shape) from the header, cached."""
+    def build(tmp: Path) -> None:
+        _write_json(tmp / "meta.json", _read_gguf_header(path))
+
+    meta_dir = _cached(_gguf_cache_dir(path) / "meta", build)
+    return _read_json(meta_dir / "meta.json")
+
+
+def _read_gguf_header(path: str) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+
+    def field(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}; supported: "
+            + ", ".join(f"{k} ({v})" for k, v in _GGUF_ARCHITECTURES.items())
+        )
+    hf_arch = _GGUF_ARCHITECTURES[arch]
+    # llama.cpp files Mistral under "llama"; transformers tells them apart by name, so do we.
+    if arch == "llama" and "mistral" in str(field("general.name", "")).lower():
+        hf_arch = "MistralForCausalLM"
+
+    tensors = [
+        {
+            "gguf": t.name,
+            "hf": _hf_name(t.name),
+            "type": int(t.tensor_type),
+            "dtype": t.data.dtype.str,
+            "shape": list(t.data.shape),
+            "offset": int(t.data_offset),
+        }
+        for t in reader.tensors
+    ]
+    rows = {t["gguf"]: t["shape"][0] for t in tensors}
+    heads = int(field(f"{arch}.attention.head_count"))
+    hidden = int(field(f"{arch}.embedding_length"))
+    scaling_type = field(f"{arch}.rope.scaling.type")
+    rope_scaling = None
+    if scaling_type not in (None, "none"):
+        rope_scaling = {"rope_type": scaling_type, "factor": field(f"{arch}.rope.scaling.factor", 1.0)}
+        original = field(f"{arch}.rope.scaling.original_context_length")
+        if original is not None:
+            rope_scaling["original_max_position_embeddings"] = int(original)
+    eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+    stem = os.path.basename(path).lower().removesuffix(".gguf")
+    config = ModelConfig(
+        architecture=hf_arch,
+        vocab_size=int(rows.get("token_embd.weight") or field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))),
+        hidden_size=hidden,
+        intermediate_size=int(field(f"{arch}.feed_forward_length")),
+        num_layers=int(field(f"{arch}.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{arch}.attention.key_length") or rows.get("blk.0.attn_q.weight", hidden) // heads),
+        max_position_embeddings=int(field(f"{arch}.context_length")),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in rows,
+        attention_bias="blk.0.attn_q.bias" in rows,
+        qk_norm="blk.0.attn_q_norm.weight" in rows,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(e) for e in eos if e is not None],
+        name=_QUANT_SUFFIX.sub("", stem) or stem,
+    )
+    # Only the "llama" converter interleaves q/k rows for its rotary layout.
+    return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": arch == "llama"}
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head it stores the rotary pairs interleaved
+    (row 2i, 2i+1), HF stores the halves (i, i + d/2)."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def load_gguf(path: str, dtype: torch.dtype, device: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors.torch import load_file, save_file
+
+    meta = _gguf_meta(path)
+    config = ModelConfig(**meta["config"])
+    if _dequantized_bytes(meta, dtype) <= _WEIGHT_CACHE_MAX_BYTES:
+        # numpy dequantization of a Q4 file costs seconds on a busy CPU; reading it back is ~free.
+        def build(tmp: Path) -> None:
+            save_file(_dequantize_gguf(path, meta, config, dtype), str(tmp / "model.safetensors"))
+
+        folder = _cached(_gguf_cache_dir(path) / f"weights-{str(dtype).removeprefix('torch.')}", build)
+        weights = load_file(str(folder / "model.safetensors"), device=device)
+    else:
+        weights = {k: v.to(device) for k, v in _dequantize_gguf(path, meta, config, dtype).items()}
+    tokenizer = gguf_tokenizer(path)
+    config.eos_token_ids = tokenizer.eos_token_ids
+    return config, weights, tokenizer
+
+
+def _dequantized_bytes(meta: dict[str, Any], dtype: torch.dtype) -> int:
+    elements = sum(int(np.prod(t["shape"][:-1])) * _row_elements(t) for t in meta["tensors"] if t["hf"])
+    return elements * torch.empty((), dtype=dtype).element_size()
+
+
+def _row_elements(t: dict[str, Any]) -> int:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t["type"])]
+    return t["shape"][-1] * np.dtype(t["dtype"]).itemsize // type_size * block
+
+
+def _dequantize_gguf(path: str, meta: dict[str, Any], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor in HF name and layout, as transformers' GGUF loading produces it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    weights: dict[str, torch.Tensor] = {}
+    for t in meta["tensors"]:
+        if t["hf"] is None:
+            continue
+        item = np.dtype(t["dtype"])
+        count = int(np.prod(t["shape"]))
+        data = raw[t["offset"] : t["offset"] + count * item.itemsize].view(item).reshape(t["shape"])
+        array = dequantize(data, GGMLQuantizationType(t["type"]))
+        if not array.flags.writeable:  # F32 tensors come back as views of the read-only mapping
+            array = array.copy()
+        w = torch.from_numpy(array)
+        if meta["permute_qk"] and ".self_attn.q_proj." in t["hf"]:
+            w = _unpermute(w, config.num_heads)
+        elif meta["permute_qk"] and ".self_attn.k_proj." in t["hf"]:
+            w = _unpermute(w, config.num_kv_heads)
+        weights[t["hf"]] = w.to(dtype=dtype).contiguous()
+    return weights
+
+
+def gguf_tokenizer(path: str) -> Tokenizer:
+    from transformers import AutoTokenizer
+
+    def convert(tmp: Path) -> None:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True)
+        hf.save_pretrained(tmp)
+
+    folder = _cached(_gguf_cache_dir(path) / "tokenizer", convert)
+    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return Tokenizer(hf, eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f)
