@@ -85,9 +85,12 @@ class RequestGate:
         n: int = 1,
         arrival: float | None = None,
         headers: Mapping[str, str] | None = None,
+        capacity: bool = True,
     ) -> Admission:
         """Admit or raise ControlError (403/429/503); a refusal is counted,
-        logged and traced here. priority/deadline come from stoker.control.policy."""
+        logged and traced here. priority/deadline come from stoker.control.policy.
+        capacity=False skips the engine-queue check (work that never enters the
+        engine's queue, such as embeddings) but keeps the key's quotas."""
         arrival = arrival if arrival is not None else time.time()
         trace_headers = {k: v for k, v in (headers or {}).items() if k.lower() in ("traceparent", "tracestate")}
         estimate = prompt_tokens + max_tokens * max(1, n)
@@ -99,7 +102,7 @@ class RequestGate:
                 await self._check_budget(key, arrival)
             lease = self.limiter.acquire(key, estimate)
             try:
-                ticket = self.admission.admit(prompt_tokens, priority)
+                ticket = self.admission.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
             except ControlError:
                 self.limiter.release(lease, None)
                 raise
@@ -172,27 +175,35 @@ class RequestGate:
         prompt_tokens: int | None = None,
         finish_reason: str | None = None,
         status: int = 200,
-        times: RequestTimes | None = None,
+        times: RequestTimes | list[RequestTimes] | None = None,
         error: str | None = None,
         stream: bool | None = None,
         method: str | None = None,
         path: str | None = None,
         submitted: bool = True,
+        generation: bool = True,
+        finish_reasons: list[str] | None = None,
+        log_extra: dict | None = None,
     ) -> None:
         """Call exactly once per admission, in a finally block, whatever
         happened (success, error, disconnect, drain); a second call is ignored.
 
         completion_tokens: tokens generated so far (all n samples), also when cut off.
-        times: the engine's stamps from the finished output, if it got that far.
-        submitted: False if the request failed before reaching the engine."""
+        times: the engine's stamps of each finished sample, as far as it got.
+        finish_reasons: one per finished sample (default [finish_reason]).
+        submitted: False if the request failed before reaching the engine.
+        generation: False for work outside the engine's queue (embeddings):
+        no vllm: request metrics, no drain-rate sample."""
         if adm.done:
             return
         adm.done = True
         now = time.time()
         prompt = adm.prompt_tokens if prompt_tokens is None else prompt_tokens
+        samples = [times] if isinstance(times, RequestTimes) else list(times or [])
+        first = samples[0] if samples else None
         # Metered unless it never reached the engine or was dropped while still
         # waiting (e.g. at its deadline): then it used no compute.
-        never_scheduled = times is not None and times.scheduled is None and completion_tokens == 0
+        never_scheduled = bool(samples) and all(t.scheduled is None for t in samples) and completion_tokens == 0
         ran = submitted and not never_scheduled
         # A request that used nothing is refunded entirely, the request itself included.
         self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
@@ -203,45 +214,50 @@ class RequestGate:
             else:
                 self._reserved.pop(adm.key.id, None)
         self.admission.mark_visible(adm.ticket)
-        if ran:
+        if ran and generation:
             self.admission.record_finished(prompt, now)
         self.in_flight -= 1
         if self.ledger is not None:
             self.ledger.record(UsageRecord(
                 request_id=adm.request_id, key_id=adm.key.id if adm.key else None, model=adm.model,
                 prompt_tokens=prompt if ran else 0, cached_tokens=cached_tokens, completion_tokens=completion_tokens,
-                status=status, finish_reason=finish_reason, queue_time=_queue_time(times), ttft=_ttft(times),
+                status=status, finish_reason=finish_reason, queue_time=_queue_time(first), ttft=_ttft(first),
                 latency=now - adm.arrival, created_at=now,
             ))
         if self.metrics is not None:
-            self._finish_metrics(adm, times, prompt, completion_tokens, finish_reason, status, error, ran)
+            reasons = finish_reasons if finish_reasons is not None else [finish_reason] if finish_reason else []
+            self._finish_metrics(adm, samples, prompt, completion_tokens, reasons, status, error, ran and generation)
         if self.request_log is not None:
             self.request_log.log(RequestLogRecord(
                 request_id=adm.request_id, status=status, model=adm.model,
                 key_id=adm.key.id if adm.key else None, key_name=adm.key.name if adm.key else None,
                 method=method, path=path, prompt_tokens=prompt, cached_tokens=cached_tokens,
-                completion_tokens=completion_tokens, queue_time=_queue_time(times), ttft=_ttft(times),
+                completion_tokens=completion_tokens, queue_time=_queue_time(first), ttft=_ttft(first),
                 latency=now - adm.arrival, finish_reason=finish_reason, priority=adm.priority,
                 stream=stream, error=error,
-            ))
+            ), **(log_extra or {}))
         if self.tracer is not None and self.tracer.enabled:
             self.tracer.record(
                 request_id=adm.request_id, headers=adm.trace_headers, start=adm.arrival, end=now,
-                admitted_at=adm.admitted_at, times=times, error=error if status >= 400 or error else None,
+                admitted_at=adm.admitted_at, times=first, error=error if status >= 400 or error else None,
                 attributes=_trace_attrs(adm.model, adm.key, prompt, completion_tokens, cached_tokens,
                                         finish_reason, status, adm.priority),
             )
 
-    def _finish_metrics(self, adm: Admission, times: RequestTimes | None, prompt: int, completion: int,
-                        finish_reason: str | None, status: int, error: str | None, ran: bool) -> None:
+    def _finish_metrics(self, adm: Admission, samples: list[RequestTimes], prompt: int, completion: int,
+                        reasons: list[str], status: int, error: str | None, observe: bool) -> None:
         m = self.metrics
         assert m is not None
         m.in_flight.set(self.in_flight)
         if error == "deadline":
-            m.deadline_drops.labels("queue" if times is None or times.first_token is None else "running").inc()
-        if ran and status < 400:
-            m.observe_finished(times, prompt, completion, finish_reason)
-        else:
+            started = any(t.first_token is not None for t in samples)
+            m.deadline_drops.labels("running" if started else "queue").inc()
+        if observe and status < 400:
+            # Token histograms once per request; latencies and outcomes once per sample.
+            m.observe_finished(samples[0] if samples else None, prompt, completion, reasons[0] if reasons else None)
+            for i, t in enumerate(samples[1:], start=1):
+                m.observe_sample(t, reasons[i] if i < len(reasons) else None)
+        elif status >= 400:
             m.observe_error(status)
         if adm.key is not None and adm.key.budget_tokens is not None and self.ledger is not None:
             used = self.ledger.used_cached(adm.key.id, adm.key.budget_period)

@@ -19,8 +19,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.control.admission import AdmissionController
 from stoker.control.db import default_db_url, open_db
@@ -37,30 +38,36 @@ from stoker.observe.tracing import RequestTracer
 log = logging.getLogger("stoker.control")
 
 
-@dataclass
-class ControlSettings:
+class ControlSettings(BaseModel):
+    """API keys, quotas, admission and observability. Each field is a `stoker serve`
+    option, a YAML key and a STOKER_* variable (see stoker.server.config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     db: str | None = None
-    """SQLite file path or SQLAlchemy URL; None: $STOKER_DB or ~/.stoker/stoker.db."""
+    """Key and usage database: SQLite file path or SQLAlchemy URL (postgresql://...); default ~/.stoker/stoker.db."""
     require_auth: bool = False
-    """Refuse to start without at least one active key."""
+    """Refuse to start unless the database holds an active API key (otherwise the server runs open while none exists)."""
     metrics_require_auth: bool = False
-    """Require a key (any scope) for GET /metrics."""
-    max_queued_requests: int = 256
-    """Admission bound on waiting requests (engine waiting + in transit); beyond it 503."""
-    max_queued_tokens: int = 65_536
-    """Admission bound on waiting prompt tokens; beyond it 503."""
-    batch_queue_share: float = 0.8
-    """Share of the queue bounds batch-priority requests may fill."""
-    max_queue_wait: float | None = 300.0
-    """Cap (seconds) on a client's deadline (x-stoker-deadline-ms / timeout)."""
+    """Require an API key for GET /metrics."""
+    max_queued_requests: int = Field(256, ge=1)
+    """Admission bound on waiting requests (engine queue + admitted in transit); beyond it 503 overloaded."""
+    max_queued_tokens: int = Field(65_536, ge=1)
+    """Admission bound on waiting prompt tokens; beyond it 503 overloaded."""
+    batch_queue_share: float = Field(0.8, gt=0, le=1)
+    """Share of the queue bounds that batch-priority requests may fill (the rest is kept for interactive ones)."""
+    max_queue_wait: float | None = Field(300.0, gt=0)
+    """Cap in seconds on a request's deadline (x-stoker-deadline-ms header or `timeout` field)."""
     model_name: str = "model"
-    """model_name label of the vllm: metrics."""
+    """model_name label on vllm: metrics (the server sets the served model name)."""
     metrics_per_key: bool = False
-    """Export per-key series (budget remaining); off to keep cardinality bounded."""
+    """Export per-key metric series (budget remaining); off keeps cardinality bounded."""
     otlp_endpoint: str | None = None
-    """OTLP/HTTP endpoint (e.g. http://collector:4318); tracing is off without it."""
-    ledger_flush_interval: float = 1.0
-    key_cache_ttl: float = 5.0
+    """OTLP/HTTP collector (e.g. http://127.0.0.1:4318) for request traces; tracing is off without it."""
+    ledger_flush_interval: float = Field(1.0, gt=0)
+    """Seconds between batched writes of usage rows."""
+    key_cache_ttl: float = Field(5.0, ge=0)
+    """Seconds a key lookup is cached; keys created or revoked elsewhere take effect within it."""
 
 
 class AuthRequiredButNoKeys(RuntimeError):
@@ -154,6 +161,7 @@ class ControlPlane:
         priority: int | str | None = None,
         timeout: float | None = None,
         arrival: float | None = None,
+        capacity: bool = True,
     ) -> Admission:
         """gate.admit for an HTTP request: resolves the request id (request.state.request_id,
         set by RequestIdMiddleware), priority (body field), deadline (x-stoker-deadline-ms
@@ -171,6 +179,7 @@ class ControlPlane:
             deadline=resolve_deadline(request.headers.get(DEADLINE_HEADER), timeout, self.settings.max_queue_wait),
             arrival=arrival,
             headers=request.headers,
+            capacity=capacity,
         )
 
     # -- engine and lifecycle ---------------------------------------------------------

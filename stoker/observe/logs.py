@@ -58,6 +58,10 @@ class RequestLogRecord:
     """OpenAI error type/code when the request failed (e.g. rate_limit_exceeded)."""
 
 
+_ALWAYS = frozenset({"request_id", "status", "model", "key_id", "key_name", "prompt_tokens", "cached_tokens",
+                     "completion_tokens", "queue_time", "ttft", "latency", "finish_reason"})
+
+
 class _Raw(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         return record.getMessage()
@@ -80,7 +84,9 @@ class RequestLogger:
     def log(self, record: RequestLogRecord, **extra: Any) -> dict:
         line: dict[str, Any] = {"ts": round(time.time(), 6), "event": "request"}
         for k, v in asdict(record).items():
-            if v is not None:
+            # The core fields are always present (null when unknown) so log
+            # pipelines see one schema; optional context only when set.
+            if v is not None or k in _ALWAYS:
                 line[k] = round(v, 6) if isinstance(v, float) else v
         line.update(extra)
         self.logger.info(json.dumps(line, separators=(",", ":"), default=str))

@@ -125,9 +125,14 @@ class Metrics:
                          finish_reason: str | None) -> None:
         """Latency histograms from the engine's own timestamps, for one finished request."""
         name = self.model_name
-        self.request_success.labels(name, finish_reason or "abort").inc()
         self.request_prompt_tokens.labels(name).observe(prompt_tokens)
         self.request_generation_tokens.labels(name).observe(generation_tokens)
+        self.observe_sample(times, finish_reason)
+
+    def observe_sample(self, times: RequestTimes | None, finish_reason: str | None) -> None:
+        """Outcome and latencies of one sample (n > 1 requests have several)."""
+        name = self.model_name
+        self.request_success.labels(name, finish_reason or "abort").inc()
         if times is None:
             return
         if times.scheduled is not None:

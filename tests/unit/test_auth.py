@@ -84,7 +84,7 @@ def setup(tmp_path, log_stream):
     planes = []
 
     def build(**overrides) -> tuple[ControlPlane, httpx.AsyncClient]:
-        s = ControlSettings(**{**settings.__dict__, **overrides})
+        s = settings.model_copy(update=overrides)
         plane = ControlPlane.open(s, tracer=RequestTracer(provider=provider), request_log=log_stream[1])
         planes.append(plane)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=make_app(plane)), base_url="http://t")

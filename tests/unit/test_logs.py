@@ -29,6 +29,16 @@ def test_one_json_line_with_the_fields():
     assert line["ttft"] == 0.123457 and "error" not in line and line["event"] == "request"
 
 
+def test_core_fields_always_present():
+    stream = io.StringIO()
+    logger = logging.getLogger("test.requests.two")
+    logger.handlers[:] = [logging.StreamHandler(stream)]
+    logger.propagate = False
+    logger.setLevel(logging.INFO)
+    line = RequestLogger(logger=logger).log(RequestLogRecord(request_id="r", status=401))
+    assert line["ttft"] is None and line["key_id"] is None and "method" not in line
+
+
 def test_default_logger_writes_raw_json_to_its_stream():
     stream = io.StringIO()
     logging.getLogger("stoker.requests").handlers.clear()

@@ -1,0 +1,198 @@
+"""Plugs the control plane into stoker's server: stoker.server.app imports this
+module (its EXTENSIONS list) and calls install(app, state).
+
+What it adds, through the server's hooks and nothing else:
+  before    Bearer auth on every /v1/* and tokenizer route (401/403)
+  admit     model allow-list, budget, rate limits, capacity (403/429/503);
+            sets request.state.priority / .deadline for the engine request
+  finished  limits reconciled, usage row, metrics, JSON log line, trace
+plus /admin/keys, GET /metrics, X-Request-Id and x-ratelimit-* response
+headers (ControlMiddleware), and a task feeding engine stats to admission and
+metrics for the app's lifetime. Settings: state.extras["control_config"] (a
+ControlSettings or dict) if the server put one there, else STOKER_*
+environment variables (STOKER_DB, STOKER_REQUIRE_AUTH, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from stoker.control.auth import authenticate, get_plane, require_metrics_access
+from stoker.control.errors import install_error_handler
+from stoker.control.plane import ControlPlane, ControlSettings
+from stoker.observe.logs import request_id_from
+
+log = logging.getLogger("stoker.control")
+
+STATS_INTERVAL = 0.25
+# The engine pushes a snapshot at most ~0.2 s after the fact; requests admitted
+# within this margin before we saw it may not be in it yet.
+STATS_LAG = 0.25
+
+
+def settings_from(state: Any) -> ControlSettings:
+    given = state.extras.get("control_config") if hasattr(state, "extras") else None
+    if isinstance(given, ControlSettings):
+        return given
+    values: dict[str, Any] = {}
+    for name, info in ControlSettings.model_fields.items():
+        raw = os.environ.get(f"STOKER_{name.upper()}")
+        if raw is not None:
+            values[name] = None if raw.lower() in ("none", "null", "") and not info.is_required() else raw
+    if isinstance(given, dict):
+        values.update(given)
+    return ControlSettings.model_validate(values)
+
+
+class ControlMiddleware:
+    """Request id in and out (X-Request-Id), arrival time, and the key's
+    x-ratelimit-* headers on admitted responses. Also a safety net: an
+    admission still open when the response is over is finished here, so a
+    code path that forgot the finished hook cannot leak a concurrency slot."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+        state = scope.setdefault("state", {})
+        state["request_id"] = request_id = request_id_from(incoming)
+        state["arrival"] = time.time()
+        status = {"code": 500}
+
+        async def send_wrapped(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                adm = state.get("admission")
+                if adm is not None:
+                    present = {k.lower() for k, _ in headers}
+                    headers += [(k.encode(), v.encode()) for k, v in adm.headers.items() if k.encode() not in present]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapped)
+        finally:
+            adm = state.get("admission")
+            if adm is not None and not adm.done:
+                plane: ControlPlane = scope["app"].state.control
+                plane.gate.finish(adm, status=status["code"], error="request ended without a finish record")
+
+
+async def _before(request: Request) -> None:
+    await authenticate(request)
+
+
+async def _admit(request: Request, info: Any) -> None:
+    plane = get_plane(request)
+    priority = getattr(info, "priority", None)
+    timeout = getattr(info, "timeout", None)
+    if priority is None and timeout is None:
+        # Not (yet) in AdmissionInfo: read them from the body FastAPI already parsed (cached on the request).
+        with contextlib.suppress(Exception):
+            body = await request.json()
+            if isinstance(body, dict):
+                priority, timeout = body.get("priority"), body.get("timeout")
+    adm = await plane.admit_http(
+        request, getattr(request.state, "api_key", None), model=info.model, prompt_tokens=info.prompt_tokens,
+        max_tokens=info.max_tokens, n=info.n, priority=priority, timeout=timeout,
+        arrival=getattr(request.state, "arrival", None), capacity=info.endpoint != "embedding",
+    )
+    request.state.admission = adm
+    request.state.priority = adm.priority
+    request.state.deadline = adm.deadline
+
+
+def _finished(record: Any) -> None:
+    request = record.http_request
+    if request is None:
+        return
+    adm = getattr(request.state, "admission", None)
+    if adm is None:
+        return
+    plane = get_plane(request)
+    reasons = list(record.finish_reasons)
+    plane.gate.finish(
+        adm, prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
+        cached_tokens=record.cached_tokens, finish_reason=reasons[0] if reasons else None,
+        finish_reasons=reasons, status=record.status, times=list(record.times), error=record.error,
+        stream=record.stream, method=request.method, path=request.url.path,
+        generation=record.endpoint != "embedding",
+        log_extra={"endpoint": record.endpoint, "engine_request_id": record.request_id or None},
+    )
+
+
+async def _metrics(request: Request) -> Response:
+    body, content_type = get_plane(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def _feed_stats(plane: ControlPlane, state: Any) -> None:
+    """Engine stats -> admission and metrics; engine restarts and drain -> metrics."""
+    last_stats = None
+    restarts = 0
+    while True:
+        engine = state.engine
+        if state.served_model_name and plane.metrics.model_name != state.served_model_name:
+            plane.metrics.model_name = state.served_model_name
+        count = getattr(engine, "restart_count", 0)
+        for _ in range(count - restarts):
+            plane.engine_restarted()
+        restarts = count
+        stats = engine.stats()
+        if stats is not last_stats:  # a new push from the engine
+            plane.update_engine_stats(stats, taken_at=time.time() - STATS_LAG)
+            last_stats = stats
+        if state.draining and not plane.admission.draining:
+            plane.start_drain()
+        await asyncio.sleep(STATS_INTERVAL)
+
+
+def install(app: FastAPI, state: Any) -> ControlPlane:
+    settings = settings_from(state)
+    plane = ControlPlane.open(settings)
+    app.state.control = plane
+    state.extras["control"] = plane
+    install_error_handler(app)
+
+    from stoker.server.routes.admin import router as admin_router
+
+    app.include_router(admin_router)
+    app.add_api_route("/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)],
+                      include_in_schema=False)
+    app.add_middleware(ControlMiddleware)
+    state.hooks.before.append(_before)
+    state.hooks.admit.append(_admit)
+    state.hooks.finished.append(_finished)
+
+    inner = app.router.lifespan_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(a: FastAPI) -> AsyncIterator[Any]:
+        feeder = asyncio.create_task(_feed_stats(plane, state))
+        try:
+            async with inner(a) as value:
+                yield value
+        finally:
+            feeder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await feeder
+            plane.close()  # after the drain: every usage row is written
+
+    app.router.lifespan_context = lifespan
+    return plane

@@ -1,0 +1,98 @@
+"""stoker.control plugged into the real server (a `stoker serve` process over
+the fake engine core): auth, quotas, admission headers, metrics, request log,
+and usage rows written by the time SIGTERM's drain has finished."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from conftest import FAKE_CORE, start_server
+from sqlalchemy import select
+
+from stoker.control.db import open_db, usage
+from stoker.control.keys import KeyStore
+
+pytestmark = pytest.mark.timeout(180)
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("control-server")
+    db = str(tmp / "stoker.db")
+    store = KeyStore(open_db(db))
+    keys = {
+        "admin": store.create("root", admin=True),
+        "user": store.create("user", rpm=3, models=["fake-model"]),
+        "budget": store.create("budget", budget_tokens=40, budget_period="day"),
+        "other": store.create("other-model-only", models=["nope"]),
+    }
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"], str(tmp),
+        env={"STOKER_DB": db, "STOKER_REQUIRE_AUTH": "true", "STOKER_FAKE_STEP_S": "0.005"},
+    )
+    try:
+        yield server, {name: secret for name, (_, secret) in keys.items()}, db
+    finally:
+        server.stop()
+
+
+def bearer(secret: str) -> dict:
+    return {"Authorization": f"Bearer {secret}"}
+
+
+def test_control_plane_in_the_real_server(served) -> None:
+    server, secrets, db = served
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.get("/health").status_code == 200 and http.get("/ready").status_code == 200
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        assert http.get("/v1/models").status_code == 401
+
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3},
+                      headers={**bearer(secrets["user"]), "X-Request-Id": "trace-me-1"})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-request-id"] == "trace-me-1"
+        assert r.headers["x-ratelimit-limit-requests"] == "3" and r.headers["x-ratelimit-remaining-requests"] == "2"
+        # streaming passes through too
+        with http.stream("POST", "/v1/chat/completions", headers=bearer(secrets["user"]),
+                         json={"messages": CHAT, "max_tokens": 3, "stream": True, "priority": "batch"}) as s:
+            assert s.status_code == 200 and [x for x in s.iter_lines() if x][-1] == "data: [DONE]"
+        http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=bearer(secrets["user"]))
+        r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=bearer(secrets["user"]))
+        assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_exceeded"
+        assert int(r.headers["retry-after"]) >= 1 and "x-ratelimit-reset-requests" in r.headers
+
+        r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=bearer(secrets["other"]))
+        assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
+
+        for _ in range(3):  # 30-token chat requests (20 prompt + 10) against a 40-token daily budget
+            last = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10},
+                             headers=bearer(secrets["budget"]))
+        assert last.status_code == 429 and last.json()["error"]["code"] == "insufficient_quota"
+
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2},
+                      headers={**bearer(secrets["admin"]), "x-stoker-deadline-ms": "abc"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-stoker-deadline-ms"
+
+        keys = http.get("/admin/keys", headers=bearer(secrets["admin"])).json()["data"]
+        assert len(keys) == 4
+        assert http.get("/admin/keys", headers=bearer(secrets["user"])).status_code == 403
+
+        metrics = http.get("/metrics").text
+        assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in metrics
+        assert 'stoker:rate_limit_rejections_total{limit="requests"} 1.0' in metrics
+        assert "vllm:num_requests_running" in metrics and "vllm:e2e_request_latency_seconds_bucket" in metrics  # the fake core stamps no first token
+
+    assert server.stop() == 0
+    lines = [json.loads(x) for x in server.log().splitlines() if x.startswith('{"ts"')]
+    first = next(x for x in lines if x["request_id"] == "trace-me-1")
+    assert first["key_name"] == "user" and first["status"] == 200 and first["completion_tokens"] == 3
+    assert first["finish_reason"] == "length" and "ttft" in first and first["latency"] > 0 and first["model"] == "fake-model"
+    assert not any(s in server.log() for s in secrets.values())
+    with open_db(db).connect() as conn:
+        rows = conn.execute(select(usage)).fetchall()
+    assert len(rows) == 5  # every admitted request (3 user, 2 budget), written by shutdown
+    assert {r.status for r in rows} == {200}
