@@ -96,3 +96,32 @@ def test_control_plane_in_the_real_server(served) -> None:
         rows = conn.execute(select(usage)).fetchall()
     assert len(rows) == 5  # every admitted request (3 user, 2 budget), written by shutdown
     assert {r.status for r in rows} == {200}
+
+
+async def test_overload_gets_503_with_retry_after_while_health_stays_fast(tmp_path) -> None:
+    import asyncio
+    import time
+
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--max-num-seqs", "1"],
+        str(tmp_path),
+        env={"STOKER_DB": str(tmp_path / "o.db"), "STOKER_MAX_QUEUED_REQUESTS": "2", "STOKER_FAKE_STEP_S": "0.01"},
+    )
+    try:
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            body = {"prompt": "ab", "max_tokens": 20}
+            tasks = [asyncio.create_task(http.post("/v1/completions", json=body)) for _ in range(12)]
+            await asyncio.sleep(0.05)
+            start = time.monotonic()
+            assert (await http.get("/health")).status_code == 200
+            health_s = time.monotonic() - start
+            results = await asyncio.gather(*tasks)
+        statuses = sorted(r.status_code for r in results)
+        assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
+        refused = next(r for r in results if r.status_code == 503)
+        assert refused.json()["error"]["type"] == "overloaded" and int(refused.headers["retry-after"]) >= 1
+        assert health_s < 1.0
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'stoker:admission_rejections_total{reason="queue_requests"}' in metrics
+    finally:
+        server.stop()
