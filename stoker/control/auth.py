@@ -20,7 +20,14 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from stoker.control.errors import ControlError
-from stoker.control.keys import SCOPE_ADMIN, SCOPE_INFERENCE, ApiKey, AuthOutcome, check_secret, parse_key_id
+from stoker.control.keys import (
+    SCOPE_ADMIN,
+    SCOPE_INFERENCE,
+    ApiKey,
+    AuthOutcome,
+    check_secret,
+    parse_key_id,
+)
 from stoker.control.plane import ControlPlane
 from stoker.observe.logs import request_id_from
 

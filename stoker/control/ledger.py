@@ -176,7 +176,7 @@ class UsageLedger:
                     return
             try:
                 self.flush()
-            except Exception:  # keep the thread alive; flush() already logged and kept the rows
+            except Exception:  # noqa: BLE001 - keep the thread alive; flush() already logged and kept the rows
                 time.sleep(self.flush_interval)
 
     def flush(self) -> int:

@@ -193,7 +193,7 @@ class ControlPlane:
                 stats = await fetch()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # the engine may be restarting; keep the last view
+            except Exception as exc:  # noqa: BLE001 - the engine may be restarting; keep the last view
                 log.debug("engine stats unavailable: %s", exc)
             else:
                 self.update_engine_stats(stats, taken_at)

@@ -12,7 +12,16 @@ again from zero) never makes a Prometheus counter go backwards.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from itertools import pairwise
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from stoker.engine.params import EngineStats, RequestTimes
 
@@ -140,7 +149,7 @@ class Metrics:
         if times.first_token is not None:
             self.ttft.labels(name).observe(max(0.0, times.first_token - times.arrival))
         stamps = times.token_times
-        for earlier, later in zip(stamps, stamps[1:]):
+        for earlier, later in pairwise(stamps):
             self.itl.labels(name).observe(max(0.0, later - earlier))
         if times.finished is not None:
             self.e2e.labels(name).observe(max(0.0, times.finished - times.arrival))

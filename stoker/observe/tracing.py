@@ -42,7 +42,9 @@ class RequestTracer:
     ) -> None:
         self.provider = provider
         if provider is None and otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                OTLPSpanExporter,
+            )
 
             # Our own provider, not the global one: the app may be embedded in
             # a process that already configured tracing differently.

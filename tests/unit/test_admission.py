@@ -7,8 +7,12 @@ import pytest
 
 from stoker.control.admission import AdmissionController
 from stoker.control.errors import ControlError
-from stoker.control.policy import deadline_exceeded_error, resolve_deadline, resolve_priority
 from stoker.control.keys import ApiKey
+from stoker.control.policy import (
+    deadline_exceeded_error,
+    resolve_deadline,
+    resolve_priority,
+)
 from stoker.engine.params import EngineStats
 
 
@@ -39,7 +43,7 @@ def test_requests_not_yet_visible_count_against_the_queue():
 
 
 def test_engine_waiting_counts():
-    c, clock = ctl(max_queued_requests=4, max_queued_tokens=1000)
+    c, _ = ctl(max_queued_requests=4, max_queued_tokens=1000)
     c.update(EngineStats(num_waiting=1, num_waiting_tokens=900))
     with pytest.raises(ControlError) as err:
         c.admit(200)

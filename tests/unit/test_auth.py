@@ -8,6 +8,7 @@ import io
 import json
 import logging
 import time
+from typing import Annotated
 
 import httpx
 import pytest
@@ -21,6 +22,7 @@ from sqlalchemy import func, select
 from stoker.control.auth import require_key, require_metrics_access
 from stoker.control.db import usage
 from stoker.control.errors import install_error_handler
+from stoker.control.keys import ApiKey
 from stoker.control.plane import AuthRequiredButNoKeys, ControlPlane, ControlSettings
 from stoker.engine.params import EngineStats, RequestTimes
 from stoker.observe.logs import RequestIdMiddleware, RequestLogger
@@ -40,12 +42,13 @@ def make_app(plane: ControlPlane) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/metrics")
-    async def metrics(_key=Depends(require_metrics_access)) -> Response:
+    async def metrics(_key: Annotated[ApiKey | None, Depends(require_metrics_access)]) -> Response:
         body, ctype = plane.metrics.render()
         return Response(body, media_type=ctype)
 
     @app.post("/v1/completions")
-    async def completions(body: dict, request: Request, key=Depends(require_key)) -> JSONResponse:
+    async def completions(body: dict, request: Request,
+                          key: Annotated[ApiKey | None, Depends(require_key)]) -> JSONResponse:
         adm = await plane.admit_http(request, key, model=body["model"], prompt_tokens=body["prompt_tokens"],
                                      max_tokens=body["max_tokens"], priority=body.get("priority"),
                                      timeout=body.get("timeout"))
@@ -115,7 +118,7 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
 async def test_open_mode_serves_without_key_but_admin_is_shut(setup, caplog):
     build, _, _ = setup
     with caplog.at_level(logging.WARNING, logger="stoker.control"):
-        plane, client = build()
+        _, client = build()
     assert "OPEN" in caplog.text
     assert (await client.post("/v1/completions", json=body())).status_code == 200
     assert_openai_error(await client.get("/admin/keys"), 403, "insufficient_permissions")

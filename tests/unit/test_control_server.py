@@ -116,12 +116,12 @@ async def test_overload_gets_503_with_retry_after_while_health_stays_fast(tmp_pa
             assert (await http.get("/health")).status_code == 200
             health_s = time.monotonic() - start
             results = await asyncio.gather(*tasks)
+            metrics = (await http.get("/metrics")).text
         statuses = sorted(r.status_code for r in results)
         assert set(statuses) == {200, 503} and statuses.count(200) >= 2, statuses
         refused = next(r for r in results if r.status_code == 503)
         assert refused.json()["error"]["type"] == "overloaded" and int(refused.headers["retry-after"]) >= 1
         assert health_s < 1.0
-        metrics = httpx.get(f"{server.url}/metrics").text
         assert 'stoker:admission_rejections_total{reason="queue_requests"}' in metrics
     finally:
         server.stop()

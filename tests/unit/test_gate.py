@@ -55,7 +55,7 @@ async def test_dropped_while_waiting_or_never_submitted_is_refunded(env):
 
 
 async def test_budget_counts_requests_in_flight(env):
-    gate, keys, ledger = env
+    gate, keys, _ = env
     key, _ = keys.create("k", budget_tokens=50)
     first = await admit(gate, key, "r1", prompt=10, max_tokens=40)  # reserves 50
     with pytest.raises(ControlError) as err:

@@ -57,8 +57,8 @@ def test_settings_round_trip(store):
     assert store.count_active() == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(rpm=0), dict(tpm=-1), dict(priority="urgent"),
-                                    dict(budget_period="year"), dict(models=[""]), dict(max_concurrent=True)])
+@pytest.mark.parametrize("kwargs", [{"rpm": 0}, {"tpm": -1}, {"priority": "urgent"}, {"budget_period": "year"},
+                                    {"models": [""]}, {"max_concurrent": True}])
 def test_invalid_settings(store, kwargs):
     with pytest.raises(ValueError):
         store.create("x", **kwargs)

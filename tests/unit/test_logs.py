@@ -9,7 +9,12 @@ import logging
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from stoker.observe.logs import RequestIdMiddleware, RequestLogger, RequestLogRecord, request_id_from
+from stoker.observe.logs import (
+    RequestIdMiddleware,
+    RequestLogger,
+    RequestLogRecord,
+    request_id_from,
+)
 
 
 def test_one_json_line_with_the_fields():

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +20,7 @@ from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
 
 router = APIRouter(prefix="/admin", tags=["admin"])
+AdminKey = Annotated[ApiKey, Depends(require_admin)]
 
 
 class CreateKey(BaseModel):
@@ -42,7 +43,7 @@ def _not_found(key_id: str) -> ControlError:
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: CreateKey, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+async def create_key(body: CreateKey, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
     if body.expires_at is not None and body.expires_at <= time.time():
         raise ControlError(400, "expires_at is in the past.", "invalid_request_error", code="invalid_value",
@@ -55,13 +56,13 @@ async def create_key(body: CreateKey, request: Request, _admin: ApiKey = Depends
 
 
 @router.get("/keys")
-async def list_keys(request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+async def list_keys(request: Request, _admin: AdminKey) -> dict:
     keys = await run_in_threadpool(get_plane(request).keys.list_keys)
     return {"object": "list", "data": [k.public() for k in keys]}
 
 
 @router.get("/keys/{key_id}")
-async def show_key(key_id: str, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
     key = await run_in_threadpool(plane.keys.get, key_id)
     if key is None:
@@ -71,7 +72,7 @@ async def show_key(key_id: str, request: Request, _admin: ApiKey = Depends(requi
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: str, request: Request, _admin: ApiKey = Depends(require_admin)) -> dict:
+async def revoke_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
     key = await run_in_threadpool(plane.keys.get, key_id)
     if key is None:
