@@ -62,6 +62,7 @@ def _fail(request: Request, plane: ControlPlane, status: int, message: str, code
     exc = ControlError(status, message, type, code=code, headers=headers, reason=reason)
     plane.metrics.auth_failures.labels(reason).inc()
     plane.metrics.observe_error(status)
+    request.state.logged = True  # the refusal's log line is written here
     plane.gate.refused(exc, request_id=request_id_of(request), key=key, method=request.method,
                        path=request.url.path, headers=dict(request.headers))
     return exc

@@ -28,13 +28,15 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.control.auth import authenticate, get_plane, require_metrics_access
-from stoker.control.errors import install_error_handler
+from stoker.control.errors import ControlError, install_error_handler
 from stoker.control.plane import ControlPlane, ControlSettings
-from stoker.observe.logs import request_id_from
+from stoker.observe.logs import RequestLogRecord, request_id_from
 
 log = logging.getLogger("stoker.control")
 
 STATS_INTERVAL = 0.25
+# API routes whose every request gets a log line (health probes and /metrics do not).
+LOGGED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
 # The engine pushes a snapshot at most ~0.2 s after the fact; requests admitted
 # within this margin before we saw it may not be in it yet.
 STATS_LAG = 0.25
@@ -88,10 +90,18 @@ class ControlMiddleware:
         try:
             await self.app(scope, receive, send_wrapped)
         finally:
+            plane: ControlPlane = scope["app"].state.control
             adm = state.get("admission")
             if adm is not None and not adm.done:
-                plane: ControlPlane = scope["app"].state.control
                 plane.gate.finish(adm, status=status["code"], error="request ended without a finish record")
+            elif adm is None and not state.get("logged") and scope.get("path", "").startswith(LOGGED_PREFIXES):
+                # Refused before admission by the server itself (400, 404, 413, ...):
+                # still one log line per request.
+                key = state.get("api_key")
+                plane.request_log.log(RequestLogRecord(
+                    request_id=request_id, status=status["code"], key_id=key.id if key else None,
+                    key_name=key.name if key else None, method=scope.get("method"), path=scope.get("path"),
+                    latency=time.time() - state["arrival"]))
 
 
 async def _before(request: Request) -> None:
@@ -108,11 +118,16 @@ async def _admit(request: Request, info: Any) -> None:
             body = await request.json()
             if isinstance(body, dict):
                 priority, timeout = body.get("priority"), body.get("timeout")
-    adm = await plane.admit_http(
-        request, getattr(request.state, "api_key", None), model=info.model, prompt_tokens=info.prompt_tokens,
-        max_tokens=info.max_tokens, n=info.n, priority=priority, timeout=timeout,
-        arrival=getattr(request.state, "arrival", None), capacity=info.endpoint != "embedding",
-    )
+    try:
+        adm = await plane.admit_http(
+            request, getattr(request.state, "api_key", None), model=info.model, prompt_tokens=info.prompt_tokens,
+            max_tokens=info.max_tokens, n=info.n, priority=priority, timeout=timeout,
+            arrival=getattr(request.state, "arrival", None), capacity=info.endpoint != "embedding",
+        )
+    except ControlError as exc:
+        if exc.status != 400:  # gate.admit logged its own refusals; a bad priority/deadline is left to the middleware
+            request.state.logged = True
+        raise
     request.state.admission = adm
     request.state.priority = adm.priority
     request.state.deadline = adm.deadline

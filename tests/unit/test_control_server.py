@@ -74,8 +74,11 @@ def test_control_plane_in_the_real_server(served) -> None:
         assert last.status_code == 429 and last.json()["error"]["code"] == "insufficient_quota"
 
         r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2},
-                      headers={**bearer(secrets["admin"]), "x-stoker-deadline-ms": "abc"})
+                      headers={**bearer(secrets["admin"]), "x-stoker-deadline-ms": "abc", "x-request-id": "bad-dl"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-stoker-deadline-ms"
+        r = http.post("/v1/chat/completions", json={"model": "nope", "messages": CHAT},
+                      headers={**bearer(secrets["admin"]), "x-request-id": "no-model"})
+        assert r.status_code == 404
 
         keys = http.get("/admin/keys", headers=bearer(secrets["admin"])).json()["data"]
         assert len(keys) == 4
@@ -92,6 +95,10 @@ def test_control_plane_in_the_real_server(served) -> None:
     assert first["key_name"] == "user" and first["status"] == 200 and first["completion_tokens"] == 3
     assert first["finish_reason"] == "length" and "ttft" in first and first["latency"] > 0 and first["model"] == "fake-model"
     assert not any(s in server.log() for s in secrets.values())
+    by_id = {x["request_id"]: x for x in lines}
+    assert by_id["no-model"]["status"] == 404 and by_id["no-model"]["key_name"] == "root"
+    assert by_id["bad-dl"]["status"] == 400
+    assert sum(x["status"] == 401 for x in lines) == 2  # one line per request, refusals included
     with open_db(db).connect() as conn:
         rows = conn.execute(select(usage)).fetchall()
     assert len(rows) == 5  # every admitted request (3 user, 2 budget), written by shutdown
