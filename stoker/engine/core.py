@@ -1,0 +1,287 @@
+"""EngineCore: the step loop. schedule → run → sample → update → outputs.
+
+It validates requests, enforces deadlines, detokenizes and applies stop
+conditions, and stamps every event time; it knows nothing of HTTP or keys.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from stoker.config import EngineConfig, ModelConfig
+from stoker.engine.detokenizer import IncrementalDetokenizer
+from stoker.engine.kv_cache import KVCacheManager
+from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
+from stoker.engine.request import Request
+from stoker.engine.runner import ModelRunner, kv_bytes_per_block
+from stoker.engine.sampler import Sampler, SampleRow
+from stoker.engine.scheduler import Scheduler
+from stoker.models.llama import LlamaModel
+from stoker.models.loader import load_model
+from stoker.models.tokenizer import Tokenizer
+
+log = logging.getLogger("stoker.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def _total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        started = time.perf_counter()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
+        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device))
+        self.model_config: ModelConfig = loaded.config
+        self.tokenizer: Tokenizer = loaded.tokenizer
+        self.served_model_name = config.served_model_name or loaded.config.name
+        self.eos_token_ids = frozenset(loaded.config.eos_token_ids)
+        self.max_model_len = min(
+            config.max_model_len or loaded.config.max_position_embeddings,
+            loaded.config.max_position_embeddings,
+        )
+        model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, self.max_model_len)
+        del loaded
+
+        block_size = config.block_size
+        per_block = kv_bytes_per_block(self.model_config, block_size, kv_dtype)
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory_bytes or int(
+                _total_memory_bytes(self.device) * config.kv_cache_memory_fraction
+            )
+            num_blocks = budget // per_block
+        # Never more than every running sequence at full context could use.
+        num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size) + 1)
+        if num_blocks < 2:
+            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, self.kv, num_blocks, block_size, kv_dtype)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy)
+        self.sampler = Sampler()
+        self.requests: dict[str, list[Request]] = {}
+        self.num_steps = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.last_step_tokens = 0
+        self.load_seconds = time.perf_counter() - started
+        log.info(
+            "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), loaded in %.1fs",
+            self.served_model_name, self.model_config.architecture, str(self.dtype).removeprefix("torch."),
+            self.device, self.kv.num_blocks, block_size, self.kv_capacity_tokens,
+            self.kv.num_blocks * per_block / 2**20, self.load_seconds,
+        )
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv.num_blocks * self.kv.block_size
+
+    # ----------------------------------------------------------- requests
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Validate and enqueue. Raises ValueError (naming the field) and changes nothing if invalid."""
+        params = req.sampling_params
+        params.validate()
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in use")
+        prompt = list(req.prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            raise ValueError(
+                f"prompt is {len(prompt)} tokens; this model's context is {self.max_model_len} "
+                "and at least one token must be generated"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens is {params.max_tokens} but the prompt is {len(prompt)} tokens and the "
+                f"context is {self.max_model_len}: at most {room} can be generated"
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        blocks = -(-(len(prompt) + max_tokens) // self.kv.block_size)
+        if blocks > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) need {blocks} KV blocks; "
+                f"the cache has {self.kv.num_blocks}"
+            )
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        samples = []
+        for index in range(params.n):
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + index)
+            r = Request(
+                req.request_id, index, prompt, params, req.arrival_time,
+                req.priority, req.deadline, max_tokens, generator,
+            )
+            r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
+            samples.append(r)
+        self.requests[req.request_id] = samples
+        for r in samples:
+            self.scheduler.add(r)
+
+    def abort_requests(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
+        outputs = []
+        for request_id in request_ids:
+            for r in self.requests.get(request_id, []):
+                if not r.is_finished:
+                    self.scheduler.remove(r)
+                    r.finish(FinishReason.ABORT, error=error)
+                    outputs.append(self._output(r))
+            self._forget_if_done(request_id)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[EngineCoreOutput]:
+        outputs = self._expire_deadlines()
+        sched = self.scheduler.schedule()
+        self.last_step_tokens = sched.num_tokens
+        if not sched.scheduled:
+            return outputs
+        self.num_steps += 1
+        logits = self.runner.execute(sched)
+        sampling = [s.request for s in sched.scheduled if s.samples]
+        eos_ids = list(self.eos_token_ids)
+        rows = [
+            SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, eos_ids)
+            for r in sampling
+        ]
+        sampled = self.sampler(logits, rows) if rows else []
+        for s in sched.scheduled:
+            r = s.request
+            r.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(r, r.num_computed_tokens)
+        now = time.time()
+        for r, token in zip(sampling, sampled):
+            if r.num_output_tokens == 0:
+                self.prompt_tokens += r.num_prompt_tokens
+            r.append_token(token.token_id, now)
+            if token.logprob is not None:
+                r.pending_logprobs.append(token.logprob)
+            self.generation_tokens += 1
+            self._check_stop(r)
+            if r.is_finished:
+                self.scheduler.remove(r)
+            outputs.append(self._output(r))
+            if r.is_finished:
+                self._forget_if_done(r.request_id)
+        return outputs
+
+    def _check_stop(self, r: Request) -> None:
+        token = r.output_token_ids[-1]
+        params = r.params
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        if r.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif r.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
+            reason = FinishReason.STOP
+        elif r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        # The detokenizer holds back text that may start a stop string; finished releases it.
+        delta = r.detokenizer.add([token], finished=reason is not None)
+        r.pending_text += delta.text
+        if delta.stop_string is not None:
+            r.finish(FinishReason.STOP, delta.stop_string)
+        elif reason is not None:
+            r.finish(reason, stop_reason)
+
+    def _expire_deadlines(self) -> list[EngineCoreOutput]:
+        now = time.time()
+        outputs = []
+        for samples in list(self.requests.values()):
+            for r in samples:
+                if r.deadline is not None and now > r.deadline and not r.is_finished:
+                    outputs.extend(self.abort_requests([r.request_id], error="deadline"))
+                    break
+        return outputs
+
+    def _output(self, r: Request) -> EngineCoreOutput:
+        out = EngineCoreOutput(
+            request_id=r.request_id,
+            index=r.index,
+            new_token_ids=r.pending_token_ids,
+            new_text=r.pending_text,
+            new_logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
+            num_prompt_tokens=r.num_prompt_tokens,
+            num_cached_tokens=max(r.num_cached_tokens, 0),
+            finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason,
+            error=r.error,
+            times=r.times if r.is_finished else None,
+        )
+        r.pending_token_ids, r.pending_logprobs, r.pending_text = [], [], ""
+        return out
+
+    def _forget_if_done(self, request_id: str) -> None:
+        samples = self.requests.get(request_id)
+        if samples is not None and all(r.is_finished for r in samples):
+            del self.requests[request_id]
+
+    def stats(self) -> EngineStats:
+        waiting = self.scheduler.waiting
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(waiting),
+            num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            kv_blocks_total=self.kv.num_blocks,
+            kv_blocks_used=self.kv.num_used_blocks,
+            block_size=self.kv.block_size,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            prompt_tokens=self.prompt_tokens,
+            generation_tokens=self.generation_tokens,
+            steps=self.num_steps,
+            last_step_tokens=self.last_step_tokens,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.kv.reset_prefix_cache()

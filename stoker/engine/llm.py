@@ -1,0 +1,99 @@
+"""Offline inference: LLM.generate() and LLM.chat() over an in-process EngineCore."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any, Sequence
+
+from tqdm import tqdm
+
+from stoker.config import EngineConfig
+from stoker.engine.core import EngineCore
+from stoker.engine.params import CompletionOutput, EngineCoreRequest, RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM()` loads the default model; keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Prompts are strings or lists of token ids. Outputs come back in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+                )
+        requests = []
+        for prompt, params in zip(prompts, params_list):
+            if isinstance(prompt, str):
+                text, token_ids = prompt, self.tokenizer.encode(prompt)
+            else:
+                text, token_ids = None, list(prompt)
+            requests.append((text, token_ids, params))
+        # Validate everything before queueing anything, so a bad prompt loses nothing.
+        results: dict[str, RequestOutput] = {}
+        order = []
+        try:
+            for text, token_ids, params in requests:
+                request_id = f"offline-{next(self._ids)}"
+                self.engine.add_request(EngineCoreRequest(request_id, token_ids, params, time.time()))
+                order.append(request_id)
+                results[request_id] = RequestOutput(
+                    request_id, text, token_ids, [CompletionOutput(i) for i in range(params.n)]
+                )
+        except ValueError:
+            self.engine.abort_requests(order)
+            raise
+        self._run(results, use_tqdm if use_tqdm is not None else len(order) > 8)
+        return [results[r] for r in order]
+
+    def _run(self, results: dict[str, RequestOutput], show_progress: bool) -> None:
+        remaining = len(results)
+        bar = tqdm(total=remaining, desc="generating", unit="req", disable=not show_progress)
+        try:
+            while remaining:
+                for delta in self.engine.step():
+                    out = results.get(delta.request_id)
+                    if out is None:
+                        continue
+                    was_finished = out.finished
+                    out.apply(delta)
+                    if out.finished and not was_finished:
+                        remaining -= 1
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_requests(list(results))
+            raise
+        finally:
+            bar.close()
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation (a list of messages) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)

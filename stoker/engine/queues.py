@@ -1,0 +1,62 @@
+"""Waiting-request queues behind one interface: the policy is the sort key."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Iterator
+
+from stoker.engine.request import Request
+
+SortKey = Callable[[Request], tuple]
+
+
+def fcfs_key(request: Request) -> tuple:
+    return (request.arrival_time, request.arrival_seq)
+
+
+def priority_key(request: Request) -> tuple:
+    return request.sort_key()
+
+
+class RequestQueue:
+    """Requests kept in service order; a preempted request goes back in its
+    place (by its original arrival), not at the tail."""
+
+    def __init__(self, key: SortKey) -> None:
+        self._key = key
+        self._keys: list[tuple] = []
+        self._items: list[Request] = []
+
+    def add(self, request: Request) -> None:
+        k = self._key(request)
+        i = bisect.bisect_right(self._keys, k)
+        self._keys.insert(i, k)
+        self._items.insert(i, request)
+
+    def remove(self, request: Request) -> None:
+        k = self._key(request)
+        i = bisect.bisect_left(self._keys, k)
+        while self._items[i] is not request:
+            i += 1
+        del self._keys[i]
+        del self._items[i]
+
+    def peek(self) -> Request:
+        return self._items[0]
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
+def make_queue(policy: str) -> RequestQueue:
+    if policy == "fcfs":
+        return RequestQueue(fcfs_key)
+    if policy == "priority":
+        return RequestQueue(priority_key)
+    raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")

@@ -1,0 +1,166 @@
+"""Token-budget scheduler: no prefill or decode phase, only requests catching up
+with their token lists under a per-step budget.
+
+Each step: running requests first (in service order), then waiting ones while
+budget, sequence slots and KV blocks last. A long prompt is chunked across
+steps. When blocks run out the worst request by service order is preempted
+(freed and recomputed later); with the priority policy a waiting request may
+also preempt a running one of a strictly lower class.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from stoker.engine.kv_cache import KVCacheManager
+from stoker.engine.queues import make_queue
+from stoker.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the sequence, so its last token's logits are needed."""
+        r = self.request
+        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    """Decodes (one new token) first, then prefill chunks."""
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        policy: str = "priority",
+    ) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.policy = policy
+        self.waiting = make_queue(policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._arrivals = itertools.count()
+
+    def add(self, request: Request) -> None:
+        request.arrival_seq = next(self._arrivals)
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the scheduler (finished or aborted) and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or bool(self.waiting)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput, budget: list[int]) -> None:
+        self.running.remove(victim)
+        for i, s in enumerate(out.scheduled):
+            if s.request is victim:
+                budget[0] += s.num_new_tokens
+                del out.scheduled[i]
+                break
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.waiting.add(victim)
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = [self.max_num_batched_tokens]
+        self.running.sort(key=Request.sort_key)
+
+        for request in list(self.running):
+            if request not in self.running:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
+            if num_new <= 0:
+                continue
+            while not self.kv.allocate(request, num_new):
+                victim = max(self.running, key=Request.sort_key)
+                self._preempt(victim, out, budget)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                budget[0] -= num_new
+
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        # Decodes first so the runner can batch them in one attention call.
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _leader_prefilling(self, request: Request) -> bool:
+        """Samples 1..n-1 of a prompt wait for sample 0's prefill, to share its blocks."""
+        if request.index == 0 or request.num_computed_tokens:
+            return False
+        for other in self.running:
+            if other.request_id == request.request_id and other.index == 0:
+                return other.num_computed_tokens < other.num_prompt_tokens
+        return False
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
+        now = time.time()
+        for request in self.waiting:
+            if budget[0] <= 0:
+                break
+            if self._leader_prefilling(request):
+                continue
+            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            computed = request.num_computed_tokens + len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - computed, budget[0])
+            if len(self.running) >= self.max_num_seqs and not self._make_room(request, out, budget, slots=True):
+                break
+            while not self.kv.allocate(request, num_new, cached):
+                if not self._make_room(request, out, budget, slots=False):
+                    return
+                num_new = min(num_new, budget[0])
+            hit_tokens = len(cached) * self.kv.block_size
+            if self.kv.enable_caching and request.num_preemptions == 0:
+                self.kv.record_prefix_lookup(request.num_tokens, hit_tokens)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit_tokens
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.times.scheduled is None:
+                request.times.scheduled = now
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget[0] -= num_new
+
+    def _make_room(self, request: Request, out: SchedulerOutput, budget: list[int], slots: bool) -> bool:
+        """With the priority policy, preempt the worst running request if it is of a
+        strictly lower class than `request`. Returns whether anything was freed."""
+        if self.policy != "priority" or not self.running:
+            return False
+        victim = max(self.running, key=Request.sort_key)
+        if victim.priority <= request.priority:
+            return False
+        self._preempt(victim, out, budget)
+        return True

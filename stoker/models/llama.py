@@ -1,0 +1,132 @@
+"""Llama-family decoder over a paged KV cache: Llama 2/3, SmolLM, Mistral,
+Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stoker.config import ModelConfig
+from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
+from stoker.models.layers import Rotary, gated_mlp, rms_norm
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+@dataclass
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    """q, k and v projections stacked into one matmul."""
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class LlamaModel:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_positions: int | None = None,
+    ) -> None:
+        if config.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture {config.architecture!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise ValueError(f"weight {name!r} missing from the checkpoint")
+            return weights[name].to(device=device, dtype=dtype).contiguous()
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[DecoderLayer] = []
+        for i in range(config.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            biases = [maybe(a + f"{x}_proj.bias") for x in "qkv"]
+            self.layers.append(
+                DecoderLayer(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
+                    qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                    q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
+                    k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
+                    o_proj=w(a + "o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.norm = w("model.norm.weight")
+        if config.tie_word_embeddings or "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = w("lm_head.weight")
+        self.rotary = Rotary(
+            config.head_dim,
+            max_positions or config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+            device,
+        )
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Runs the flattened batch; returns float32 logits for logits_indices only."""
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed)
+        n = hidden.shape[0]
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            residual = hidden
+            x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            hidden = residual + F.linear(attn, layer.o_proj)
+            residual = hidden
+            x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            hidden = residual + gated_mlp(x, layer.gate_up, layer.down)
+        last = hidden[logits_indices]
+        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        return F.linear(last, self.lm_head).float()
