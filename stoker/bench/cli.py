@@ -1,0 +1,145 @@
+"""`stoker bench serve` (load test any OpenAI-compatible server) and
+`stoker bench offline` (the engine without HTTP vs Hugging Face transformers)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+
+from stoker.bench.workload import LengthDist, Tokenizer
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline}")
+    serve = sub.add_parser("serve", help="load test an OpenAI-compatible server (streaming)",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+    from stoker.bench import offline
+
+    off = sub.add_parser("offline", help="engine throughput without HTTP, vs transformers",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    offline.add_arguments(off)
+    off.set_defaults(func=offline.run)
+    bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("servers")
+    g.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server (with or without /v1)")
+    g.add_argument("--compare", default=None, metavar="URL2[,URL3]",
+                   help="other servers to run the same workload against, alternating A,B,A,B per repetition")
+    g.add_argument("--model", default=None, help="model name to send; default: the first one each server lists")
+    g.add_argument("--api-key", default=os.environ.get("STOKER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default $STOKER_API_KEY or $OPENAI_API_KEY)")
+    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                   help="completions sends exact-length text; chat wraps it in the server's chat template")
+    g = p.add_argument_group("load shape (closed loop unless --rate or --burst)")
+    g.add_argument("--concurrency", default="1", help="concurrent clients; a list sweeps: 1,4,16,32")
+    g.add_argument("--rate", default=None, help="open loop: Poisson arrivals at R req/s (a list sweeps)")
+    g.add_argument("--burst", action="store_true", help="send all requests at once")
+    g.add_argument("--num-requests", type=int, default=100, help="requests per stage and repetition")
+    g.add_argument("--duration", type=float, default=None, help="seconds per stage after which no request starts")
+    g.add_argument("--repeats", type=int, default=None, help="repetitions per stage (default 1; 2 with --compare)")
+    g.add_argument("--warmup", type=int, default=1, help="unrecorded requests per server before measuring")
+    g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    g = p.add_argument_group("workload")
+    g.add_argument("--input-len", default="100:1000", help="prompt tokens: N, A:B (uniform) or normal:MEAN:STD")
+    g.add_argument("--output-len", default="128", help="max_tokens: N, A:B or normal:MEAN:STD")
+    g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every answer is max_tokens long")
+    g.add_argument("--temperature", type=float, default=None, help="sent only when given")
+    g.add_argument("--dataset", default=None, help='JSONL of {"prompt": ...} or {"messages": [...]}')
+    g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of common prefix (prefix-cache workload)")
+    g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, used round robin")
+    g.add_argument("--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("output")
+    g.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=100ms (e2e too)")
+    g.add_argument("--out", default=None, metavar="DIR", help="write results.json, report.md and PNG plots here")
+    g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> list:
+    from stoker.bench import workload
+
+    out_len = LengthDist.parse(args.output_len) if args.output_len else None
+    if tok is None:
+        tok = workload.load_tokenizer(args.tokenizer)
+    if args.dataset:
+        return workload.load_dataset(args.dataset, out_len, args.seed, tok)
+    overhead = tok.chat_overhead() if args.endpoint == "chat" and hasattr(tok, "chat_overhead") else 0
+    return workload.synthetic(tok, args.num_requests, LengthDist.parse(args.input_len), out_len, args.seed,
+                              args.shared_prefix_len, args.num_prefixes, chat_overhead=overhead)
+
+
+def build_stages(args: argparse.Namespace) -> list:
+    from stoker.bench.serve import Stage
+
+    if args.burst:
+        return [Stage("burst")]
+    if args.rate:
+        return [Stage("poisson", float(r)) for r in args.rate.split(",")]
+    from stoker.bench.workload import parse_int_list
+
+    return [Stage("closed", c) for c in parse_int_list(args.concurrency)]
+
+
+async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> int:
+    """The whole of `stoker bench serve`; `tok` lets tests skip loading a real tokenizer."""
+    from rich.console import Console
+
+    from stoker.bench import report, serve, stats
+
+    console = Console(stderr=False)
+    slo = stats.parse_slo(args.slo)
+    urls = [args.url] + ([u for u in args.compare.split(",") if u] if args.compare else [])
+    cfg = serve.BenchConfig(
+        targets=serve.make_targets(urls, args.model), stages=build_stages(args),
+        endpoint=args.endpoint, num_requests=args.num_requests, duration=args.duration,
+        repeats=args.repeats or (2 if len(urls) > 1 else 1), api_key=args.api_key, ignore_eos=args.ignore_eos,
+        temperature=args.temperature, timeout=args.timeout, warmup=args.warmup, seed=args.seed)
+    t = time.perf_counter()
+    specs = build_workload(args, tok)
+    lens = [s.input_len for s in specs if s.input_len is not None]
+    console.print(f"workload: {len(specs)} prompts" + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
+                  + f" (built in {time.perf_counter() - t:.1f}s)")
+
+    progress = report.make_progress(console)
+    state: dict = {"task": None, "failed": 0}
+
+    def on_run(target: serve.Target, stage: serve.Stage, rep: int, total: int) -> None:
+        state["failed"] = 0
+        state["task"] = progress.add_task(f"{target.label} {stage.label} #{rep}", total=total, failed=0)
+
+    def on_done(r: stats.RequestResult) -> None:
+        state["failed"] += not r.ok
+        progress.update(state["task"], advance=1, failed=state["failed"])
+
+    if args.no_progress:
+        runs = await serve.run_bench(cfg, specs, slo=slo)
+    else:
+        with progress:
+            runs = await serve.run_bench(cfg, specs, on_done, on_run, slo=slo)
+    merged = stats.merge_repetitions(runs, slo)
+    comparisons = stats.compare_runs(runs, cfg.targets[0].label) if len(cfg.targets) > 1 else []
+    report.print_report(console, merged, comparisons)
+    if args.out:
+        result = {"command": _command(), "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
+                  "targets": [vars(t) for t in cfg.targets], "merged": merged, "comparisons": comparisons, "runs": runs}
+        for path in report.write_outputs(args.out, result, _command()):
+            console.print(f"wrote {path}")
+    # Nonzero only when nothing worked at all, so scripts notice a dead server.
+    return 0 if any(m["summary"]["completed"] for m in merged) else 1
+
+
+def _command() -> str:
+    return "stoker " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv else "stoker bench serve"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return asyncio.run(serve_main(args))

@@ -1,0 +1,193 @@
+"""Presenting a bench run: rich tables and a live progress bar on the terminal;
+results.json, report.md and PNG plots in --out DIR.
+
+Tables are built once as rows of strings and rendered twice (rich, markdown)
+so the terminal and the report never disagree."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Sequence
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from stoker.bench.stats import COMPARE_METRICS, HIGHER_IS_BETTER, LATENCY_METRICS, metric
+
+Rows = tuple[list[str], list[list[str]]]
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1000:.1f}"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def throughput_rows(merged: Sequence[dict]) -> Rows:
+    header = ["target", "stage", "ok", "failed", "out tok/s", "total tok/s", "req/s", "goodput"]
+    rows = []
+    for m in merged:
+        s = m["summary"]
+        failed = str(s["failed"]) + (" (" + ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) + ")" if s["failures"] else "")
+        goodput = f"{s['goodput'] * 100:.0f}%" if "goodput" in s else "-"
+        rows.append([m["target"], m["stage"], str(s["completed"]), failed, _num(s["output_tok_s"]),
+                     _num(s["total_tok_s"]), _num(s["req_s"], ".2f"), goodput])
+    return header, rows
+
+
+def latency_rows(merged: Sequence[dict]) -> Rows:
+    header = ["target", "stage", "metric (ms)", "mean", "p50", "p90", "p99", "max"]
+    rows = []
+    for m in merged:
+        for name in LATENCY_METRICS:
+            p = m["summary"][name]
+            rows.append([m["target"], m["stage"], name.upper(), _ms(p["mean"]), _ms(p["p50"]), _ms(p["p90"]), _ms(p["p99"]), _ms(p["max"])])
+    return header, rows
+
+
+def compare_rows(comparisons: Sequence[dict], merged: Sequence[dict]) -> Rows:
+    """One row per (stage, other server, metric): pooled values side by side,
+    then the geometric mean of per-repetition ratios and their spread."""
+    header = ["stage", "metric", "base", "other", "base value", "other value", "base ÷ other", "pairs min–max"]
+    pooled = {(m["target"], m["stage"]): m["summary"] for m in merged}
+    rows = []
+    for c in comparisons:
+        for name in COMPARE_METRICS:
+            r = c["ratios"][name]
+            b, o = (metric(pooled.get((t, c["stage"]), {}), name) for t in (c["base"], c["other"]))
+            show = _num if name in HIGHER_IS_BETTER else _ms
+            label = name if name in HIGHER_IS_BETTER else f"{name} (ms)"
+            rows.append([c["stage"], label, c["base"], c["other"], show(b), show(o),
+                         "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                         "-" if r["ratio"] is None else f"{r['min']:.2f}–{r['max']:.2f} ({r['pairs']})"])
+    return header, rows
+
+
+def render_rich(console: Console, title: str, rows: Rows) -> None:
+    header, body = rows
+    table = Table(title=escape(title), title_justify="left")
+    for i, h in enumerate(header):
+        numeric = all(_numeric(r[i]) for r in body)
+        table.add_column(escape(h), justify="right" if numeric else "left")
+    for row in body:
+        table.add_row(*(escape(c) for c in row))
+    console.print(table)
+
+
+def _numeric(cell: str) -> bool:
+    head = cell.split(" ")[0].split("–")[0].rstrip("%x")
+    try:
+        float(head)
+    except ValueError:
+        return cell == "-"
+    return True
+
+
+def render_markdown(title: str, rows: Rows) -> str:
+    header, body = rows
+    lines = [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def print_report(console: Console, merged: Sequence[dict], comparisons: Sequence[dict]) -> None:
+    render_rich(console, "Throughput", throughput_rows(merged))
+    render_rich(console, "Latency", latency_rows(merged))
+    if comparisons:
+        render_rich(console, "Side by side (ratio: geometric mean over paired repetitions)", compare_rows(comparisons, merged))
+
+
+def make_progress(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
+                    console=console, transient=False)
+
+
+def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
+    """results.json (every request), report.md, and plots; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(result, f, indent=1)
+    md = [f"# stoker bench serve\n", f"```\n{command}\n```\n",
+          render_markdown("Throughput", throughput_rows(result["merged"])),
+          render_markdown("Latency", latency_rows(result["merged"]))]
+    if result.get("comparisons"):
+        md.append(render_markdown("Side by side (ratio: geometric mean over paired repetitions)",
+                                  compare_rows(result["comparisons"], result["merged"])))
+    plots = plot_all(out_dir, result)
+    md += [f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots]
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    return paths + plots
+
+
+def plot_all(out_dir: str, result: dict) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    paths = []
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for ax, name in zip(axes.flat, LATENCY_METRICS):
+        for group in _groups(result["runs"]):
+            values = _latencies(group["requests"], name)
+            if values:
+                xs = np.sort(np.asarray(values) * 1000)
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=f"{group['target']} {group['stage']}")
+        ax.set_title(f"{name.upper()} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests" if name != "itl" else "fraction of token gaps")
+        ax.grid(alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize="small")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    paths.append(os.path.join(out_dir, "latency_cdf.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    sweep = [m for m in result["merged"] if m.get("stage_value") is not None and m["stage"].startswith("c=")]
+    if len({m["stage"] for m in sweep}) >= 2:
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+        for target in dict.fromkeys(m["target"] for m in sweep):
+            pts = sorted((m["stage_value"], m["summary"]) for m in sweep if m["target"] == target)
+            xs = [p[0] for p in pts]
+            a1.plot(xs, [p[1]["output_tok_s"] for p in pts], marker="o", label=target)
+            a2.plot(xs, [(p[1]["ttft"]["p99"] or float("nan")) * 1000 for p in pts], marker="o", label=target)
+        for ax, title, ylabel in ((a1, "output throughput", "tok/s"), (a2, "p99 TTFT", "ms")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(sorted({m["stage_value"] for m in sweep}), [f"{v:g}" for v in sorted({m["stage_value"] for m in sweep})])
+            ax.set_title(f"{title} vs concurrency")
+            ax.set_xlabel("concurrent clients")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        paths.append(os.path.join(out_dir, "sweep.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def _groups(runs: Sequence[dict]) -> list[dict]:
+    """Runs pooled by (target, stage), repetitions together."""
+    groups: dict[tuple[str, str], dict] = {}
+    for r in runs:
+        g = groups.setdefault((r["target"], r["stage"]), {"target": r["target"], "stage": r["stage"], "requests": []})
+        g["requests"].extend(r["requests"])
+    return list(groups.values())
+
+
+def _latencies(requests: Sequence[dict], name: str) -> list[float]:
+    ok = [q for q in requests if q["ok"]]
+    if name == "itl":
+        return [x for q in ok for x in q["itls"]]
+    return [q[name] for q in ok if q.get(name) is not None]

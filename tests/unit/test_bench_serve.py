@@ -1,0 +1,153 @@
+"""The load generator against a scripted fake OpenAI-compatible server: timings
+of a normal run, every kind of failure reported instead of raised, load
+shapes, alternation between servers, and the whole `stoker bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import time
+from typing import Sequence
+
+import pytest
+
+from stoker.bench.cli import add_serve_arguments, serve_main
+from stoker.bench.fakeserver import FakeServer
+from stoker.bench.serve import BenchConfig, Stage, make_targets, run_bench
+from stoker.bench.workload import RequestSpec
+
+SPECS = [RequestSpec(prompt=f"prompt number {i}", input_len=3, output_len=5) for i in range(4)]
+
+
+class WordTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [len(w) for w in text.split()]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return " ".join("x" * i for i in ids)
+
+
+def config(*urls: str, **kw: object) -> BenchConfig:
+    defaults: dict = {"stages": [Stage("closed", 2)], "num_requests": 6, "warmup": 0, "timeout": 10.0}
+    defaults.update(kw)
+    return BenchConfig(targets=make_targets(list(urls)), **defaults)
+
+
+async def test_normal_run_records_timings_and_sends_standard_requests() -> None:
+    async with FakeServer(ttft=0.03, itl=0.005) as server:
+        cfg = config(server.url + "/v1/", endpoint="completions", ignore_eos=True, api_key="sk-test", temperature=0.0)
+        (run,) = await run_bench(cfg, SPECS)
+    s = run["summary"]
+    assert (s["completed"], s["failed"]) == (6, 0)
+    assert run["model"] == "fake-model"  # discovered from /v1/models
+    for r in run["requests"]:
+        assert r["ok"] and r["output_tokens"] == 5 and len(r["itls"]) == 4
+        assert r["ttft"] >= 0.03 and r["e2e"] >= r["ttft"] + 4 * 0.005
+        assert r["prompt_tokens"] == 3  # the fake's usage counts words
+    assert s["output_tok_s"] == pytest.approx(30 / s["duration_s"])
+    post = next(q for q in server.requests if q["method"] == "POST")
+    assert post["path"] == "/v1/completions"
+    assert post["headers"]["authorization"] == "Bearer sk-test"
+    body = post["body"]
+    assert body["stream"] is True and body["max_tokens"] == 5 and body["ignore_eos"] is True
+    assert body["temperature"] == 0.0 and body["model"] == "fake-model" and body["prompt"].startswith("prompt number")
+
+
+async def test_chat_role_chunk_is_not_a_token() -> None:
+    async with FakeServer(ttft=0.03, itl=0.0) as server:
+        (run,) = await run_bench(config(server.url, endpoint="chat", num_requests=2), SPECS)
+    assert [r["output_tokens"] for r in run["requests"]] == [5, 5]
+    assert all(r["ttft"] >= 0.03 for r in run["requests"])  # the role delta came at once; it does not count
+    assert server.requests[-1]["body"]["messages"] == [{"role": "user", "content": "prompt number 1"}]
+
+
+@pytest.mark.parametrize("fail, failures", [
+    ("500", {"500": 6}),
+    ("429", {"429": 6}),
+    ("midstream", {"stream error": 6}),
+    ("drop", {"incomplete stream": 6}),
+    ("alternate", {"503": 3}),
+])
+async def test_server_errors_are_reported_not_raised(fail: str, failures: dict) -> None:
+    async with FakeServer(fail=fail, itl=0.0) as server:
+        (run,) = await run_bench(config(server.url), SPECS, slo={"ttft": 1.0})
+    s = run["summary"]
+    assert s["failures"] == failures
+    assert s["completed"] == 6 - sum(failures.values())
+    assert s["goodput"] == pytest.approx(s["completed"] / 6)
+    bad = [r for r in run["requests"] if not r["ok"]]
+    assert all(r["error"] for r in bad)
+
+
+async def test_unreachable_server_is_reported() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again before use: nothing listens
+    (run,) = await run_bench(config(f"http://127.0.0.1:{port}", num_requests=2, warmup=1), SPECS)
+    assert run["summary"]["failed"] == 2
+    assert list(run["summary"]["failures"]) == ["ConnectError"]
+
+
+async def test_open_loop_and_burst_shapes() -> None:
+    async with FakeServer(ttft=0.05, itl=0.0) as server:
+        poisson, burst = await run_bench(config(server.url, stages=[Stage("poisson", 40.0), Stage("burst")], num_requests=8), SPECS)
+    assert poisson["stage"] == "rate=40/s" and burst["stage"] == "burst"
+    assert poisson["summary"]["completed"] == burst["summary"]["completed"] == 8
+    starts = [r["start"] for r in burst["requests"]]
+    assert max(starts) < 0.05  # all sent before the first answer
+    assert max(r["start"] for r in poisson["requests"]) > 0.05  # spread over time (mean gap 25 ms)
+
+
+async def test_duration_stops_the_run() -> None:
+    async with FakeServer(ttft=0.02, itl=0.0) as server:
+        t = time.perf_counter()
+        (run,) = await run_bench(config(server.url, num_requests=10_000, duration=0.3), SPECS)
+    assert time.perf_counter() - t < 2.0
+    assert 2 <= run["summary"]["requests"] < 100
+
+
+async def test_compare_alternates_servers_and_reports_ratios() -> None:
+    async with FakeServer(ttft=0.01, itl=0.001) as fast, FakeServer(ttft=0.04, itl=0.01) as slow:
+        runs = await run_bench(config(fast.url, slow.url, num_requests=4, repeats=2), SPECS)
+    labels = [(r["target"].split(":")[-1], r["repetition"]) for r in runs]
+    fast_port, slow_port = fast.url.split(":")[-1], slow.url.split(":")[-1]
+    assert labels == [(fast_port, 0), (slow_port, 0), (fast_port, 1), (slow_port, 1)]
+    from stoker.bench.stats import compare_runs
+
+    (row,) = compare_runs(runs, runs[0]["target"])
+    assert row["ratios"]["output_tok_s"]["ratio"] > 1.5
+    assert row["ratios"]["ttft.p50"]["ratio"] < 0.7
+    assert row["ratios"]["output_tok_s"]["pairs"] == 2
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_serve_arguments(p)
+    return p.parse_args(argv)
+
+
+async def test_bench_serve_command_writes_report(tmp_path) -> None:  # noqa: ANN001
+    async with FakeServer(ttft=0.01, itl=0.001) as a, FakeServer(ttft=0.01, itl=0.001, fail="alternate") as b:
+        args = parse(["--url", a.url, "--compare", b.url, "--concurrency", "1,2", "--num-requests", "4",
+                      "--input-len", "5:20", "--output-len", "4", "--ignore-eos", "--slo", "ttft=500ms",
+                      "--out", str(tmp_path), "--no-progress", "--warmup", "0"])
+        assert await serve_main(args, WordTokenizer()) == 0
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["latency_cdf.png", "report.md", "results.json", "sweep.png"]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert len(result["runs"]) == 2 * 2 * 2  # stages x repetitions x servers
+    assert all(len(r["requests"]) == 4 for r in result["runs"])
+    assert len(result["comparisons"]) == 2
+    assert "api_key" not in result["config"]
+    md = (tmp_path / "report.md").read_text()
+    assert "Throughput" in md and "503" in md and "base ÷ other" in md
+
+
+async def test_bench_serve_command_against_a_failing_server_exits_nonzero(capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal width
+    async with FakeServer(fail="500") as server:
+        args = parse(["--url", server.url, "--num-requests", "3", "--input-len", "5", "--no-progress"])
+        assert await serve_main(args, WordTokenizer()) == 1
+    out = capsys.readouterr().out
+    assert "3 (500: 3)" in out
