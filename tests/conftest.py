@@ -98,3 +98,18 @@ def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         yield server
     finally:
         server.stop()
+
+
+REAL_SERVER_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "32"]
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One server on the default model (and the embedding model), shared by every e2e test."""
+    if not os.path.exists(os.path.join(REPO, "stoker", "engine", "core.py")):
+        pytest.skip("the engine core is not in the tree yet")
+    server = start_server(REAL_SERVER_ARGS, str(tmp_path_factory.mktemp("real-server")), ready_timeout=600)
+    try:
+        yield server
+    finally:
+        server.stop()
