@@ -1,0 +1,59 @@
+"""`stoker serve` options: every config field is an option, with help; CLI >
+environment > YAML > defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from stoker.cli import build_parser
+from stoker.config import EngineConfig
+from stoker.server.cli import resolve_configs
+from stoker.server.config import ServerConfig, field_docs
+
+
+def parse(argv: list[str]):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_help_documents_every_field(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["--help"])
+    text = capsys.readouterr().out
+    for cls in (EngineConfig, ServerConfig):
+        docs = field_docs(cls)
+        for name in cls.model_fields:
+            assert "--" + name.replace("_", "-") in text
+            assert docs.get(name), f"{cls.__name__}.{name} has no docstring"
+    assert "--no-embedding-model" in text and "--config" in text
+
+
+def test_precedence(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "stoker.yaml"
+    config.write_text("port: 9000\nmax-num-seqs: 8\nshutdown_timeout: 5\nhost: 0.0.0.0\nembedding_model: null\n")
+    monkeypatch.setenv("STOKER_PORT", "9100")
+    monkeypatch.setenv("STOKER_MAX_NUM_SEQS", "12")
+    monkeypatch.setenv("STOKER_ENABLE_PREFIX_CACHING", "false")
+    engine, server = resolve_configs(parse(["--config", str(config), "--port", "9200", "m.gguf"]))
+    assert server.port == 9200 and engine.max_num_seqs == 12 and server.shutdown_timeout == 5
+    assert server.host == "0.0.0.0" and server.embedding_model is None
+    assert engine.model == "m.gguf" and engine.enable_prefix_caching is False
+
+
+def test_defaults_and_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in list(__import__("os").environ):
+        if key.startswith("STOKER_"):
+            monkeypatch.delenv(key)
+    engine, server = resolve_configs(parse([]))
+    assert (server.host, server.port, server.shutdown_timeout) == ("127.0.0.1", 8000, 30.0)
+    assert server.embedding_model == "all-MiniLM-L6-v2" and engine.model is None
+    _, server = resolve_configs(parse(["--no-embedding-model", "--no-enable-prefix-caching"]))
+    assert server.embedding_model is None
+
+
+def test_bad_values_are_reported(tmp_path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text("prot: 1\n")
+    with pytest.raises(ValueError, match="prot"):
+        resolve_configs(parse(["--config", str(config)]))
+    with pytest.raises(ValueError):
+        resolve_configs(parse(["--port", "70000"]))
