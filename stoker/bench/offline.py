@@ -143,8 +143,12 @@ def profile_stoker(model_path: str | None, dtype: str, max_num_seqs: int, prompt
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"profile-{i}", p, params, time.time()))
-    for _ in range(steps):  # past the first steps, which are mostly prefill
+    # Profile the steady state: once every prompt is admitted and mostly decoding.
+    for _ in range(500):
         core.step()
+        if core.stats().num_waiting == 0 and core.stats().num_waiting_tokens == 0:
+            break
+    core.step()
     report = io.StringIO()
     walls = []
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -231,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     if args.profile and not why_not and not args.skip_stoker:
         profile = profile_stoker(args.model, args.dtype.split(",")[0], max(stoker_sizes), prompts,
                                  args.output_len, args.profile_steps)
-        console.print(profile, markup=False, highlight=False)
+        print(profile)  # plain: rich would re-wrap the profiler's wide tables
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "offline.json"), "w") as f:
