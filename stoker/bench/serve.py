@@ -230,7 +230,7 @@ async def run_bench(cfg: BenchConfig, specs: list[RequestSpec], on_done: Callbac
             for rep, label in alternating_schedule([t.label for t in cfg.targets], cfg.repeats):
                 target = next(t for t in cfg.targets if t.label == label)
                 if on_run:
-                    on_run(target, stage, rep, min(cfg.num_requests, 10**9))
+                    on_run(target, stage, rep, cfg.num_requests)
                 results, duration = await run_stage(client, target, stage, specs, cfg, on_done, rep)
                 runs.append({
                     "target": target.label, "url": target.url, "model": target.model,

@@ -39,14 +39,21 @@ north south east west green yellow purple orange silent golden wooden frozen cro
 
 
 def load_tokenizer(model: str | None = None) -> Tokenizer:
-    """The served model's tokenizer: transformers' reading of the GGUF (or a HF
-    folder). Offline only; the default is stoker's default GGUF."""
+    """The served model's tokenizer, loaded as `stoker serve` loads it (or
+    transformers' reading of the file if stoker's loader is unavailable).
+    Offline only; the default is stoker's default GGUF."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
     from stoker.config import default_model_path
 
     path = model or default_model_path()
+    try:
+        from stoker.models.loader import load_tokenizer as stoker_tokenizer
+    except ImportError:
+        stoker_tokenizer = None
+    if stoker_tokenizer is not None:
+        return HFTokenizer(stoker_tokenizer(path).hf)
+    from transformers import AutoTokenizer
+
     if path.endswith(".gguf"):
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     else:
