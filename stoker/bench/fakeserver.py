@@ -40,7 +40,7 @@ class FakeServer:
             self._server.close()
             await self._server.wait_closed()
 
-    async def __aenter__(self) -> "FakeServer":
+    async def __aenter__(self) -> FakeServer:  # noqa: PYI034 - typing.Self needs 3.11
         await self.start()
         return self
 

@@ -43,13 +43,13 @@ def prompt_lengths(spec: str, n: int, seed: int) -> list[int]:
     return lens
 
 
-def _torch_dtype(name: str):  # noqa: ANN202 - torch imported lazily
+def _torch_dtype(name: str):
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_hf(model_path: str, dtype: str):  # noqa: ANN201
+def load_hf(model_path: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = {}
@@ -69,7 +69,7 @@ def load_hf(model_path: str, dtype: str):  # noqa: ANN201
     return model.eval()
 
 
-def run_hf(model, prompts: list[list[int]], batch_size: int, out_len: int, pad_id: int) -> dict:  # noqa: ANN001
+def run_hf(model, prompts: list[list[int]], batch_size: int, out_len: int, pad_id: int) -> dict:
     """Static batches of similar lengths (sorted: the baseline's best case), left padded."""
     import torch
 
@@ -98,7 +98,7 @@ def stoker_available() -> str | None:
     """None if the engine can run, else why not (the engine is being written)."""
     try:
         from stoker.engine.llm import LLM  # noqa: F401
-    except Exception as exc:  # a half-written engine must not take the baseline down with it
+    except Exception as exc:  # noqa: BLE001 - a half-written engine must not take the baseline down
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
         summary.append({"dtype": dtype, "stoker": s and _strip(s), "transformers": h and _strip(h),
                         "output_ratio": s["output_tok_s"] / h["output_tok_s"] if s and h else None,
                         "total_ratio": s["total_tok_s"] / h["total_tok_s"] if s and h else None, "same_tokens": same})
-        fmt = lambda r: f"{r['output_tok_s']:.1f} ({r['batch_size']})" if r else "-"  # noqa: E731
+        fmt = lambda r: f"{r['output_tok_s']:.1f} ({r['batch_size']})" if r else "-"
         ratio = summary[-1]["output_ratio"]
         table.add_row(dtype, fmt(s), fmt(h), f"{ratio:.2f}x" if ratio else "-",
                       f"{summary[-1]['total_ratio']:.2f}x" if ratio else "-", f"{same}/{len(prompts)}" if same is not None else "-")

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
-from stoker.bench.stats import COMPARE_METRICS, HIGHER_IS_BETTER, LATENCY_METRICS, metric
+from stoker.bench.stats import (
+    COMPARE_METRICS,
+    HIGHER_IS_BETTER,
+    LATENCY_METRICS,
+    metric,
+)
 
 Rows = tuple[list[str], list[list[str]]]
 
@@ -114,7 +125,7 @@ def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
     paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
     with open(paths[0], "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    md = [f"# stoker bench serve\n", f"```\n{command}\n```\n",
+    md = ["# stoker bench serve\n", f"```\n{command}\n```\n",
           render_markdown("Throughput", throughput_rows(result["merged"])),
           render_markdown("Latency", latency_rows(result["merged"]))]
     if result.get("comparisons"):

@@ -12,8 +12,8 @@ import itertools
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 from urllib.parse import urlparse
 
 import httpx
@@ -69,8 +69,7 @@ def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
     targets = []
     for i, url in enumerate(urls):
         base = url.rstrip("/")
-        if base.endswith("/v1"):
-            base = base[: -len("/v1")]
+        base = base.removesuffix("/v1")
         label = urlparse(base).netloc or base
         if any(t.label == label for t in targets):
             label = f"{label}#{i}"

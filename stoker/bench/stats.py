@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class RequestResult:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RequestResult":
+    def from_dict(cls, d: dict) -> RequestResult:
         d = {k: v for k, v in d.items() if k != "tpot"}
         return cls(**d)
 

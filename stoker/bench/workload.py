@@ -11,8 +11,9 @@ import json
 import os
 import random
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Tokenizer(Protocol):
@@ -35,7 +36,7 @@ machine pattern railway lantern kitchen library journey station captain teacher 
 weather question history science reason surface corner border season animal orchard
 because through between against without although whether during before beneath beyond
 north south east west green yellow purple orange silent golden wooden frozen crowded
-""".split()
+""".split()  # noqa: SIM905 - a readable block beats 180 quoted words
 
 
 def load_tokenizer(model: str | None = None) -> Tokenizer:
@@ -64,7 +65,7 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 class HFTokenizer:
     """Counts content tokens only: the server adds its own BOS / chat template."""
 
-    def __init__(self, hf) -> None:  # noqa: ANN001 - any transformers tokenizer
+    def __init__(self, hf) -> None:
         self.hf = hf
 
     def encode(self, text: str) -> list[int]:
@@ -77,7 +78,7 @@ class HFTokenizer:
         """Tokens the chat template wraps around one user message."""
         try:
             ids = self.hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
-        except Exception:  # no template: nothing to subtract
+        except Exception:  # noqa: BLE001 - no usable template: nothing to subtract
             return 0
         if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
@@ -93,7 +94,7 @@ class LengthDist:
     b: float = 0.0
 
     @classmethod
-    def parse(cls, spec: str | int) -> "LengthDist":
+    def parse(cls, spec: str | int) -> LengthDist:
         s = str(spec).strip().lower()
         parts = s.split(":")
         try:
@@ -143,7 +144,7 @@ def fit_text(tok: Tokenizer, rng: random.Random, n_tokens: int, prefix: str = ""
     (when the tokenizer allows it; else the nearest found)."""
     if n_tokens < 1:
         raise ValueError("n_tokens must be at least 1")
-    count = lambda t: len(tok.encode(t))  # noqa: E731
+    count = lambda t: len(tok.encode(t))
     text = prefix
     sep = " " if prefix else ""
     # Grow by about the missing number of words (English words are ~1-1.5 tokens).

@@ -16,7 +16,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("bench-offline")))
 
 
-def test_offline_bench_runs_both_engines_and_reports_the_ratio(tiny: str, tmp_path, capsys) -> None:  # noqa: ANN001
+def test_offline_bench_runs_both_engines_and_reports_the_ratio(tiny: str, tmp_path, capsys) -> None:
     if offline.stoker_available():
         pytest.skip(f"engine unavailable: {offline.stoker_available()}")
     rc = offline.main(["--model", tiny, "--num-prompts", "3", "--input-len", "8:24", "--output-len", "4",
@@ -52,7 +52,7 @@ def test_greedy_tokens_agree_with_transformers_unpadded(tiny: str) -> None:
     assert ours["outputs"] == hf["outputs"]
 
 
-def test_baseline_alone_when_the_engine_is_skipped(tiny: str, tmp_path) -> None:  # noqa: ANN001
+def test_baseline_alone_when_the_engine_is_skipped(tiny: str, tmp_path) -> None:
     assert offline.main(["--model", tiny, "--num-prompts", "2", "--input-len", "6:9", "--output-len", "2",
                          "--batch-sizes", "2", "--dtype", "float32", "--skip-stoker", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "offline.json").read_text())

@@ -8,7 +8,7 @@ import argparse
 import json
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -127,7 +127,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def test_bench_serve_command_writes_report(tmp_path) -> None:  # noqa: ANN001
+async def test_bench_serve_command_writes_report(tmp_path) -> None:
     async with FakeServer(ttft=0.01, itl=0.001) as a, FakeServer(ttft=0.01, itl=0.001, fail="alternate") as b:
         args = parse(["--url", a.url, "--compare", b.url, "--concurrency", "1,2", "--num-requests", "4",
                       "--input-len", "5:20", "--output-len", "4", "--ignore-eos", "--slo", "ttft=500ms",
@@ -144,7 +144,7 @@ async def test_bench_serve_command_writes_report(tmp_path) -> None:  # noqa: ANN
     assert "Throughput" in md and "503" in md and "base ÷ other" in md
 
 
-async def test_bench_serve_command_against_a_failing_server_exits_nonzero(capsys, monkeypatch) -> None:  # noqa: ANN001
+async def test_bench_serve_command_against_a_failing_server_exits_nonzero(capsys, monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "200")  # rich wraps to the terminal width
     async with FakeServer(fail="500") as server:
         args = parse(["--url", server.url, "--num-requests", "3", "--input-len", "5", "--no-progress"])

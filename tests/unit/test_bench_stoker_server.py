@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -29,7 +29,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
-async def test_bench_against_stoker_over_the_fake_core(fake_server, tmp_path, endpoint: str) -> None:  # noqa: ANN001
+async def test_bench_against_stoker_over_the_fake_core(fake_server, tmp_path, endpoint: str) -> None:
     out = tmp_path / endpoint
     args = parse(["--url", fake_server.url, "--endpoint", endpoint, "--concurrency", "1,4", "--num-requests", "8",
                   "--input-len", "20:60", "--output-len", "8", "--ignore-eos", "--slo", "ttft=5s",
@@ -47,7 +47,7 @@ async def test_bench_against_stoker_over_the_fake_core(fake_server, tmp_path, en
 
 
 @pytest.mark.e2e
-async def test_bounded_bench_against_a_real_stoker_server(real_server, tmp_path) -> None:  # noqa: ANN001
+async def test_bounded_bench_against_a_real_stoker_server(real_server, tmp_path) -> None:
     from stoker.bench.workload import load_tokenizer
 
     args = parse(["--url", real_server.url, "--concurrency", "2", "--num-requests", "4", "--duration", "120",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -111,7 +111,7 @@ def test_offline_lengths_spread_over_the_range() -> None:
     assert prompt_lengths("100:1000", 10, seed=0) == lens
 
 
-def test_dataset_prompts_and_conversations(tmp_path) -> None:  # noqa: ANN001
+def test_dataset_prompts_and_conversations(tmp_path) -> None:
     path = tmp_path / "d.jsonl"
     rows = [
         {"prompt": "one two three", "max_tokens": 5},
