@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 
 from stoker.bench.workload import LengthDist, Tokenizer
 
@@ -64,17 +66,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
-def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> list:
+def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Callable[[int], list]:
+    """Prompts for the k-th (stage, repetition): new ones each time (see run_bench)."""
     from stoker.bench import workload
 
     out_len = LengthDist.parse(args.output_len) if args.output_len else None
     if tok is None:
         tok = workload.load_tokenizer(args.tokenizer)
     if args.dataset:
-        return workload.load_dataset(args.dataset, out_len, args.seed, tok)
+        rows = workload.load_dataset(args.dataset, out_len, args.seed, tok)
+        # Rotate through the file so that, if it is long enough, no run repeats another's prompts.
+        return lambda k: [rows[(k * args.num_requests + i) % len(rows)] for i in range(min(len(rows), args.num_requests))]
     overhead = tok.chat_overhead() if args.endpoint == "chat" and hasattr(tok, "chat_overhead") else 0
-    return workload.synthetic(tok, args.num_requests, LengthDist.parse(args.input_len), out_len, args.seed,
-                              args.shared_prefix_len, args.num_prefixes, chat_overhead=overhead)
+    return lambda k: workload.synthetic(tok, args.num_requests, LengthDist.parse(args.input_len), out_len, args.seed,
+                                        args.shared_prefix_len, args.num_prefixes, overhead, variant=k)
 
 
 def build_stages(args: argparse.Namespace) -> list:
@@ -104,7 +109,8 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         repeats=args.repeats or (2 if len(urls) > 1 else 1), api_key=args.api_key, ignore_eos=args.ignore_eos,
         temperature=args.temperature, timeout=args.timeout, warmup=args.warmup, seed=args.seed)
     t = time.perf_counter()
-    specs = build_workload(args, tok)
+    workload = functools.lru_cache(maxsize=2)(build_workload(args, tok))  # k=0 is printed, then run
+    specs = workload(0)
     lens = [s.input_len for s in specs if s.input_len is not None]
     console.print(f"workload: {len(specs)} prompts" + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
                   + f" (built in {time.perf_counter() - t:.1f}s)")
@@ -121,10 +127,10 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         progress.update(state["task"], advance=1, failed=state["failed"])
 
     if args.no_progress:
-        runs = await serve.run_bench(cfg, specs, slo=slo)
+        runs = await serve.run_bench(cfg, workload, slo=slo)
     else:
         with progress:
-            runs = await serve.run_bench(cfg, specs, on_done, on_run, slo=slo)
+            runs = await serve.run_bench(cfg, workload, on_done, on_run, slo=slo)
     merged = stats.merge_repetitions(runs, slo)
     comparisons = stats.compare_runs(runs, cfg.targets[0].label) if len(cfg.targets) > 1 else []
     report.print_report(console, merged, comparisons)

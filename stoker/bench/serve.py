@@ -207,13 +207,19 @@ async def discover_model(client: httpx.AsyncClient, target: Target, cfg: BenchCo
         return None
 
 
-async def run_bench(cfg: BenchConfig, specs: list[RequestSpec], on_done: Callback | None = None,
+Workload = list[RequestSpec] | Callable[[int], list[RequestSpec]]
+
+
+async def run_bench(cfg: BenchConfig, workload: Workload, on_done: Callback | None = None,
                     on_run: Callable[[Target, Stage, int, int], None] | None = None,
                     slo: dict[str, float] | None = None) -> list[dict]:
     """Every stage against every target, targets alternating within each
-    repetition (A, B, A, B ...). Returns one dict per run, for stats and report."""
-    if not specs:
-        raise ValueError("empty workload")
+    repetition (A, B, A, B ...). Returns one dict per run, for stats and report.
+
+    `workload(k)` gives the prompts of the k-th (stage, repetition): the same
+    for every target, fresh for each k, so a server's prefix cache cannot
+    answer a later stage from an earlier one. A plain list is reused as is."""
+    make = workload if callable(workload) else (lambda k: workload)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0))
     runs: list[dict] = []
@@ -225,8 +231,13 @@ async def run_bench(cfg: BenchConfig, specs: list[RequestSpec], on_done: Callbac
                 spec = RequestSpec(prompt="Warm up.", messages=None, output_len=8)
                 await send_request(client, f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}",
                                    build_payload(spec, cfg, target.model), _headers(cfg), -1 - i, time.perf_counter(), None)
-        for stage in cfg.stages:
+        for s_index, stage in enumerate(cfg.stages):
+            specs: list[RequestSpec] = []
             for rep, label in alternating_schedule([t.label for t in cfg.targets], cfg.repeats):
+                if label == cfg.targets[0].label:  # each repetition starts with the first target
+                    specs = make(s_index * cfg.repeats + rep)
+                    if not specs:
+                        raise ValueError("empty workload")
                 target = next(t for t in cfg.targets if t.label == label)
                 if on_run:
                     on_run(target, stage, rep, cfg.num_requests)

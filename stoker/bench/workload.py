@@ -179,12 +179,16 @@ def synthetic(
     shared_prefix_len: int = 0,
     num_prefixes: int = 1,
     chat_overhead: int = 0,
+    variant: int = 0,
 ) -> list[RequestSpec]:
     """`num` random prompts. With a shared prefix, request i starts with prefix
     i % num_prefixes (shared_prefix_len tokens) followed by its own input_len
-    tokens. chat_overhead is subtracted so the templated prompt hits the length."""
+    tokens. chat_overhead is subtracted so the templated prompt hits the length.
+    Each `variant` draws new prompts (and lengths) but keeps the same prefixes."""
     rng = random.Random(seed)
     prefixes = [fit_text(tok, rng, shared_prefix_len) for _ in range(num_prefixes)] if shared_prefix_len > 0 else []
+    if variant:
+        rng = random.Random(f"{seed}/{variant}")
     in_lens = input_len.sample(rng, num)
     out_lens = output_len.sample(rng, num) if output_len else [None] * num
     specs = []

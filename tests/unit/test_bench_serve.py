@@ -121,6 +121,22 @@ async def test_compare_alternates_servers_and_reports_ratios() -> None:
     assert row["ratios"]["output_tok_s"]["pairs"] == 2
 
 
+async def test_each_stage_and_repetition_gets_fresh_prompts_shared_by_all_targets() -> None:
+    asked: list[int] = []
+
+    def workload(k: int) -> list[RequestSpec]:
+        asked.append(k)
+        return [RequestSpec(prompt=f"run {k} request {i}", output_len=2) for i in range(2)]
+
+    async with FakeServer(itl=0.0) as a, FakeServer(itl=0.0) as b:
+        cfg = config(a.url, b.url, stages=[Stage("closed", 1), Stage("closed", 2)], num_requests=2, repeats=2)
+        await run_bench(cfg, workload)
+    assert asked == [0, 1, 2, 3]  # (stage, repetition) pairs, never per target
+    sent = [sorted(q["body"]["messages"][0]["content"] for q in s.requests if q["method"] == "POST") for s in (a, b)]
+    assert sent[0] == sent[1]  # A and B saw the same prompts
+    assert sorted(sent[0]) == sorted(f"run {k} request {i}" for k in range(4) for i in range(2))
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_serve_arguments(p)

@@ -92,6 +92,17 @@ def test_shared_prefix_workload_shares_exact_prefix_tokens() -> None:
     assert a[:50] != c[:50]
 
 
+def test_variants_draw_new_prompts_behind_the_same_prefixes() -> None:
+    tok = SplitTokenizer()
+    kw = {"seed": 3, "shared_prefix_len": 30, "num_prefixes": 2}
+    v0 = synthetic(tok, 4, LengthDist.parse("10"), None, **kw)
+    v1 = synthetic(tok, 4, LengthDist.parse("10"), None, variant=1, **kw)
+    assert synthetic(tok, 4, LengthDist.parse("10"), None, variant=1, **kw) == v1
+    for a, b in zip(v0, v1):
+        ta, tb = tok.encode(a.prompt), tok.encode(b.prompt)
+        assert ta[:30] == tb[:30] and ta != tb and len(ta) == len(tb) == 40
+
+
 def test_chat_overhead_is_subtracted() -> None:
     tok = SplitTokenizer()
     (spec,) = synthetic(tok, 1, LengthDist.parse("100"), None, chat_overhead=30)
