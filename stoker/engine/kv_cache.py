@@ -8,6 +8,8 @@ recently used first.
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,14 +23,18 @@ NULL_BLOCK_ID = 0
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
-    parent_hash: int | None = None
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
     """The tokens the hash was computed from, checked on every hit."""
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    # A cryptographic digest: with Python's hash() a crafted collision could chain
+    # one tenant's block under another tenant's prefix and serve it to them.
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(array("q", token_ids).tobytes())
+    return digest.digest()
 
 
 class BlockPool:
@@ -43,7 +49,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, Block] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:]
         )
-        self.cached: dict[int, Block] = {}
+        self.cached: dict[bytes, Block] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -70,7 +76,7 @@ class BlockPool:
                 del self.cached[block.block_hash]
             block.block_hash = block.parent_hash = block.token_ids = None
 
-    def lookup(self, parent_hash: int | None, token_ids: tuple[int, ...]) -> Block | None:
+    def lookup(self, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> Block | None:
         block = self.cached.get(chain_hash(parent_hash, token_ids))
         if block is None or block.parent_hash != parent_hash or block.token_ids != token_ids:
             return None
@@ -86,12 +92,13 @@ class BlockPool:
     def free(self, blocks: list[Block]) -> None:
         """Blocks should be given tail first, so a sequence's tail is evicted before its head."""
         for block in blocks:
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block.block_id} freed twice")
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} freed twice"
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
 
-    def cache_block(self, block: Block, parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    def cache_block(self, block: Block, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
         block_hash = chain_hash(parent_hash, token_ids)
         if self.enable_caching and block.block_hash is None:
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
@@ -99,7 +106,9 @@ class BlockPool:
         return block_hash
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
+        """Forget free blocks' keys. Blocks in use keep theirs: their holders'
+        hash chains continue from them."""
+        for block in self.free_queue.values():
             self._evict(block)
 
 
@@ -137,7 +146,7 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
-        parent: int | None = None
+        parent: bytes | None = None
         for i in range(max_blocks):
             block = self.pool.lookup(parent, self._full_block_tokens(request, i))
             if block is None:

@@ -18,6 +18,16 @@ def priority_key(request: Request) -> tuple:
     return request.sort_key()
 
 
+def fcfs_victim_key(request: Request) -> tuple:
+    return fcfs_key(request)
+
+
+def priority_victim_key(request: Request) -> tuple:
+    """Preemption picks the lowest class, then the latest arrival (deadlines order
+    the queue but do not make a running request a victim)."""
+    return (request.priority, request.arrival_time, request.arrival_seq)
+
+
 class RequestQueue:
     """Requests kept in service order; a preempted request goes back in its
     place (by its original arrival), not at the tail."""
@@ -36,8 +46,10 @@ class RequestQueue:
     def remove(self, request: Request) -> None:
         k = self._key(request)
         i = bisect.bisect_left(self._keys, k)
-        while self._items[i] is not request:
+        while i < len(self._items) and self._items[i] is not request:
             i += 1
+        if i == len(self._items):
+            raise ValueError(f"request {request.request_id!r} is not in this queue")
         del self._keys[i]
         del self._items[i]
 
@@ -54,9 +66,14 @@ class RequestQueue:
         return bool(self._items)
 
 
+POLICIES: dict[str, tuple[SortKey, SortKey]] = {
+    # policy: (service order, key whose maximum is the preemption victim)
+    "fcfs": (fcfs_key, fcfs_victim_key),
+    "priority": (priority_key, priority_victim_key),
+}
+
+
 def make_queue(policy: str) -> RequestQueue:
-    if policy == "fcfs":
-        return RequestQueue(fcfs_key)
-    if policy == "priority":
-        return RequestQueue(priority_key)
-    raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {policy!r}")
+    return RequestQueue(POLICIES[policy][0])

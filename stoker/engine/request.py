@@ -55,8 +55,6 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1
         """Prompt tokens served by the prefix cache on first scheduling; -1 until then."""
-        self.block_hashes: list[int] = []
-        """Chained hashes of this sequence's full blocks, extended as it grows."""
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from stoker.engine.kv_cache import KVCacheManager
-from stoker.engine.queues import make_queue
+from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
 
 
@@ -55,6 +55,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.policy = policy
         self.waiting = make_queue(policy)
+        self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._arrivals = itertools.count()
@@ -93,7 +94,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = [self.max_num_batched_tokens]
-        self.running.sort(key=Request.sort_key)
+        # Decodes before prefill chunks, so a long prompt never stalls token streams.
+        self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.service_key(r)))
 
         for request in list(self.running):
             if request not in self.running:
@@ -102,7 +104,7 @@ class Scheduler:
             if num_new <= 0:
                 continue
             while not self.kv.allocate(request, num_new):
-                victim = max(self.running, key=Request.sort_key)
+                victim = max(self.running, key=self.victim_key)
                 self._preempt(victim, out, budget)
                 if victim is request:
                     break
@@ -135,12 +137,13 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
             computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget[0])
-            if len(self.running) >= self.max_num_seqs and not self._make_room(request, out, budget, slots=True):
-                break
-            while not self.kv.allocate(request, num_new, cached):
-                if not self._make_room(request, out, budget, slots=False):
-                    return
+            slots_full = len(self.running) >= self.max_num_seqs
+            if slots_full or not self.kv.can_allocate(request, num_new, cached):
+                if not self._preempt_for(request, num_new, cached, out, budget, need_slot=slots_full):
+                    break
                 num_new = min(num_new, budget[0])
+            if not self.kv.allocate(request, num_new, cached):
+                break
             hit_tokens = len(cached) * self.kv.block_size
             if self.kv.enable_caching and request.num_preemptions == 0:
                 self.kv.record_prefix_lookup(request.num_tokens, hit_tokens)
@@ -154,13 +157,37 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget[0] -= num_new
 
-    def _make_room(self, request: Request, out: SchedulerOutput, budget: list[int], slots: bool) -> bool:
-        """With the priority policy, preempt the worst running request if it is of a
-        strictly lower class than `request`. Returns whether anything was freed."""
-        if self.policy != "priority" or not self.running:
+    def _preempt_for(
+        self,
+        request: Request,
+        num_new: int,
+        cached: list,
+        out: SchedulerOutput,
+        budget: list[int],
+        need_slot: bool,
+    ) -> bool:
+        """With the priority policy, preempt running requests of a strictly lower
+        class until `request` fits. Preempts nothing unless that is enough."""
+        if self.policy != "priority":
             return False
-        victim = max(self.running, key=Request.sort_key)
-        if victim.priority <= request.priority:
+        candidates = sorted(
+            (r for r in self.running if r.priority > request.priority), key=self.victim_key, reverse=True
+        )
+        cached_ids = {b.block_id for b in cached}
+        needed = self.kv.blocks_needed(request, num_new, cached) + sum(1 for b in cached if b.ref_count == 0)
+        available = self.kv.pool.num_free
+        victims: list[Request] = []
+        for victim in candidates:
+            if available >= needed and (victims or not need_slot):
+                break
+            victims.append(victim)
+            # Blocks only the victim holds come back; shared ones stay in use.
+            available += sum(
+                1 for b in self.kv.req_blocks.get(victim.key, [])
+                if b.ref_count == 1 and b.block_id not in cached_ids
+            )
+        if available < needed or (need_slot and not victims):
             return False
-        self._preempt(victim, out, budget)
+        for victim in victims:
+            self._preempt(victim, out, budget)
         return True

@@ -211,7 +211,7 @@ def three_running(policy: str, priorities: tuple[int, int, int] = (0, 0, 0)) -> 
     st = step(s)
     assert sorted(st.plan) == [("a", 7), ("b", 7), ("c", 7)]
     # Admitted in service order: by arrival, or with a last when it has priority 1.
-    first = [[1, 2], [3, 4], [5, 6]] if priorities[0] == 0 else [[5, 6], [1, 2], [3, 4]]
+    first = [[1, 2], [3, 4], [5, 6]] if priorities[0] == 0 or policy == "fcfs" else [[5, 6], [1, 2], [3, 4]]
     assert [s.kv.block_ids(r) for r in (a, b, c)] == first
     assert len(step(s).plan) == 3  # position 7: still in the second block
     assert list(s.kv.pool.free_queue) == [7]
@@ -426,3 +426,57 @@ def test_no_prefix_caching_recomputes_everything() -> None:
     assert step(s).plan == [("b", 9)]
     assert b.num_cached_tokens == 0
     assert (s.kv.prefix_queries, s.kv.prefix_hits) == (0, 0)
+
+
+# ---------------------------------------------------- review fixes, pinned
+
+def test_fcfs_victim_is_latest_arrival_whatever_its_priority() -> None:
+    s, a, _b, c = three_running("fcfs", priorities=(1, 0, 0))
+    st = step(s)
+    assert st.out.preempted == [c]  # fcfs ignores the priority field
+    assert a.num_preemptions == 0
+
+
+def test_deadline_does_not_make_a_running_request_the_victim() -> None:
+    """Deadlines order the waiting queue; the victim is still the latest arrival."""
+    s = make(num_blocks=8, policy="priority")
+    a = req("a", 7, arrival=0.0, max_tokens=3)
+    b = req("b", 7, arrival=1.0, deadline=1e12)
+    c = req("c", 7, arrival=2.0, deadline=5.0)  # earliest deadline, latest arrival
+    for r in (a, b, c):
+        s.add(r)
+    step(s)
+    step(s)
+    assert step(s).out.preempted == [c]
+
+
+def test_no_preemption_when_it_would_not_make_room() -> None:
+    """A higher-priority request that would not fit even after preempting every
+    lower-priority request preempts none of them."""
+    s = make(num_blocks=7, max_num_seqs=2)  # usable 1..6
+    big = req("big", 16, arrival=0.0, priority=0)
+    small = req("small", 3, arrival=1.0, priority=1)
+    s.add(big)
+    s.add(small)
+    step(s)
+    assert s.kv.pool.num_free == 1
+    huge = req("huge", 12, arrival=2.0, priority=0)  # needs 3 blocks; small frees only 1
+    s.add(huge)
+    st = step(s)
+    assert st.out.preempted == []
+    assert small.status == RequestStatus.RUNNING and huge.status == RequestStatus.WAITING
+
+
+def test_running_decodes_are_not_stalled_by_a_higher_ranked_chunked_prefill() -> None:
+    s = make(budget=8)
+    low = req("low", 3, arrival=0.0, priority=1)
+    s.add(low)
+    step(s)
+    high = req("high", 40, arrival=1.0, priority=0)
+    s.add(high)
+    step(s)  # high starts its chunked prefill
+    for _ in range(3):
+        st = step(s)
+        assert ("low", 1) in st.plan
+        assert st.plan[0] == ("low", 1)  # the decode goes first, the chunk takes the rest
+        assert st.out.num_tokens == 8
