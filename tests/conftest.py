@@ -75,7 +75,10 @@ def start_server(args: list[str], tmp_dir: str, env: dict[str, str] | None = Non
                  ready_timeout: float = 120) -> ServerProcess:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
-    full_env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]), **(env or {})}
+    # A fresh key/usage database per server unless the test brings its own:
+    # tests must never write ~/.stoker (nor see keys someone created there).
+    full_env = {**os.environ, "STOKER_DB": os.path.join(tmp_dir, f"stoker-{port}.db"),
+                "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]), **(env or {})}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stoker.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],

@@ -55,7 +55,11 @@ def test_stream_disconnect_aborts_and_frees_blocks(fake_server: ServerProcess) -
             lines = response.iter_lines()
             for _ in range(3):
                 next(lines)
-            assert ready_body(fake_server)["engine_stats"]["kv_blocks_used"] > 0
+            # The engine pushes stats at most every 0.2 s, counted from its previous
+            # push (which may be the "went idle" push of the test before), so a
+            # snapshot can lag the first tokens by up to that: wait for it.
+            wait_until(lambda: ready_body(fake_server)["engine_stats"]["kv_blocks_used"] > 0, 1.0,
+                       "blocks in use in a stats snapshot")
     # 150 tokens take 3 s; the blocks must come back long before that.
     assert wait_until(lambda: blocks_idle(fake_server), 1.5, "blocks freed after disconnect") < 1.5
 
