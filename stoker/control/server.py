@@ -9,8 +9,9 @@ What it adds, through the server's hooks and nothing else:
 plus /admin/keys, GET /metrics, X-Request-Id and x-ratelimit-* response
 headers (ControlMiddleware), and a task feeding engine stats to admission and
 metrics for the app's lifetime. Settings: state.extras["control_config"] (a
-ControlSettings or dict) if the server put one there, else STOKER_*
-environment variables (STOKER_DB, STOKER_REQUIRE_AUTH, ...).
+ControlSettings built by `stoker serve` from its options, YAML and STOKER_*
+variables, or a dict) if the server put one there, else STOKER_* environment
+variables (STOKER_DB, STOKER_REQUIRE_AUTH, ...).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.control.auth import authenticate, get_plane, require_metrics_access
 from stoker.control.errors import ControlError, install_error_handler
-from stoker.control.plane import ControlPlane, ControlSettings
+from stoker.control.plane import ControlPlane
+from stoker.control.settings import ControlSettings
 from stoker.observe.logs import RequestLogRecord, request_id_from
 
 log = logging.getLogger("stoker.control")
@@ -148,7 +150,8 @@ def _finished(record: Any) -> None:
         finish_reasons=reasons, status=record.status, times=list(record.times), error=record.error,
         stream=record.stream, method=request.method, path=request.url.path,
         generation=record.endpoint != "embedding",
-        log_extra={"endpoint": record.endpoint, "engine_request_id": record.request_id or None},
+        log_extra={"endpoint": record.endpoint,
+                   "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None},
     )
 
 

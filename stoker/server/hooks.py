@@ -55,11 +55,22 @@ class FinishedRecord:
     times: list[RequestTimes] = field(default_factory=list)
     """Engine-stamped times per sample (queue, first token, tokens, finish)."""
     error: str | None = None
+    """None on success; "deadline" when the engine dropped or cut the request at
+    its deadline (504 if no token was sent, else finish_reason "abort")."""
     stream: bool = False
     started: float = 0.0
     """time.time() when the server received the request."""
     http_request: Request | None = None
     """For request.state set by the before/admit hooks (key id, trace span, ...)."""
+    engine_request_id: str | None = None
+    """The engine's id for the request: request_id, suffixed if a client reused
+    an id still in flight; "-<i>" is appended per prompt when there are several."""
+
+
+class StartupRefused(Exception):
+    """Raised by an extension's install() when its settings make serving
+    impossible (e.g. --require-auth without keys): `stoker serve` prints the
+    message and exits 2, as for a bad option, instead of a traceback."""
 
 
 BeforeHook = Callable[[Request], Awaitable[None]]

@@ -51,6 +51,13 @@ def unavailable(message: str) -> APIError:
     return APIError(503, message, type="service_unavailable", code="engine_unavailable", headers={"Retry-After": "1"})
 
 
+def deadline_exceeded(request_id: str) -> APIError:
+    """504 for a request the engine dropped at its deadline before any token
+    was sent (same shape as stoker.control.policy.deadline_exceeded_error)."""
+    return APIError(504, f"The request's deadline passed before it could be served (request {request_id}).",
+                    type="timeout", code="deadline_exceeded")
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -47,16 +47,30 @@ class Job:
     priority: int = 0
     deadline: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """The id the client sees (response id, X-Request-Id, log line, usage row)."""
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.time)
     outputs: list[RequestOutput] = field(default_factory=list)
+    engine_request_id: str = ""
+    """Base of the engine's request ids: request_id, suffixed only if that id is
+    already in flight (a client reusing an X-Request-Id); set by run_job."""
+    errors: set[str] = field(default_factory=set)
+    """Engine errors seen on finished samples (e.g. "deadline")."""
 
     def __post_init__(self) -> None:
         n = self.params.n
         self.outputs = [
-            RequestOutput(f"{self.request_id}-{i}", text, ids, [CompletionOutput(index=k) for k in range(n)])
-            for i, (ids, text) in enumerate(zip(self.prompts, self.prompt_texts))
+            RequestOutput("", text, ids, [CompletionOutput(index=k) for k in range(n)])
+            for ids, text in zip(self.prompts, self.prompt_texts)
         ]
+
+    @property
+    def deadline_missed(self) -> bool:
+        return "deadline" in self.errors
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.params.n + sample_index
@@ -82,19 +96,46 @@ class Job:
             finish_reasons=[c.finish_reason.value for c in samples if c.finish_reason is not None],
             times=[c.times for c in samples if c.times is not None],
             error=error, stream=stream, started=self.started, http_request=request,
+            engine_request_id=self.engine_request_id,
         )
 
 
-async def run_job(engine: AsyncEngineClient, job: Job) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+async def run_job(engine: AsyncEngineClient, job: Job, in_use: set[str]) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
     """Yield (prompt index, delta) for every prompt of the job, folding each
-    delta into job.outputs. Several prompts run concurrently in the engine."""
+    delta into job.outputs. Several prompts run concurrently in the engine.
+
+    The engine request id is the job's request id (with -0, -1, ... per prompt
+    when there are several), so logs of both processes line up; in_use holds
+    the ids of jobs in flight, so a client reusing an X-Request-Id still gets
+    distinct engine ids (the engine refuses duplicates)."""
+    base = job.request_id
+    if base in in_use:
+        base = f"{base}.{uuid.uuid4().hex[:8]}"
+    in_use.add(base)
+    job.engine_request_id = base
+    try:
+        async for item in _run_job(engine, job, base):
+            yield item
+    finally:
+        in_use.discard(base)
+
+
+def _fold(job: Job, index: int, delta: EngineCoreOutput) -> None:
+    job.outputs[index].apply(delta)
+    if delta.error:
+        job.errors.add(delta.error)
+
+
+async def _run_job(engine: AsyncEngineClient, job: Job, base: str) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+    for i, output in enumerate(job.outputs):
+        output.request_id = base if len(job.outputs) == 1 else f"{base}-{i}"
     requests = [
         EngineCoreRequest(o.request_id, o.prompt_token_ids, job.params, job.started, job.priority, job.deadline)
         for o in job.outputs
     ]
     if len(requests) == 1:
         async for delta in engine.generate(requests[0]):
-            job.outputs[0].apply(delta)
+            _fold(job, 0, delta)
             yield 0, delta
         return
     queue: asyncio.Queue[tuple[int, EngineCoreOutput] | BaseException | None] = asyncio.Queue()
@@ -117,7 +158,7 @@ async def run_job(engine: AsyncEngineClient, job: Job) -> AsyncIterator[tuple[in
             elif isinstance(item, BaseException):
                 raise item
             else:
-                job.outputs[item[0]].apply(item[1])
+                _fold(job, *item)
                 yield item
     finally:
         for task in tasks:  # cancelling a pump closes its engine stream, which aborts it

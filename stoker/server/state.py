@@ -32,6 +32,8 @@ class ServerState:
     started: float = field(default_factory=time.time)
     extras: dict[str, Any] = field(default_factory=dict)
     """Room for control/observe objects (metrics registry, admission controller, ...)."""
+    engine_ids_in_use: set[str] = field(default_factory=set)
+    """Engine request ids (bases) of jobs in flight; see serving.run_job."""
     _token_text: dict[int, str] = field(default_factory=dict)
 
     @property

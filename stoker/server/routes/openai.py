@@ -18,6 +18,7 @@ from stoker.server.protocol import (
     CompletionRequest,
     SamplingFields,
     bad_request,
+    deadline_exceeded,
     flatten_prompts,
 )
 from stoker.server.serving import ClientDisconnected, EngineStreamingResponse, Job, engine_error, run_job, sse, until_disconnect
@@ -67,16 +68,23 @@ def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: 
     return requested
 
 
+def request_id_for(request: Request) -> str | None:
+    """The id a middleware gave the request (stoker.control takes X-Request-Id or makes one)."""
+    rid = getattr(request.state, "request_id", None)
+    return rid if isinstance(rid, str) and rid else None
+
+
 async def run(request: Request, state: ServerState, job: Job, stream: bool, include_usage: bool,
               render_delta: Any, render_final: Any, obj: str) -> Response:
+    job.request_id = request_id_for(request) or job.request_id
     await state.hooks.run_admit(request, AdmissionInfo(
         job.endpoint, job.model, sum(map(len, job.prompts)), job.params.max_tokens or 0, job.params.n, stream))
     job.priority = getattr(request.state, "priority", job.priority)
     job.deadline = getattr(request.state, "deadline", job.deadline)
-    events = run_job(state.engine, job)
+    events = run_job(state.engine, job, state.engine_ids_in_use)
     try:
         # Wait for the first delta before committing to a status, so early
-        # failures (engine down, request rejected) are real HTTP errors.
+        # failures (engine down, request rejected, deadline) are real HTTP errors.
         first = await until_disconnect(request, events.__anext__())
         if not stream:
             async def rest() -> None:
@@ -91,8 +99,17 @@ async def run(request: Request, state: ServerState, job: Job, stream: bool, incl
         error = engine_error(exc)
         state.hooks.run_finished(job.record(error.status, error.message, stream, request))
         raise error from None
+    if job.deadline_missed and job.completion_tokens == 0:
+        # Dropped (or cut) at its deadline before a single token: nothing was
+        # sent yet, so the client gets a real 504 rather than an empty answer.
+        await events.aclose()
+        timeout = deadline_exceeded(job.request_id)
+        state.hooks.run_finished(job.record(timeout.status, "deadline", stream, request))
+        raise timeout
     if not stream:
-        state.hooks.run_finished(job.record(200, None, False, request))
+        # A deadline that passed during generation ends the samples with
+        # finish_reason "abort"; the answer keeps what was generated.
+        state.hooks.run_finished(job.record(200, "deadline" if job.deadline_missed else None, False, request))
         return JSONResponse(render_final(job))
     prefix = "chatcmpl" if job.endpoint == "chat" else "cmpl"
     head = {"id": f"{prefix}-{job.request_id}", "object": obj, "created": job.created, "model": job.model}
@@ -118,6 +135,8 @@ async def run(request: Request, state: ServerState, job: Job, stream: bool, incl
     def on_close() -> None:
         if not all(o.finished for o in job.outputs) and outcome["error"] is None:
             outcome.update(status=CLIENT_CLOSED, error="client disconnected")
+        elif outcome["error"] is None and job.deadline_missed:
+            outcome["error"] = "deadline"
         state.hooks.run_finished(job.record(outcome["status"], outcome["error"], True, request))
 
     return EngineStreamingResponse(body(), on_close=on_close)
