@@ -158,9 +158,11 @@ def create_app(
     engine_config: EngineConfig,
     engine: AsyncEngineClient | None = None,
     on_fatal: Callable[[str], None] | None = None,
+    extras: dict[str, Any] | None = None,
 ) -> FastAPI:
+    """extras: extension settings by key (e.g. "control_config"), read by their install()."""
     engine = engine or AsyncEngineClient(engine_config, config.engine_core, config.engine_startup_timeout)
-    state = ServerState(config=config, engine=engine)
+    state = ServerState(config=config, engine=engine, extras=dict(extras or {}))
 
     def fatal(message: str) -> None:
         logger.error("startup failed: %s", message)

@@ -1,8 +1,9 @@
 """`stoker serve`: the OpenAI-compatible server.
 
 Options come from the command line, STOKER_* environment variables and a YAML
-file (--config), in that order of precedence; every EngineConfig and
-ServerConfig field is an option.
+file (--config), in that order of precedence; every EngineConfig,
+ServerConfig and ControlSettings (keys, limits, admission, metrics, traces)
+field is an option.
 """
 
 from __future__ import annotations
@@ -15,8 +16,18 @@ import sys
 from types import FrameType
 from typing import Any
 
+from pydantic import BaseModel
+
 from stoker.config import EngineConfig
-from stoker.server.config import ServerConfig, add_model_options, build, load_yaml
+from stoker.server.config import (
+    EXTENSION_SKIP,
+    ServerConfig,
+    add_model_options,
+    build,
+    extension_settings,
+    load_yaml,
+)
+from stoker.server.hooks import StartupRefused
 
 logger = logging.getLogger("stoker.server")
 
@@ -38,17 +49,27 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                              "or a sentence-transformers BERT folder; env STOKER_EMBEDDING_MODEL (none disables)")
     parser.add_argument("--no-embedding-model", dest="embedding_model", action="store_const", const=None,
                         default=argparse.SUPPRESS, help="serve no embedding model")
+    for key, cls in extension_settings().items():
+        add_model_options(parser, cls, key.removesuffix("_config"), skip=EXTENSION_SKIP.get(key, ()))
     parser.set_defaults(func=run)
     return parser
 
 
-def resolve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+def _yaml_values(args: argparse.Namespace) -> dict[str, Any]:
     import os
 
     values = load_yaml(getattr(args, "config", None) or os.environ.get("STOKER_CONFIG"))
-    unknown = set(values) - set(EngineConfig.model_fields) - set(ServerConfig.model_fields)
+    known = set(EngineConfig.model_fields) | set(ServerConfig.model_fields)
+    for key, cls in extension_settings().items():
+        known |= set(cls.model_fields) - set(EXTENSION_SKIP.get(key, ()))
+    unknown = set(values) - known
     if unknown:
         raise ValueError(f"unknown option(s) in the config file: {', '.join(sorted(unknown))}")
+    return values
+
+
+def resolve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfig]:
+    values = _yaml_values(args)
     if getattr(args, "model_path", None):
         args.model = args.model_path
     engine = build(EngineConfig, values, args)
@@ -57,16 +78,24 @@ def resolve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfi
     return engine, server
 
 
+def resolve_extension_settings(args: argparse.Namespace) -> dict[str, BaseModel]:
+    """{extras key: settings} for each extension, from the same three sources."""
+    values = _yaml_values(args)
+    return {key: build(cls, values, args, skip=EXTENSION_SKIP.get(key, ()))
+            for key, cls in extension_settings().items()}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         engine_config, server_config = resolve_configs(args)
+        extras = resolve_extension_settings(args)
     except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
-    return serve(engine_config, server_config)
+    return serve(engine_config, server_config, extras)
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict[str, Any] | None = None) -> int:
     import torch
     import uvicorn
 
@@ -107,7 +136,11 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         server.exit_code = 1
         server.should_exit = True
 
-    app = create_app(server_config, engine_config, on_fatal=on_fatal)
+    try:
+        app = create_app(server_config, engine_config, on_fatal=on_fatal, extras=extras)
+    except StartupRefused as exc:
+        print(f"stoker serve: {exc}", file=sys.stderr, flush=True)
+        return 2
     uv_config = uvicorn.Config(
         app, host=server_config.host, port=server_config.port, loop="uvloop", http="httptools",
         log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5,

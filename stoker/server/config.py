@@ -20,6 +20,30 @@ from pydantic import BaseModel, ConfigDict, Field
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
+# Settings models of the server's extensions (stoker.control, ...), by the
+# ServerState.extras key their install() reads them from. Each becomes a group
+# of `stoker serve` options like EngineConfig and ServerConfig; fields listed in
+# EXTENSION_SKIP are set by the server itself. A missing module is skipped.
+EXTENSION_SETTINGS = {"control_config": "stoker.control.settings:ControlSettings"}
+EXTENSION_SKIP = {"control_config": ("model_name",)}
+
+
+def extension_settings() -> dict[str, type[BaseModel]]:
+    """{extras key: settings model} of the extensions present in this install."""
+    import importlib
+
+    found: dict[str, type[BaseModel]] = {}
+    for key, spec in EXTENSION_SETTINGS.items():
+        module_name, _, attr = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and module_name.startswith(exc.name):
+                continue
+            raise
+        found[key] = getattr(module, attr)
+    return found
+
 
 class ServerConfig(BaseModel):
     """How the HTTP front end listens, limits and shuts down."""
@@ -123,11 +147,12 @@ def env_values(cls: type[BaseModel], environ: dict[str, str] | None = None) -> d
 
 
 def build(cls: type[BaseModel], yaml_values: dict[str, Any], args: argparse.Namespace,
-          environ: dict[str, str] | None = None) -> BaseModel:
+          environ: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> BaseModel:
     """Merge the three sources for the fields cls knows, in precedence order."""
-    values: dict[str, Any] = {k: v for k, v in yaml_values.items() if k in cls.model_fields}
-    values.update(env_values(cls, environ))
-    values.update({k: v for k, v in vars(args).items() if k in cls.model_fields})
+    fields = {k for k in cls.model_fields if k not in skip}
+    values: dict[str, Any] = {k: v for k, v in yaml_values.items() if k in fields}
+    values.update({k: v for k, v in env_values(cls, environ).items() if k in fields})
+    values.update({k: v for k, v in vars(args).items() if k in fields})
     return cls.model_validate(values)
 
 

@@ -1,0 +1,40 @@
+"""ControlSettings: the control plane's options, in a module of its own (pydantic
+only) so `stoker serve --help` can list them without importing the database,
+metrics and tracing stacks. stoker.server.config turns each field into a
+`stoker serve` option, a YAML key and a STOKER_* variable."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ControlSettings(BaseModel):
+    """API keys, quotas, admission and observability. Each field is a `stoker serve`
+    option, a YAML key and a STOKER_* variable (see stoker.server.config)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    db: str | None = None
+    """Key and usage database: SQLite file path or SQLAlchemy URL (postgresql://...); default ~/.stoker/stoker.db."""
+    require_auth: bool = False
+    """Refuse to start unless the database holds an active API key (otherwise the server runs open while none exists)."""
+    metrics_require_auth: bool = False
+    """Require an API key for GET /metrics."""
+    max_queued_requests: int = Field(256, ge=1)
+    """Admission bound on waiting requests (engine queue + admitted in transit); beyond it 503 overloaded."""
+    max_queued_tokens: int = Field(65_536, ge=1)
+    """Admission bound on waiting prompt tokens; beyond it 503 overloaded."""
+    batch_queue_share: float = Field(0.8, gt=0, le=1)
+    """Share of the queue bounds that batch-priority requests may fill (the rest is kept for interactive ones)."""
+    max_queue_wait: float | None = Field(300.0, gt=0)
+    """Cap in seconds on a request's deadline (x-stoker-deadline-ms header or `timeout` field)."""
+    model_name: str = "model"
+    """model_name label on vllm: metrics (the server sets the served model name)."""
+    metrics_per_key: bool = False
+    """Export per-key metric series (budget remaining); off keeps cardinality bounded."""
+    otlp_endpoint: str | None = None
+    """OTLP/HTTP collector (e.g. http://127.0.0.1:4318) for request traces; tracing is off without it."""
+    ledger_flush_interval: float = Field(1.0, gt=0)
+    """Seconds between batched writes of usage rows."""
+    key_cache_ttl: float = Field(5.0, ge=0)
+    """Seconds a key lookup is cached; keys created or revoked elsewhere take effect within it."""
