@@ -3,6 +3,8 @@ client and server layers can be tested in seconds without a model.
 
 Sample k of a request emits the letters "a", "b", "c", ... (offset by k), one
 per step, each a byte token. STOKER_FAKE_STEP_S sets the time one step takes.
+Queueing, priority, preemption and deadlines follow EngineCore's contract, so
+control behaviour (priority order, 504 at a deadline) can be tested in seconds.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def model_config() -> ModelConfig:
 @dataclass
 class _Sample:
     index: int
+    times: RequestTimes
     generated: int = 0
     done: bool = False
 
@@ -66,11 +69,23 @@ class _Sample:
 @dataclass
 class _Req:
     request: EngineCoreRequest
+    seq: int
+    """Arrival order, the last tie-breaker of the queue."""
     samples: list[_Sample] = field(default_factory=list)
-    times: RequestTimes | None = None
+
+    def queue_key(self) -> tuple[int, float, float, int]:
+        # The engine's contract: (priority, deadline, arrival); lower first.
+        r = self.request
+        return (r.priority, r.deadline if r.deadline is not None else float("inf"), r.arrival_time, self.seq)
 
 
 class FakeEngineCore:
+    """Models what the server relies on from the engine, not how it computes:
+    a waiting queue ordered by (priority, deadline, arrival), at most
+    max_num_seqs requests running, a better priority preempting the worst
+    running request, deadlines dropping waiting requests (error="deadline")
+    and aborting running ones, and the engine's timestamps."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.tokenizer = FakeTokenizer()
@@ -80,8 +95,11 @@ class FakeEngineCore:
         self.num_blocks = config.num_kv_blocks or 64
         self.step_s = float(os.environ.get("STOKER_FAKE_STEP_S", "0.01"))
         self.requests: dict[str, _Req] = {}
+        self.running: list[_Req] = []
+        self.seq = 0
         self.steps = 0
         self.generated = 0
+        self.preemptions = 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.requests:
@@ -91,41 +109,61 @@ class FakeEngineCore:
         if any(not 0 <= t < FakeTokenizer.vocab_size for t in request.prompt_token_ids):
             raise ValueError("token id out of range")
         n = request.sampling_params.n
+        self.seq += 1
         self.requests[request.request_id] = _Req(
-            request, [_Sample(i) for i in range(n)], RequestTimes(arrival=request.arrival_time)
+            request, self.seq, [_Sample(i, RequestTimes(arrival=request.arrival_time)) for i in range(n)]
         )
 
-    def _out(self, req: _Req, sample: _Sample, ids: list[int], reason: FinishReason | None) -> EngineCoreOutput:
+    def _out(self, req: _Req, sample: _Sample, ids: list[int], reason: FinishReason | None,
+             error: str | None = None) -> EngineCoreOutput:
         params = req.request.sampling_params
         logprobs = None
         if params.logprobs is not None and ids:
             logprobs = [TokenLogprob(ids[0], -0.5, [(ids[0], -0.5), (OFFSET + 32, -1.5)][: params.logprobs])]
         times = None
         if reason is not None:
-            times = req.times
+            times = sample.times
             times.finished = time.time()
         return EngineCoreOutput(
             request_id=req.request.request_id, index=sample.index, new_token_ids=ids,
             new_text=self.tokenizer.decode(ids), new_logprobs=logprobs,
             num_prompt_tokens=len(req.request.prompt_token_ids), num_cached_tokens=0,
-            finish_reason=reason, times=times,
+            finish_reason=reason, error=error, times=times,
         )
 
-    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]:
+    def abort_requests(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in request_ids:
             req = self.requests.pop(request_id, None)
             if req is None:
                 continue
-            outputs += [self._out(req, s, [], FinishReason.ABORT) for s in req.samples if not s.done]
+            if req in self.running:
+                self.running.remove(req)
+            outputs += [self._out(req, s, [], FinishReason.ABORT, error) for s in req.samples if not s.done]
         return outputs
+
+    def _schedule(self, now: float) -> None:
+        waiting = sorted((r for r in self.requests.values() if r not in self.running), key=_Req.queue_key)
+        for req in waiting:
+            if len(self.running) >= self.config.max_num_seqs:
+                worst = max(self.running, key=_Req.queue_key)
+                if req.request.priority >= worst.request.priority:
+                    break
+                self.running.remove(worst)  # preempted: it waits again, keeping its tokens
+                self.preemptions += 1
+            self.running.append(req)
+            for sample in req.samples:
+                if sample.times.scheduled is None:
+                    sample.times.scheduled = now
 
     def step(self) -> list[EngineCoreOutput]:
         time.sleep(self.step_s)
+        now = time.time()
+        expired = [i for i, r in self.requests.items() if r.request.deadline is not None and now > r.request.deadline]
+        outputs = self.abort_requests(expired, error="deadline")
+        self._schedule(now)
         self.steps += 1
-        outputs = []
-        running = list(self.requests.values())[: self.config.max_num_seqs]
-        for req in running:
+        for req in list(self.running):
             params = req.request.sampling_params
             limit = params.max_tokens or self.max_model_len - len(req.request.prompt_token_ids)
             for sample in req.samples:
@@ -134,11 +172,16 @@ class FakeEngineCore:
                 token = OFFSET + ord("a") + (sample.generated + sample.index) % 26
                 sample.generated += 1
                 self.generated += 1
+                t = sample.times
+                t.first_token = t.first_token or now
+                t.last_token = now
+                t.token_times.append(now)
                 reason = FinishReason.LENGTH if sample.generated >= limit else None
                 sample.done = reason is not None
                 outputs.append(self._out(req, sample, [token], reason))
             if all(s.done for s in req.samples):
                 del self.requests[req.request.request_id]
+                self.running.remove(req)
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -146,12 +189,15 @@ class FakeEngineCore:
 
     def stats(self) -> EngineStats:
         used = 0
-        for req in self.requests.values():
+        for req in self.running:
             tokens = len(req.request.prompt_token_ids) + max(s.generated for s in req.samples)
             used += -(-tokens // self.block_size)
+        waiting = [r for r in self.requests.values() if r not in self.running]
         return EngineStats(
-            num_running=len(self.requests), kv_blocks_total=self.num_blocks, kv_blocks_used=used,
-            block_size=self.block_size, steps=self.steps, generation_tokens=self.generated,
+            num_running=len(self.running), num_waiting=len(waiting),
+            num_waiting_tokens=sum(len(r.request.prompt_token_ids) for r in waiting),
+            kv_blocks_total=self.num_blocks, kv_blocks_used=used, block_size=self.block_size,
+            num_preemptions=self.preemptions, steps=self.steps, generation_tokens=self.generated,
         )
 
 
