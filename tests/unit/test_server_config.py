@@ -7,8 +7,9 @@ import pytest
 
 from stoker.cli import build_parser
 from stoker.config import EngineConfig
-from stoker.server.cli import resolve_configs
-from stoker.server.config import ServerConfig, field_docs
+from stoker.control.settings import ControlSettings
+from stoker.server.cli import resolve_configs, resolve_extension_settings
+from stoker.server.config import EXTENSION_SKIP, ServerConfig, field_docs
 
 
 def parse(argv: list[str]):
@@ -19,9 +20,11 @@ def test_help_documents_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse(["--help"])
     text = capsys.readouterr().out
-    for cls in (EngineConfig, ServerConfig):
+    for cls in (EngineConfig, ServerConfig, ControlSettings):
         docs = field_docs(cls)
         for name in cls.model_fields:
+            if name in EXTENSION_SKIP["control_config"]:
+                continue
             assert "--" + name.replace("_", "-") in text
             assert docs.get(name), f"{cls.__name__}.{name} has no docstring"
     assert "--no-embedding-model" in text and "--config" in text
@@ -57,3 +60,41 @@ def test_bad_values_are_reported(tmp_path) -> None:
         resolve_configs(parse(["--config", str(config)]))
     with pytest.raises(ValueError):
         resolve_configs(parse(["--port", "70000"]))
+
+
+def test_control_settings_are_serve_options(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "stoker.yaml"
+    config.write_text("db: /yaml.db\nmax-queued-requests: 7\nmetrics_require_auth: true\nmax_queued_tokens: 9\n")
+    monkeypatch.setenv("STOKER_MAX_QUEUED_REQUESTS", "8")
+    monkeypatch.setenv("STOKER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    monkeypatch.delenv("STOKER_DB", raising=False)
+    args = parse(["--config", str(config), "--require-auth", "--max-queued-tokens", "10", "--max-queue-wait", "5",
+                  "--metrics-per-key"])
+    control = resolve_extension_settings(args)["control_config"]
+    assert isinstance(control, ControlSettings)
+    assert control.db == "/yaml.db" and control.max_queued_requests == 8 and control.max_queued_tokens == 10
+    assert control.require_auth and control.metrics_require_auth and control.metrics_per_key
+    assert control.otlp_endpoint == "http://127.0.0.1:4318" and control.max_queue_wait == 5
+    with pytest.raises(ValueError, match="max_queued_requests"):
+        resolve_extension_settings(parse(["--max-queued-requests", "0"]))
+    config.write_text("model_name: x\n")  # set by the server, not an option
+    with pytest.raises(ValueError, match="model_name"):
+        resolve_configs(parse(["--config", str(config)]))
+
+
+def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import FAKE_CORE, REPO, TESTS_DIR
+
+    db = tmp_path / "empty.db"
+    result = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", "serve", "--engine-core", FAKE_CORE, "--no-embedding-model",
+         "--port", "0", "--db", str(db), "--require-auth"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+        env={**__import__("os").environ, "PYTHONPATH": f"{TESTS_DIR}:{REPO}"},
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--require-auth" in result.stderr and "stoker keys create" in result.stderr
+    assert "Traceback" not in result.stderr
