@@ -57,7 +57,7 @@ def body(max_tokens: int) -> dict:
 
 def sample(metrics: str, name: str) -> float:
     """Sum of a metric's samples (all label sets)."""
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics, re.M))
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", metrics, re.MULTILINE))
 
 
 async def test_priority_and_deadline_in_the_real_engine(served) -> None:
@@ -107,20 +107,20 @@ async def test_metrics_move_with_the_real_engine(served) -> None:
     ttft_sum = sample(after, "vllm:time_to_first_token_seconds_sum") - sample(before, "vllm:time_to_first_token_seconds_sum")
     assert ttft_sum > 0
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
-        assert re.search(rf"^{gauge}{{", after, re.M), gauge
+        assert re.search(rf"^{gauge}{{", after, re.MULTILINE), gauge
 
 
 def test_usage_rows_after_sigterm(served) -> None:
     """Runs last in the module: SIGTERM while a request is in flight; it
     finishes (drain), and every admitted request has its row once the process exits."""
     server, secrets, db = served
-    with httpx.Client(base_url=server.url, timeout=120) as http:
-        with http.stream("POST", "/v1/completions", json={**body(24), "stream": True},
-                         headers=auth(secrets["batch"], **{"x-request-id": "in-flight-at-sigterm"})) as response:
-            lines = response.iter_lines()
-            next(lines)
-            server.proc.send_signal(signal.SIGTERM)
-            rest = [line for line in lines if line]
+    headers = auth(secrets["batch"], **{"x-request-id": "in-flight-at-sigterm"})
+    with httpx.Client(base_url=server.url, timeout=120) as http, \
+            http.stream("POST", "/v1/completions", json={**body(24), "stream": True}, headers=headers) as response:
+        lines = response.iter_lines()
+        next(lines)
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     assert server.proc.wait(60) == 0
     with open_db(db).connect() as conn:

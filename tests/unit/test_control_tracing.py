@@ -4,6 +4,7 @@ at a tiny OTLP/HTTP receiver on 127.0.0.1 that keeps what it is sent."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,7 +12,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 from conftest import FAKE_CORE, start_server
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
 
 pytestmark = pytest.mark.timeout(120)
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -25,7 +28,7 @@ class Receiver(ThreadingHTTPServer):
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers.get("content-length", 0)))
                 if self.headers.get("content-encoding") == "gzip":
                     body = gzip.decompress(body)
@@ -82,7 +85,7 @@ def test_request_span_with_phase_children_and_incoming_traceparent(receiver: Rec
     assert set(children) == {"admission", "queue", "prefill", "decode"}
     assert all(c.trace_id == root.trace_id for c in children.values())
     order = [children[n] for n in ("admission", "queue", "prefill", "decode")]
-    for earlier, later in zip(order, order[1:]):
+    for earlier, later in itertools.pairwise(order):
         assert earlier.start_time_unix_nano <= later.start_time_unix_nano
     assert root.start_time_unix_nano <= order[0].start_time_unix_nano
     assert order[-1].end_time_unix_nano <= root.end_time_unix_nano

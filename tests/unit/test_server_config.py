@@ -92,7 +92,7 @@ def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "serve", "--engine-core", FAKE_CORE, "--no-embedding-model",
          "--port", "0", "--db", str(db), "--require-auth"],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
+        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
         env={**__import__("os").environ, "PYTHONPATH": f"{TESTS_DIR}:{REPO}"},
     )
     assert result.returncode == 2, result.stderr
