@@ -10,6 +10,7 @@ from stoker.config import ModelConfig
 from stoker.engine.scheduler import SchedulerOutput
 from stoker.engine.kv_cache import KVCacheManager, NULL_BLOCK_ID
 from stoker.models.attention import AttentionMetadata, PrefillChunk
+from stoker.models.cpu_kernels import load_paged_attention
 from stoker.models.llama import LlamaModel
 
 
@@ -31,6 +32,11 @@ class ModelRunner:
         self.kv = kv
         self.block_size = block_size
         self.device = model.device
+        # The C kernel reads the paged cache in place; elsewhere decodes gather + SDPA.
+        self.direct_decode = (
+            self.device.type == "cpu" and kv_dtype in (torch.float32, torch.bfloat16)
+            and kv_dtype == model.dtype and load_paged_attention() is not None
+        )
         cfg = model.config
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded slots are masked out, but masked NaN garbage
@@ -78,17 +84,20 @@ class ModelRunner:
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
 
-        decode_block_tables = decode_mask = None
+        decode_block_tables = decode_context_lens = decode_mask = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [NULL_BLOCK_ID] * (width - len(t)) for t in decode_tables]
             decode_block_tables = self._tensor(padded)
-            key_pos = torch.arange(width * bs, device=self.device)
-            decode_mask = (key_pos[None, :] < self._tensor(decode_lens)[:, None])[:, None, None, :]
+            decode_context_lens = self._tensor(decode_lens)
+            if not self.direct_decode:
+                key_pos = torch.arange(width * bs, device=self.device)
+                decode_mask = (key_pos[None, :] < decode_context_lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_block_tables,
+            decode_context_lens=decode_context_lens,
             decode_mask=decode_mask,
             prefills=prefills,
         )

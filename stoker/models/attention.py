@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from stoker.models.cpu_kernels import paged_decode_attention
+
 
 @dataclass
 class PrefillChunk:
@@ -33,8 +35,11 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None
     """[num_decodes, max_blocks], padded with the null block."""
+    decode_context_lens: torch.Tensor | None
+    """[num_decodes] int64: tokens each decoding sequence attends to."""
     decode_mask: torch.Tensor | None
-    """[num_decodes, 1, 1, max_blocks * block_size] bool: which key slots are real."""
+    """[num_decodes, 1, 1, max_blocks * block_size] bool: which key slots are real.
+    Only built when the C kernel cannot serve the decodes."""
     prefills: list[PrefillChunk]
 
 
@@ -69,7 +74,15 @@ def paged_attention(
     gqa = heads != k.shape[1]
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
-    if nd:
+    direct = None
+    if nd and meta.decode_mask is None:
+        direct = paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+        if direct is None:
+            raise RuntimeError("the C decode kernel failed and no mask was prepared for the torch path")
+        out[:nd] = direct
+    elif nd:
         keys = _gather(k_cache, meta.decode_block_tables)
         values = _gather(v_cache, meta.decode_block_tables)
         o = F.scaled_dot_product_attention(

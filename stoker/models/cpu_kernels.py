@@ -1,0 +1,95 @@
+"""CPU kernels in C, compiled on first use with the system compiler and loaded
+with ctypes: no torch headers, so a build takes about a second. Callers fall
+back to the pure-torch path when no compiler is available."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("stoker.kernels")
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared", "-fopenmp"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("STOKER_CACHE_DIR") or os.path.join(Path.home(), ".cache", "stoker")
+    return Path(root) / "kernels"
+
+
+def _cpu_signature() -> str:
+    # -march=native binds the library to this CPU's instruction set.
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+@cache
+def load_paged_attention() -> ctypes.CDLL | None:
+    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_attention-{key}.so"
+    if not target.exists():
+        if compiler is None:
+            log.warning("no C compiler found: decode attention uses the slower pure-torch path")
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            result = subprocess.run(
+                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+            )
+            if result.returncode != 0:
+                log.warning("building the C attention kernel failed, using pure torch:\n%s", result.stderr[-2000:])
+                return None
+            os.replace(built, target)  # atomic, so concurrent builders never see half a file
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor | None:
+    """q [seqs, heads, head_dim] -> out of the same shape; None if the kernel
+    cannot serve this call (no compiler, unsupported dtype or device)."""
+    lib = load_paged_attention()
+    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if k_cache.dtype != q.dtype:
+        return None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    seqs, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    failed = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+        seqs, heads, kv_heads, head_dim, block_size, block_tables.shape[1],
+        scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+    )
+    return None if failed else out

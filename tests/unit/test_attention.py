@@ -1,0 +1,108 @@
+"""Paged attention: the C decode kernel and the pure-torch path both equal a
+naive per-sequence attention over the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stoker.models import cpu_kernels
+from stoker.models.attention import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+
+BS, KVH, H, D = 4, 2, 6, 16
+
+
+def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 1 + sum(-(-n // BS) for n in lens) + 3
+    k_cache = torch.zeros(num_blocks, BS, KVH, D, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    # Scatter each sequence over non-contiguous, shuffled blocks.
+    free = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables, keys, values = [], [], []
+    for n in lens:
+        table = [free.pop() for _ in range(-(-n // BS))]
+        k = torch.randn(n, KVH, D, generator=g).to(dtype)
+        v = torch.randn(n, KVH, D, generator=g).to(dtype)
+        slots = torch.tensor([table[p // BS] * BS + p % BS for p in range(n)])
+        write_kv(k_cache, v_cache, k, v, slots)
+        tables.append(table)
+        keys.append(k)
+        values.append(v)
+    return k_cache, v_cache, tables, keys, values
+
+
+def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [H, D] attends to all of k/v [n, KVH, D]."""
+    k = k.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, n, D]
+    v = v.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
+    scores = (q.float().unsqueeze(1) @ k.transpose(1, 2)) * D**-0.5  # [H, 1, n]
+    return (torch.softmax(scores, -1) @ v).squeeze(1)
+
+
+def _decode_meta(tables: list[list[int]], lens: list[int], with_mask: bool) -> AttentionMetadata:
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    context_lens = torch.tensor(lens)
+    mask = None
+    if with_mask:
+        mask = (torch.arange(width * BS)[None, :] < context_lens[:, None])[:, None, None, :]
+    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), block_tables, context_lens, mask, [])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("with_mask", [False, True], ids=["c-kernel", "torch"])
+def test_decode_attention_matches_naive(dtype: torch.dtype, tol: float, with_mask: bool) -> None:
+    if not with_mask and cpu_kernels.load_paged_attention() is None:
+        pytest.skip("no C compiler")
+    lens = [1, 5, 8, 13, 30]
+    k_cache, v_cache, tables, keys, values = _setup(dtype, lens)
+    q = torch.randn(len(lens), H, D).to(dtype)
+    out = paged_attention(
+        q, torch.empty(0, KVH, D), torch.empty(0, KVH, D), k_cache, v_cache, _decode_meta(tables, lens, with_mask), D**-0.5
+    ).view(len(lens), H, D)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i].float(), _naive(q[i], keys[i], values[i]), atol=tol, rtol=tol)
+
+
+def test_prefill_chunk_with_cached_context_is_causal() -> None:
+    lens = [11]
+    k_cache, v_cache, tables, keys, values = _setup(torch.float32, lens)
+    start, n = 6, 5  # the last 5 tokens are this step's chunk
+    q = torch.randn(n, H, D)
+    causal = torch.arange(11)[None, :] <= torch.arange(start, 11)[:, None]
+    meta = AttentionMetadata(
+        torch.zeros(0, dtype=torch.long), 0, None, None, None,
+        [PrefillChunk(0, n, 11, torch.tensor(tables[0]), causal)],
+    )
+    out = paged_attention(q, keys[0][start:], values[0][start:], k_cache, v_cache, meta, D**-0.5).view(n, H, D)
+    for i in range(n):
+        visible = start + i + 1
+        torch.testing.assert_close(out[i], _naive(q[i], keys[0][:visible], values[0][:visible]))
+
+
+def test_whole_prompt_prefill_matches_sdpa() -> None:
+    n = 9
+    q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, None, None, None,
+                             [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]), None)])
+    out = paged_attention(q, k, v, torch.zeros(4, BS, KVH, D), torch.zeros(4, BS, KVH, D), meta, D**-0.5)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
+    torch.testing.assert_close(out.view(n, H, D), ref)
+
+
+def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_DISABLE_C_KERNELS", "1")
+    cpu_kernels.load_paged_attention.cache_clear()
+    try:
+        assert cpu_kernels.load_paged_attention() is None
+        assert cpu_kernels.paged_decode_attention(
+            torch.zeros(1, H, D), torch.zeros(2, BS, KVH, D), torch.zeros(2, BS, KVH, D),
+            torch.ones(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0,
+        ) is None
+    finally:
+        cpu_kernels.load_paged_attention.cache_clear()
