@@ -172,6 +172,8 @@ def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
             elif kind == SHUTDOWN:
                 return
         if core.has_unfinished_requests():
+            if not busy:
+                stats_due = True  # a burst begins: admission should see the new queue at once
             outputs = core.step()
             if outputs:
                 out.send_multipart([OUTPUTS, encoder.encode(outputs)])
