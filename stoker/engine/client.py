@@ -275,15 +275,18 @@ class AsyncEngineClient:
         stream = _Stream(queue=asyncio.Queue(), remaining=request.sampling_params.n)
         self._streams[request.request_id] = stream
         engine.inp.send_multipart([proto.ADD, proto.encoder.encode(request)], zmq.NOBLOCK)
+        # Count finishes as they are consumed: stream.remaining is the
+        # dispatcher's count, which runs ahead while items wait in the queue.
+        unfinished = request.sampling_params.n
         try:
-            while True:
+            while unfinished > 0:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 for delta in item:
+                    if delta.finished:
+                        unfinished -= 1
                     yield delta
-                if stream.remaining <= 0:
-                    return
         finally:
             if self._streams.get(request.request_id) is stream:
                 self.abort([request.request_id])

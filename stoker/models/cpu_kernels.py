@@ -20,7 +20,12 @@ import torch
 log = logging.getLogger("stoker.kernels")
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared", "-fopenmp"]
+# Reassociation lets reductions vectorize. Not -ffast-math: a shared library
+# linked with it sets flush-to-zero for the whole process when loaded.
+_FLAGS = [
+    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
+    "-fassociative-math", "-freciprocal-math", "-fPIC", "-shared", "-fopenmp",
+]
 
 
 def _cache_dir() -> Path:

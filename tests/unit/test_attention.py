@@ -106,3 +106,16 @@ def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None
         ) is None
     finally:
         cpu_kernels.load_paged_attention.cache_clear()
+
+
+def test_loading_the_kernel_keeps_subnormals() -> None:
+    """A library built with -ffast-math would switch the process to flush-to-zero."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from stoker.models.cpu_kernels import load_paged_attention; "
+        "assert load_paged_attention() is not None; "
+        "assert sys.float_info.min / 2 > 0, 'subnormals flushed to zero'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
