@@ -32,7 +32,7 @@ from stoker.control.auth import authenticate, get_plane, require_metrics_access
 from stoker.control.errors import ControlError, install_error_handler
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
-from stoker.observe.logs import RequestLogRecord, request_id_from
+from stoker.observe.logs import RequestLogRecord, assign_request_id, with_request_id
 
 log = logging.getLogger("stoker.control")
 
@@ -71,17 +71,15 @@ class ControlMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
-        state = scope.setdefault("state", {})
-        state["request_id"] = request_id = request_id_from(incoming)
+        request_id = assign_request_id(scope)
+        state = scope["state"]
         state["arrival"] = time.time()
         status = {"code": 500}
 
         async def send_wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                headers = with_request_id(message.get("headers", []), request_id)
                 adm = state.get("admission")
                 if adm is not None:
                     present = {k.lower() for k, _ in headers}

@@ -93,9 +93,25 @@ class RequestLogger:
         return line
 
 
+def assign_request_id(scope: Scope) -> str:
+    """The client's X-Request-Id (sanitised) or a new id, stored as
+    scope["state"]["request_id"] (request.state.request_id in FastAPI)."""
+    incoming = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
+    request_id = request_id_from(incoming)
+    scope.setdefault("state", {})["request_id"] = request_id
+    return request_id
+
+
+def with_request_id(headers: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
+    """Response headers with exactly one X-Request-Id, ours."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"x-request-id"]
+    return kept + [(b"x-request-id", request_id.encode("latin-1"))]
+
+
 class RequestIdMiddleware:
-    """Puts the request id in scope["state"]["request_id"] (request.state.request_id
-    in FastAPI) and returns it as X-Request-Id on every response, errors included."""
+    """Request id in, X-Request-Id out on every response, errors included. The
+    server's ControlMiddleware does the same plus admission; this one serves
+    apps without the control plane."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -104,19 +120,11 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        incoming = None
-        for name, value in scope.get("headers", []):
-            if name == b"x-request-id":
-                incoming = value.decode("latin-1")
-                break
-        request_id = request_id_from(incoming)
-        scope.setdefault("state", {})["request_id"] = request_id
+        request_id = assign_request_id(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
-                message = {**message, "headers": headers}
+                message = {**message, "headers": with_request_id(message.get("headers", []), request_id)}
             await send(message)
 
         await self.app(scope, receive, send_with_id)
