@@ -3,7 +3,7 @@
 from stoker.engine.params import RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):

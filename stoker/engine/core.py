@@ -15,7 +15,12 @@ import torch
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer
 from stoker.engine.kv_cache import KVCacheManager
-from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats, FinishReason
+from stoker.engine.params import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    FinishReason,
+)
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.sampler import Sampler, SampleRow

@@ -23,8 +23,9 @@ as that decode does.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from stoker.engine.params import SamplingParams
 

@@ -4,13 +4,19 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
 from stoker.config import EngineConfig
 from stoker.engine.core import EngineCore
-from stoker.engine.params import CompletionOutput, EngineCoreRequest, RequestOutput, SamplingParams
+from stoker.engine.params import (
+    CompletionOutput,
+    EngineCoreRequest,
+    RequestOutput,
+    SamplingParams,
+)
 
 Prompt = str | list[int]
 

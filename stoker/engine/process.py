@@ -18,14 +18,20 @@ import pickle
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
 
 from stoker.config import EngineConfig, ModelConfig
-from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats, SamplingParams
+from stoker.engine.params import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 

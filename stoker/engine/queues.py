@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 from stoker.engine.request import Request
 

@@ -8,7 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from stoker.engine.params import FinishReason, RequestTimes, SamplingParams, TokenLogprob
+from stoker.engine.params import (
+    FinishReason,
+    RequestTimes,
+    SamplingParams,
+    TokenLogprob,
+)
 
 if TYPE_CHECKING:
     from stoker.engine.detokenizer import IncrementalDetokenizer

@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from stoker.config import ModelConfig
+from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.scheduler import SchedulerOutput
-from stoker.engine.kv_cache import KVCacheManager, NULL_BLOCK_ID
 from stoker.models.attention import AttentionMetadata, PrefillChunk
 from stoker.models.cpu_kernels import load_paged_attention
 from stoker.models.llama import LlamaModel

@@ -130,7 +130,12 @@ async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callab
 
 
 def _load_embedder(config: ServerConfig) -> Any:
-    from stoker.models.embedding import BUNDLED_NAME, EmbeddingBatcher, EmbeddingModel, bundled_model_path
+    from stoker.models.embedding import (
+        BUNDLED_NAME,
+        EmbeddingBatcher,
+        EmbeddingModel,
+        bundled_model_path,
+    )
 
     name = config.embedding_model
     path = bundled_model_path() if name == BUNDLED_NAME else name

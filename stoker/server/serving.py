@@ -17,7 +17,11 @@ from fastapi import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from stoker.engine.client import AsyncEngineClient, EngineUnavailableError, RequestRejectedError
+from stoker.engine.client import (
+    AsyncEngineClient,
+    EngineUnavailableError,
+    RequestRejectedError,
+)
 from stoker.engine.params import (
     CompletionOutput,
     EngineCoreOutput,

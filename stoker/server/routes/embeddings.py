@@ -10,7 +10,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from stoker.server.hooks import AdmissionInfo, FinishedRecord
-from stoker.server.protocol import APIError, EmbeddingRequest, bad_request, flatten_prompts, unavailable
+from stoker.server.protocol import (
+    APIError,
+    EmbeddingRequest,
+    bad_request,
+    flatten_prompts,
+    unavailable,
+)
 from stoker.server.state import get_state, run_before_hooks
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])

@@ -10,7 +10,12 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from stoker.engine.client import EngineUnavailableError
-from stoker.engine.params import CompletionOutput, EngineCoreOutput, SamplingParams, TokenLogprob
+from stoker.engine.params import (
+    CompletionOutput,
+    EngineCoreOutput,
+    SamplingParams,
+    TokenLogprob,
+)
 from stoker.server.hooks import AdmissionInfo
 from stoker.server.protocol import (
     APIError,
@@ -21,7 +26,15 @@ from stoker.server.protocol import (
     deadline_exceeded,
     flatten_prompts,
 )
-from stoker.server.serving import ClientDisconnected, EngineStreamingResponse, Job, engine_error, run_job, sse, until_disconnect
+from stoker.server.serving import (
+    ClientDisconnected,
+    EngineStreamingResponse,
+    Job,
+    engine_error,
+    run_job,
+    sse,
+    until_disconnect,
+)
 from stoker.server.state import ServerState, get_state, run_before_hooks
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
@@ -263,4 +276,4 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await run(request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion")
 
 
-__all__ = ["router", "APIError"]
+__all__ = ["APIError", "router"]
