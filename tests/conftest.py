@@ -10,6 +10,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
 
+import asyncio
 import signal
 import socket
 import subprocess
@@ -116,3 +117,19 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         yield server
     finally:
         server.stop()
+
+
+def auth(secret: str, **headers: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {secret}", **headers}
+
+
+def engine_stats(server: ServerProcess) -> dict:
+    """The engine's latest stats snapshot, as /ready reports it."""
+    return httpx.get(f"{server.url}/ready", timeout=5).json()["engine_stats"]
+
+
+async def wait_for(predicate, timeout: float, what: str, interval: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
+        await asyncio.sleep(interval)

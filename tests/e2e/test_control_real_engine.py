@@ -8,11 +8,10 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import time
 
 import httpx
 import pytest
-from conftest import ServerProcess, start_server
+from conftest import auth, engine_stats, start_server, wait_for
 from sqlalchemy import select
 
 from stoker.control.db import open_db, usage
@@ -36,21 +35,6 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def auth(secret: str, **headers: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}", **headers}
-
-
-def stats(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.url}/ready", timeout=5).json()["engine_stats"]
-
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
-        await asyncio.sleep(0.05)
-
-
 def body(max_tokens: int) -> dict:
     return {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
@@ -71,11 +55,11 @@ async def test_priority_and_deadline_in_the_real_engine(served) -> None:
             return r
 
         blocker = asyncio.create_task(call("blocker", "interactive", 64))
-        await wait_for(lambda: stats(server)["num_running"] == 1, 30, "blocker running")
+        await wait_for(lambda: engine_stats(server)["num_running"] == 1, 30, "blocker running")
         tasks = [asyncio.create_task(call(f"batch-{i}", "batch", 3)) for i in range(2)]
         await asyncio.sleep(0.1)
         tasks += [asyncio.create_task(call(f"interactive-{i}", "interactive", 3)) for i in range(2)]
-        await wait_for(lambda: stats(server)["num_waiting"] == 4, 10, "four requests waiting behind the blocker")
+        await wait_for(lambda: engine_stats(server)["num_waiting"] == 4, 10, "four requests waiting behind the blocker")
         # Waits behind the blocker and is dropped before it computes anything.
         dropped = await call("too-late", "interactive", 3, **{"x-stoker-deadline-ms": "200"})
         results = await asyncio.gather(blocker, *tasks)

@@ -13,7 +13,14 @@ import time
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, ServerProcess, start_server
+from conftest import (
+    FAKE_CORE,
+    ServerProcess,
+    auth,
+    engine_stats,
+    start_server,
+    wait_for,
+)
 from sqlalchemy import select
 
 from stoker.control.db import open_db, usage
@@ -43,23 +50,8 @@ def served(tmp_path_factory):
         server.stop()
 
 
-def auth(secret: str, **headers: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {secret}", **headers}
-
-
-def stats(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.url}/ready", timeout=5).json()["engine_stats"]
-
-
-async def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} not within {timeout} s"
-        await asyncio.sleep(0.02)
-
-
 async def wait_idle(server: ServerProcess) -> None:
-    await wait_for(lambda: stats(server)["num_running"] == 0 and stats(server)["num_waiting"] == 0, 10, "idle")
+    await wait_for(lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["num_waiting"] == 0, 10, "idle")
 
 
 def log_lines(server: ServerProcess) -> list[dict]:
@@ -80,7 +72,7 @@ async def test_interactive_requests_are_served_before_batch_ones(served) -> None
         # An interactive request holds the only running slot (so nothing is
         # preempted); batch requests queue first, interactive ones after them.
         blocker = asyncio.create_task(call("blocker", "interactive", 100))
-        await wait_for(lambda: stats(server)["num_running"] == 1, 5, "blocker running")
+        await wait_for(lambda: engine_stats(server)["num_running"] == 1, 5, "blocker running")
         tasks = []
         for i in range(3):
             # A batch key asking for "interactive" is clamped to its class.
@@ -89,7 +81,7 @@ async def test_interactive_requests_are_served_before_batch_ones(served) -> None
         for i in range(3):
             tasks.append(asyncio.create_task(call(f"interactive-{i}", "interactive", 2)))
             await asyncio.sleep(0.03)
-        await wait_for(lambda: stats(server)["num_waiting"] == 6, 5, "six requests waiting")
+        await wait_for(lambda: engine_stats(server)["num_waiting"] == 6, 5, "six requests waiting")
         results = await asyncio.gather(blocker, *tasks)
     assert all(r.status_code == 200 for r in results), [r.text for r in results]
     assert finished[0] == "blocker"
@@ -106,7 +98,7 @@ async def test_deadline_drop_is_504_timeout_and_a_late_one_ends_with_abort(serve
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         blocker = asyncio.create_task(http.post("/v1/completions", headers=auth(key),
                                                 json={"prompt": "q", "max_tokens": 50}))
-        await wait_for(lambda: stats(server)["num_running"] == 1, 5, "blocker running")
+        await wait_for(lambda: engine_stats(server)["num_running"] == 1, 5, "blocker running")
         start = time.monotonic()
         dropped = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2},
                                   headers=auth(key, **{"x-stoker-deadline-ms": "300", "x-request-id": "dl-queue"}))
@@ -180,9 +172,9 @@ async def test_overload_retry_after_follows_the_measured_drain_rate(tmp_path) ->
             for _ in range(4):  # 4 x 30 prompt tokens finished: the measured drain
                 assert (await http.post("/v1/completions", json={"prompt": [100] * 30, "max_tokens": 2})).is_success
             blocker = asyncio.create_task(http.post("/v1/completions", json={"prompt": [100], "max_tokens": 150}))
-            await wait_for(lambda: stats(server)["num_running"] == 1, 5, "blocker running")
+            await wait_for(lambda: engine_stats(server)["num_running"] == 1, 5, "blocker running")
             waiter = asyncio.create_task(http.post("/v1/completions", json={"prompt": [100] * 40, "max_tokens": 2}))
-            await wait_for(lambda: stats(server)["num_waiting"] == 1, 5, "one waiting")
+            await wait_for(lambda: engine_stats(server)["num_waiting"] == 1, 5, "one waiting")
             await asyncio.sleep(0.6)  # past the admission's snapshot lag: counted once, from the engine
             before = time.time()
             refused = await http.post("/v1/completions", json={"prompt": [100] * 200, "max_tokens": 2})
