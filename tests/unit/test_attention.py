@@ -13,7 +13,7 @@ from stoker.models.attention import AttentionMetadata, PrefillChunk, paged_atten
 BS, KVH, H, D = 4, 2, 6, 16
 
 
-def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0):
+def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0, D: int = D):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-n // BS) for n in lens) + 3
     k_cache = torch.zeros(num_blocks, BS, KVH, D, dtype=dtype)
@@ -35,6 +35,7 @@ def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0):
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [H, D] attends to all of k/v [n, KVH, D]."""
+    D = q.shape[-1]
     k = k.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, n, D]
     v = v.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     scores = (q.float().unsqueeze(1) @ k.transpose(1, 2)) * D**-0.5  # [H, 1, n]
@@ -51,17 +52,18 @@ def _decode_meta(tables: list[list[int]], lens: list[int], with_mask: bool) -> A
     return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), block_tables, context_lens, mask, [])
 
 
+@pytest.mark.parametrize("head_dim", [16, 64, 128], ids=lambda d: f"d{d}")  # 64/128 are specialised in C
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["c-kernel", "torch"])
-def test_decode_attention_matches_naive(dtype: torch.dtype, tol: float, with_mask: bool) -> None:
+def test_decode_attention_matches_naive(dtype: torch.dtype, tol: float, with_mask: bool, head_dim: int) -> None:
     if not with_mask and cpu_kernels.load_paged_attention() is None:
         pytest.skip("no C compiler")
     lens = [1, 5, 8, 13, 30]
-    k_cache, v_cache, tables, keys, values = _setup(dtype, lens)
-    q = torch.randn(len(lens), H, D).to(dtype)
-    out = paged_attention(
-        q, torch.empty(0, KVH, D), torch.empty(0, KVH, D), k_cache, v_cache, _decode_meta(tables, lens, with_mask), D**-0.5
-    ).view(len(lens), H, D)
+    k_cache, v_cache, tables, keys, values = _setup(dtype, lens, D=head_dim)
+    q = torch.randn(len(lens), H, head_dim).to(dtype)
+    empty = torch.empty(0, KVH, head_dim)
+    meta = _decode_meta(tables, lens, with_mask)
+    out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5).view(len(lens), H, head_dim)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i].float(), _naive(q[i], keys[i], values[i]), atol=tol, rtol=tol)
 

@@ -60,8 +60,8 @@ static inline void load_row(const void *base, size_t offset, int n, int is_bf16,
     }
 }
 
-static void run_item(const Job *job, int item, float *restrict scratch) {
-    const int H = job->num_heads, KVH = job->num_kv_heads, D = job->head_dim, BS = job->block_size;
+static inline __attribute__((always_inline)) void run_item_d(const Job *job, int item, float *restrict scratch, const int D) {
+    const int H = job->num_heads, KVH = job->num_kv_heads, BS = job->block_size;
     const int G = H / KVH;
     const int b = item / KVH, kh = item % KVH;
     const int L = (int)job->context_lens[b];
@@ -80,7 +80,7 @@ static void run_item(const Job *job, int item, float *restrict scratch) {
         for (int i = 0; i < n; i++) {
             load_row(job->k_cache, ((block_base + i) * KVH + kh) * D, D, job->is_bf16, row);
             for (int g = 0; g < G; g++) {
-                const float *qg = qf + (size_t)g * D;
+                const float *restrict qg = qf + (size_t)g * D;
                 float s = 0.f;
                 for (int d = 0; d < D; d++) s += qg[d] * row[d];
                 scores[(size_t)g * L + t0 + i] = s * job->scale;
@@ -103,7 +103,7 @@ static void run_item(const Job *job, int item, float *restrict scratch) {
             load_row(job->v_cache, ((block_base + i) * KVH + kh) * D, D, job->is_bf16, row);
             for (int g = 0; g < G; g++) {
                 const float p = scores[(size_t)g * L + t0 + i];
-                float *ag = acc + (size_t)g * D;
+                float *restrict ag = acc + (size_t)g * D;
                 for (int d = 0; d < D; d++) ag[d] += p * row[d];
             }
         }
@@ -116,6 +116,16 @@ static void run_item(const Job *job, int item, float *restrict scratch) {
         } else {
             memcpy((float *)job->out + o, acc + (size_t)g * D, (size_t)D * sizeof(float));
         }
+    }
+}
+
+/* Head sizes known at compile time unroll the inner loops into a few vector
+ * instructions; other sizes take the generic path. */
+static void run_item(const Job *job, int item, float *restrict scratch) {
+    switch (job->head_dim) {
+    case 64: run_item_d(job, item, scratch, 64); break;
+    case 128: run_item_d(job, item, scratch, 128); break;
+    default: run_item_d(job, item, scratch, job->head_dim); break;
     }
 }
 
