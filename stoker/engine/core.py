@@ -25,6 +25,7 @@ from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.sampler import Sampler, SampleRow
 from stoker.engine.scheduler import Scheduler
+from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.llama import LlamaModel
 from stoker.models.loader import load_model
 from stoker.models.tokenizer import Tokenizer
@@ -46,16 +47,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and _cpu_has_bf16() else torch.float32
-
-
-def _cpu_has_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return torch.bfloat16 if torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}) else torch.float32
 
 
 def _total_memory_bytes(device: torch.device) -> int:

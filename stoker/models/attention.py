@@ -74,14 +74,13 @@ def paged_attention(
     gqa = heads != k.shape[1]
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
-    direct = None
     if nd and meta.decode_mask is None:
-        direct = paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        # The kernel writes straight into the first rows of `out` (contiguous).
+        served = paged_decode_attention(
+            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd]
         )
-        if direct is None:
+        if served is None:
             raise RuntimeError("the C decode kernel failed and no mask was prepared for the torch path")
-        out[:nd] = direct
     elif nd:
         keys = _gather(k_cache, meta.decode_block_tables)
         values = _gather(v_cache, meta.decode_block_tables)

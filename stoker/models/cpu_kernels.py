@@ -33,14 +33,20 @@ def _cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def _cpu_signature() -> str:
-    # -march=native binds the library to this CPU's instruction set.
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
+            line = next((line for line in f if line.startswith("flags")), "")
     except OSError:
-        flags = ""
-    return platform.machine() + flags
+        line = ""
+    return frozenset(line.partition(":")[2].split())
+
+
+def _cpu_signature() -> str:
+    # -march=native binds the library to this CPU's instruction set.
+    return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
 @cache
@@ -79,16 +85,21 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """q [seqs, heads, head_dim] -> out of the same shape; None if the kernel
-    cannot serve this call (no compiler, unsupported dtype or device)."""
+    """q [seqs, heads, head_dim] -> out of the same shape (written into `out`
+    when given, which must be contiguous); None if the kernel cannot serve this
+    call (no compiler, unsupported dtype or device)."""
     lib = load_paged_attention()
     if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
         return None
     if k_cache.dtype != q.dtype:
         return None
     q = q.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("out must be a contiguous tensor shaped and typed like q")
     seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     failed = lib.paged_decode_attention(
