@@ -13,7 +13,7 @@ from stoker.models.attention import AttentionMetadata, PrefillChunk, paged_atten
 BS, KVH, H, D = 4, 2, 6, 16
 
 
-def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0, D: int = D):
+def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0, D: int = D, BS: int = BS, KVH: int = KVH):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 1 + sum(-(-n // BS) for n in lens) + 3
     k_cache = torch.zeros(num_blocks, BS, KVH, D, dtype=dtype)
@@ -35,14 +35,15 @@ def _setup(dtype: torch.dtype, lens: list[int], seed: int = 0, D: int = D):
 
 def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """q [H, D] attends to all of k/v [n, KVH, D]."""
-    D = q.shape[-1]
+    H, D = q.shape
+    KVH = k.shape[1]
     k = k.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)  # [H, n, D]
     v = v.float().repeat_interleave(H // KVH, dim=1).transpose(0, 1)
     scores = (q.float().unsqueeze(1) @ k.transpose(1, 2)) * D**-0.5  # [H, 1, n]
     return (torch.softmax(scores, -1) @ v).squeeze(1)
 
 
-def _decode_meta(tables: list[list[int]], lens: list[int], with_mask: bool) -> AttentionMetadata:
+def _decode_meta(tables: list[list[int]], lens: list[int], with_mask: bool, BS: int = BS) -> AttentionMetadata:
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     context_lens = torch.tensor(lens)
@@ -64,6 +65,26 @@ def test_decode_attention_matches_naive(dtype: torch.dtype, tol: float, with_mas
     empty = torch.empty(0, KVH, head_dim)
     meta = _decode_meta(tables, lens, with_mask)
     out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5).view(len(lens), H, head_dim)
+    for i in range(len(lens)):
+        torch.testing.assert_close(out[i].float(), _naive(q[i], keys[i], values[i]), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("block_size", [5, 16, 32])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (9, 3), (14, 2), (12, 1)], ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_kernel_block_and_group_shapes(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, block_size: int
+) -> None:
+    """The vector path walks rows 16 at a time across block edges and serves
+    query heads in register groups: lengths and group sizes around those edges."""
+    if cpu_kernels.load_paged_attention() is None:
+        pytest.skip("no C compiler")
+    lens = [1, 15, 16, 17, 32, 33, 64, 100, 160]  # 160 fills its block table row exactly
+    k_cache, v_cache, tables, keys, values = _setup(dtype, lens, seed=1, D=64, BS=block_size, KVH=kv_heads)
+    q = torch.randn(len(lens), heads, 64).to(dtype)
+    empty = torch.empty(0, kv_heads, 64)
+    meta = _decode_meta(tables, lens, with_mask=False, BS=block_size)
+    out = paged_attention(q, empty, empty, k_cache, v_cache, meta, 64**-0.5).view(len(lens), heads, 64)
     for i in range(len(lens)):
         torch.testing.assert_close(out[i].float(), _naive(q[i], keys[i], values[i]), atol=tol, rtol=tol)
 

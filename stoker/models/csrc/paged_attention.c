@@ -119,12 +119,191 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *job, int
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* AVX-512 path. Scores are computed 16 keys at a time: one vector of partial
+ * products per key, then a transpose-and-add tree turns the 16 vectors into
+ * the 16 scores with 15 adds, instead of a full horizontal sum per key (the
+ * generic loop spends most of its time there). */
+
+static inline __m512 hsum16(__m512 v[16]) {
+    __m512 x[8], y[4], z[2];
+    for (int j = 0; j < 8; j++)
+        x[j] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * j], v[2 * j + 1]), _mm512_unpackhi_ps(v[2 * j], v[2 * j + 1]));
+    for (int j = 0; j < 4; j++) {
+        const __m512d a = _mm512_castps_pd(x[2 * j]), b = _mm512_castps_pd(x[2 * j + 1]);
+        y[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int j = 0; j < 2; j++)
+        z[j] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(y[2 * j], y[2 * j + 1], 0xDD));
+    /* lane i now holds the sum of v[i] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+static inline __m512 load16(const void *base, size_t offset, int is_bf16) {
+    if (is_bf16) {
+        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)base + offset);
+}
+
+/* Walks rows t = 0, 1, ... of one kv head through the block table without a
+ * division per row (block_size need not be a power of two). */
+typedef struct {
+    const int64_t *table;
+    size_t stride, block_base;
+    int BS, in_block, block;
+} RowCursor;
+
+static inline RowCursor cursor_start(const int64_t *table, int BS, int KVH, int kh, int D) {
+    RowCursor c = {table, (size_t)KVH * D, 0, BS, 0, 0};
+    c.block_base = (size_t)table[0] * BS * c.stride + (size_t)kh * D;
+    return c;
+}
+
+/* Reads the next block's id only when a row of it is wanted: the table may end there. */
+static inline size_t cursor_next(RowCursor *c) {
+    if (c->in_block == c->BS) {
+        c->in_block = 0;
+        c->block++;
+        c->block_base += ((size_t)c->table[c->block] - (size_t)c->table[c->block - 1]) * c->BS * c->stride;
+    }
+    return c->block_base + (size_t)(c->in_block++) * c->stride;
+}
+
+/* exp(x) for x <= 0, 16 lanes: the same polynomial as exp_nonpositive. */
+static inline __m512 exp16_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 k = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, k);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, k);
+}
+
+/* Scores -> unnormalised probabilities exp(s - max), in place; returns 1 / their sum. */
+static inline float softmax_unnormalised(float *s, int L) {
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 16 <= L; t += 16) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + t));
+    float m = _mm512_reduce_max_ps(vmax);
+    for (; t < L; t++) m = fmaxf(m, s[t]);
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512 vsum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= L; t += 16) {
+        const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + t), vm));
+        _mm512_storeu_ps(s + t, e);
+        vsum = _mm512_add_ps(vsum, e);
+    }
+    float sum = _mm512_reduce_add_ps(vsum);
+    for (; t < L; t++) { s[t] = exp_nonpositive(s[t] - m); sum += s[t]; }
+    return 1.f / sum;
+}
+
+/* Adds p[t] * V[t] over all t into GC query heads' accumulators held in
+ * registers, then stores them scaled by each head's 1 / sum. */
+static inline __attribute__((always_inline)) void pv_heads(const Job *job, const int64_t *table, int kh, int L,
+                                                            const float *scores, const float *inv_sum, int g0,
+                                                            const int GC, const int D, float *restrict acc_out) {
+    __m512 acc[4][8];
+    for (int g = 0; g < GC; g++)
+        for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
+    RowCursor rows = cursor_start(table, job->block_size, job->num_kv_heads, kh, D);
+    for (int t = 0; t < L; t++) {
+        const size_t off = cursor_next(&rows);
+        __m512 v[8];
+        for (int c = 0; c < D / 16; c++) v[c] = load16(job->v_cache, off + (size_t)c * 16, job->is_bf16);
+        for (int g = 0; g < GC; g++) {
+            const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * L + t]);
+            for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+        }
+    }
+    for (int g = 0; g < GC; g++) {
+        const __m512 inv = _mm512_set1_ps(inv_sum[g0 + g]);
+        for (int c = 0; c < D / 16; c++)
+            _mm512_storeu_ps(acc_out + (size_t)(g0 + g) * D + c * 16, _mm512_mul_ps(acc[g][c], inv));
+    }
+}
+
+static inline __attribute__((always_inline)) void run_item_avx512(const Job *job, int item, float *restrict scratch,
+                                                                   const int D) {
+    const int H = job->num_heads, KVH = job->num_kv_heads;
+    const int G = H / KVH;
+    const int b = item / KVH, kh = item % KVH;
+    const int L = (int)job->context_lens[b];
+    const int64_t *table = job->block_tables + (size_t)b * job->max_blocks;
+    float *qf = scratch;                     /* [G, D] */
+    float *acc = qf + (size_t)G * D;         /* [G, D] */
+    float *inv_sum = acc + (size_t)G * D;    /* [G] */
+    float *scores = inv_sum + (G > D ? G : D); /* [G, L] */
+    const __m512 scale = _mm512_set1_ps(job->scale);
+
+    for (int g = 0; g < G; g++)
+        load_row(job->q, ((size_t)b * H + (size_t)kh * G + g) * D, D, job->is_bf16, qf + (size_t)g * D);
+
+    RowCursor rows = cursor_start(table, job->block_size, KVH, kh, D);
+    for (int t0 = 0; t0 < L; t0 += 16) {
+        const int n = L - t0 < 16 ? L - t0 : 16;
+        size_t offs[16];
+        for (int i = 0; i < 16; i++) offs[i] = i < n ? cursor_next(&rows) : offs[0];
+        for (int g = 0; g < G; g++) {
+            const float *qg = qf + (size_t)g * D;
+            __m512 q[8];
+            for (int c = 0; c < D / 16; c++) q[c] = _mm512_loadu_ps(qg + c * 16);
+            __m512 part[16];
+            for (int i = 0; i < 16; i++) {
+                __m512 s = _mm512_mul_ps(q[0], load16(job->k_cache, offs[i], job->is_bf16));
+                for (int c = 1; c < D / 16; c++)
+                    s = _mm512_fmadd_ps(q[c], load16(job->k_cache, offs[i] + (size_t)c * 16, job->is_bf16), s);
+                part[i] = s;
+            }
+            const __m512 sums = _mm512_mul_ps(hsum16(part), scale);
+            _mm512_mask_storeu_ps(scores + (size_t)g * L + t0, (__mmask16)((1u << n) - 1u), sums);
+        }
+    }
+    for (int g = 0; g < G; g++) inv_sum[g] = softmax_unnormalised(scores + (size_t)g * L, L);
+    /* Up to 4 heads (2 for D=128) per pass keep the accumulators in registers. */
+    const int per_pass = D <= 64 ? 4 : 2;
+    for (int g0 = 0; g0 < G; g0 += per_pass) {
+        switch (G - g0 < per_pass ? G - g0 : per_pass) {
+        case 1: pv_heads(job, table, kh, L, scores, inv_sum, g0, 1, D, acc); break;
+        case 2: pv_heads(job, table, kh, L, scores, inv_sum, g0, 2, D, acc); break;
+        case 3: pv_heads(job, table, kh, L, scores, inv_sum, g0, 3, D, acc); break;
+        default: pv_heads(job, table, kh, L, scores, inv_sum, g0, 4, D, acc); break;
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        size_t o = ((size_t)b * H + (size_t)kh * G + g) * D;
+        if (job->is_bf16) {
+            uint16_t *dst = (uint16_t *)job->out + o;
+            for (int d = 0; d < D; d++) dst[d] = bf16_round(acc[(size_t)g * D + d]);
+        } else {
+            memcpy((float *)job->out + o, acc + (size_t)g * D, (size_t)D * sizeof(float));
+        }
+    }
+}
+#endif
+
 /* Head sizes known at compile time unroll the inner loops into a few vector
  * instructions; other sizes take the generic path. */
 static void run_item(const Job *job, int item, float *restrict scratch) {
     switch (job->head_dim) {
+#if defined(__AVX512F__)
+    case 64: run_item_avx512(job, item, scratch, 64); break;
+    case 128: run_item_avx512(job, item, scratch, 128); break;
+#else
     case 64: run_item_d(job, item, scratch, 64); break;
     case 128: run_item_d(job, item, scratch, 128); break;
+#endif
     default: run_item_d(job, item, scratch, job->head_dim); break;
     }
 }
@@ -142,7 +321,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int max_len = 0;
     for (int b = 0; b < num_seqs; b++)
         if (context_lens[b] > max_len) max_len = (int)context_lens[b];
-    const size_t scratch_floats = (size_t)2 * G * head_dim + head_dim + (size_t)G * max_len;
+    const size_t scratch_floats = (size_t)2 * G * head_dim + (G > head_dim ? G : head_dim) + (size_t)G * max_len;
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
