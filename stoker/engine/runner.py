@@ -10,7 +10,7 @@ from stoker.config import ModelConfig
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.scheduler import SchedulerOutput
 from stoker.models.attention import AttentionMetadata, PrefillChunk
-from stoker.models.cpu_kernels import load_paged_attention
+from stoker.models.cpu_kernels import load_paged_attention, prefill_kernel_supported
 from stoker.models.llama import LlamaModel
 
 
@@ -38,6 +38,8 @@ class ModelRunner:
             and kv_dtype == model.dtype and load_paged_attention() is not None
         )
         cfg = model.config
+        # Prefill chunks likewise, where the build has the AVX-512 kernel; else causal SDPA.
+        self.direct_prefill = self.direct_decode and prefill_kernel_supported(cfg.head_dim)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded slots are masked out, but masked NaN garbage
         # would still poison the softmax-weighted sum.
@@ -75,7 +77,7 @@ class ModelRunner:
             else:
                 n_blocks = -(-end // bs)
                 mask = None
-                if start > 0:
+                if start > 0 and not self.direct_prefill:
                     q_pos = torch.arange(start, end, device=self.device)[:, None]
                     mask = torch.arange(end, device=self.device)[None, :] <= q_pos
                 prefills.append(
@@ -100,6 +102,7 @@ class ModelRunner:
             decode_context_lens=decode_context_lens,
             decode_mask=decode_mask,
             prefills=prefills,
+            direct_prefill=self.direct_prefill,
         )
         return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stoker.models.cpu_kernels import paged_decode_attention
+from stoker.models.cpu_kernels import paged_decode_attention, paged_prefill_attention
 
 
 @dataclass
@@ -25,7 +25,8 @@ class PrefillChunk:
     block_ids: torch.Tensor
     """The blocks that cover context_len tokens."""
     causal_mask: torch.Tensor | None
-    """[query_len, context_len] bool, None when the chunk is the whole context."""
+    """[query_len, context_len] bool; None when the chunk is the whole context or
+    when the C prefill kernel serves it (it reads the cache in place)."""
 
 
 @dataclass
@@ -41,6 +42,8 @@ class AttentionMetadata:
     """[num_decodes, 1, 1, max_blocks * block_size] bool: which key slots are real.
     Only built when the C kernel cannot serve the decodes."""
     prefills: list[PrefillChunk]
+    direct_prefill: bool = False
+    """Prefill chunks go to the C kernel, which reads K/V from the cache in place."""
 
 
 def write_kv(
@@ -90,6 +93,12 @@ def paged_attention(
         out[:nd] = o.squeeze(2)
     for chunk in meta.prefills:
         s, n = chunk.query_start, chunk.query_len
+        if meta.direct_prefill:
+            if not paged_prefill_attention(
+                q[s : s + n], k_cache, v_cache, chunk.block_ids, chunk.context_len, scale, out[s : s + n]
+            ):
+                raise RuntimeError("the C prefill kernel failed and no mask was prepared for the torch path")
+            continue
         qs = q[s : s + n].transpose(0, 1).unsqueeze(0)
         if chunk.causal_mask is None:
             # The whole context is in this step: attend to the fresh k/v directly.

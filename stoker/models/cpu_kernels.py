@@ -75,7 +75,18 @@ def load_paged_attention() -> ctypes.CDLL | None:
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn = lib.paged_prefill_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.paged_prefill_supported.restype = ctypes.c_int
+    lib.paged_prefill_supported.argtypes = [ctypes.c_int]
     return lib
+
+
+def prefill_kernel_supported(head_dim: int) -> bool:
+    """Whether the C prefill kernel serves this head size here (it needs AVX-512)."""
+    lib = load_paged_attention()
+    return lib is not None and bool(lib.paged_prefill_supported(head_dim))
 
 
 def paged_decode_attention(
@@ -109,3 +120,36 @@ def paged_decode_attention(
         scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
     )
     return None if failed else out
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    context_len: int,
+    scale: float,
+    out: torch.Tensor,
+) -> bool:
+    """Causal attention of one sequence's chunk q [n, heads, head_dim] (its last
+    n positions of context_len) over the paged cache, written into `out` (same
+    shape, contiguous). False if the kernel cannot serve this call."""
+    lib = load_paged_attention()
+    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if k_cache.dtype != q.dtype or block_ids.dtype != torch.int64:
+        return False
+    if not (q.is_contiguous() and out.is_contiguous() and block_ids.is_contiguous()):
+        raise ValueError("q, out and block_ids must be contiguous")
+    n, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if block_ids.numel() * block_size < context_len:
+        raise ValueError("block_ids do not cover context_len")
+    rc = lib.paged_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(),
+        n, context_len, heads, kv_heads, head_dim, block_size, scale, int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc == 1:
+        raise MemoryError("the C prefill kernel could not allocate its scratch memory")
+    return rc == 0

@@ -89,6 +89,43 @@ def test_decode_kernel_block_and_group_shapes(
         torch.testing.assert_close(out[i].float(), _naive(q[i], keys[i], values[i]), atol=tol, rtol=tol)
 
 
+def _naive_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [n, H, D] are the last n positions of k/v [ctx, KVH, D]; causal."""
+    n, ctx = q.shape[0], k.shape[0]
+    rows = [_naive(q[i], k[: ctx - n + i + 1], v[: ctx - n + i + 1]) for i in range(n)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128], ids=lambda d: f"d{d}")
+@pytest.mark.parametrize("block_size", [5, 16])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (14, 2), (4, 4)], ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefill_kernel_matches_naive_causal(
+    dtype: torch.dtype, tol: float, heads: int, kv_heads: int, block_size: int, head_dim: int
+) -> None:
+    """Several chunks in one step: whole prompts and chunks after a cached
+    context, with lengths around the kernel's 16-row and 16-key tiles."""
+    if not cpu_kernels.prefill_kernel_supported(head_dim):
+        pytest.skip("no AVX-512 C kernel on this machine")
+    lens = [1, 16, 33, 70, 41]                  # whole contexts
+    chunk_lens = [1, 16, 17, 31, 9]             # the last tokens of each are this step's queries
+    k_cache, v_cache, tables, keys, values = _setup(
+        dtype, lens, seed=2, D=head_dim, BS=block_size, KVH=kv_heads
+    )
+    q = torch.randn(sum(chunk_lens), heads, head_dim).to(dtype)
+    chunks, start = [], 0
+    for table, ctx, n in zip(tables, lens, chunk_lens):
+        chunks.append(PrefillChunk(start, n, ctx, torch.tensor(table), None))
+        start += n
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, None, None, None, chunks, direct_prefill=True)
+    empty = torch.empty(0, kv_heads, head_dim)
+    out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5)
+    out = out.view(-1, heads, head_dim)
+    for chunk, k, v in zip(chunks, keys, values):
+        s, n = chunk.query_start, chunk.query_len
+        torch.testing.assert_close(out[s : s + n].float(), _naive_causal(q[s : s + n], k, v), atol=tol, rtol=tol)
+
+
 def test_prefill_chunk_with_cached_context_is_causal() -> None:
     lens = [11]
     k_cache, v_cache, tables, keys, values = _setup(torch.float32, lens)

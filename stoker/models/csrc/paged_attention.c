@@ -337,3 +337,168 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     }
     return failed;
 }
+
+/* ------------------------------------------------------------------------ */
+/* Prefill attention for one sequence's chunk: n query tokens at positions
+ * context_len - n ... context_len - 1, causal over everything before them,
+ * keys and values read from the paged cache (the chunk's own already written).
+ *
+ * Work items are (kv head, tile of 16 query rows); a tile's G * 16 query
+ * vectors share every key and value row they read. Keys are transposed 16 at
+ * a time so each score vector is a run of broadcast FMAs with no horizontal
+ * sums; values are widened to fp32 once per item. Returns 0 on success, 1 if
+ * memory ran out, 2 if this build cannot serve the shape (the caller falls
+ * back to torch). */
+#if defined(__AVX512F__)
+enum { PF_ROWS = 16 };
+
+static inline __attribute__((always_inline)) void prefill_item(
+    const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int n,
+    int context_len, int H, int KVH, int BS, float scale, int is_bf16, int item, float *restrict scratch,
+    size_t kpad, const int D) {
+    const int G = H / KVH;
+    const int tiles = (n + PF_ROWS - 1) / PF_ROWS;
+    const int kh = item / tiles, r0 = (item % tiles) * PF_ROWS;
+    const int rows = n - r0 < PF_ROWS ? n - r0 : PF_ROWS;
+    const int start = context_len - n;            /* position of query row 0 */
+    const int kend = start + r0 + rows;           /* keys this tile can see */
+    const int RG = rows * G;                      /* query vectors, row-major then head */
+    float *qf = scratch;                          /* [PF_ROWS * G + 3, D] */
+    float *scores = qf + (size_t)(PF_ROWS * G + 3) * D; /* [PF_ROWS * G, kpad] */
+    float *vbuf = scores + (size_t)PF_ROWS * G * kpad; /* [kpad, D] */
+    float *ktT = vbuf + kpad * D;                 /* [D, 16] */
+    float *inv_sum = ktT + (size_t)D * 16;        /* [PF_ROWS * G] */
+
+    for (int r = 0; r < rows; r++)
+        for (int g = 0; g < G; g++)
+            load_row(q, ((size_t)(r0 + r) * H + (size_t)kh * G + g) * D, D, is_bf16, qf + (size_t)(r * G + g) * D);
+    /* Pad the query vectors to a multiple of 4 so the register blocks need no tail. */
+    const int RG4 = (RG + 3) & ~3;
+    for (int j = RG; j < RG4; j++) memset(qf + (size_t)j * D, 0, (size_t)D * sizeof(float));
+
+    const __m512 vscale = _mm512_set1_ps(scale);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    RowCursor krows = cursor_start(table, BS, KVH, kh, D);
+    for (int t0 = 0; t0 < kend; t0 += 16) {
+        const int nk = kend - t0 < 16 ? kend - t0 : 16;
+        float krow[128] __attribute__((aligned(64)));
+        for (int i = 0; i < 16; i++) {
+            if (i < nk) {
+                load_row(k_cache, cursor_next(&krows), D, is_bf16, krow);
+                for (int d = 0; d < D; d++) ktT[d * 16 + i] = krow[d];
+            } else {
+                for (int d = 0; d < D; d++) ktT[d * 16 + i] = 0.f;
+            }
+        }
+        for (int j = 0; j < RG4; j += 4) {
+            __m512 acc0 = _mm512_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+            const float *q0 = qf + (size_t)j * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+            for (int d = 0; d < D; d++) {
+                const __m512 kv = _mm512_load_ps(ktT + d * 16);
+                acc0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), kv, acc0);
+                acc1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[d]), kv, acc1);
+                acc2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[d]), kv, acc2);
+                acc3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[d]), kv, acc3);
+            }
+            const __m512 accs[4] = {acc0, acc1, acc2, acc3};
+            for (int u = 0; u < 4 && j + u < RG; u++) {
+                const int pos = start + r0 + (j + u) / G; /* keys t <= pos are visible */
+                const __mmask16 visible = _mm512_cmple_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(t0)),
+                                                                  _mm512_set1_epi32(pos));
+                _mm512_storeu_ps(scores + (size_t)(j + u) * kpad + t0,
+                                 _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), visible, accs[u], vscale));
+            }
+        }
+    }
+    for (int j = 0; j < RG; j++) {
+        const int len = start + r0 + j / G + 1;
+        float *s = scores + (size_t)j * kpad;
+        inv_sum[j] = softmax_unnormalised(s, len);
+        for (int t = len; t < kend; t++) s[t] = 0.f; /* so register blocks can run to kend */
+    }
+    RowCursor vrows = cursor_start(table, BS, KVH, kh, D);
+    for (int t = 0; t < kend; t++) load_row(v_cache, cursor_next(&vrows), D, is_bf16, vbuf + (size_t)t * D);
+
+    for (int j = 0; j < RG; j += 4) {
+        const int nu = RG - j < 4 ? RG - j : 4;
+        const int len = start + r0 + (j + nu - 1) / G + 1; /* the block's longest row */
+        __m512 acc[4][8];
+        for (int u = 0; u < 4; u++)
+            for (int c = 0; c < D / 16; c++) acc[u][c] = _mm512_setzero_ps();
+        const float *p0 = scores + (size_t)j * kpad;
+        for (int t = 0; t < len; t++) {
+            __m512 v[8];
+            for (int c = 0; c < D / 16; c++) v[c] = _mm512_loadu_ps(vbuf + (size_t)t * D + c * 16);
+            for (int u = 0; u < 4; u++) {
+                if (u >= nu) break;
+                const __m512 p = _mm512_set1_ps(p0[(size_t)u * kpad + t]);
+                for (int c = 0; c < D / 16; c++) acc[u][c] = _mm512_fmadd_ps(p, v[c], acc[u][c]);
+            }
+        }
+        for (int u = 0; u < nu; u++) {
+            const int r = (j + u) / G, g = (j + u) % G;
+            const size_t o = ((size_t)(r0 + r) * H + (size_t)kh * G + g) * D;
+            const __m512 inv = _mm512_set1_ps(inv_sum[j + u]);
+            float res[128] __attribute__((aligned(64)));
+            for (int c = 0; c < D / 16; c++) _mm512_store_ps(res + c * 16, _mm512_mul_ps(acc[u][c], inv));
+            if (is_bf16) {
+                uint16_t *dst = (uint16_t *)out + o;
+                for (int d = 0; d < D; d++) dst[d] = bf16_round(res[d]);
+            } else {
+                memcpy((float *)out + o, res, (size_t)D * sizeof(float));
+            }
+        }
+    }
+}
+#endif
+
+int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
+                            void *out, int n, int context_len, int num_heads, int num_kv_heads, int head_dim,
+                            int block_size, float scale, int is_bf16, int num_threads) {
+#if defined(__AVX512F__)
+    if (head_dim != 64 && head_dim != 128) return 2;
+    if (n < 1 || context_len < n || num_kv_heads < 1 || num_heads % num_kv_heads) return 2;
+    const int G = num_heads / num_kv_heads;
+    const int tiles = (n + PF_ROWS - 1) / PF_ROWS;
+    const int items = tiles * num_kv_heads;
+    const size_t kpad = ((size_t)context_len + 15) & ~(size_t)15;
+    const size_t scratch_floats = (size_t)(PF_ROWS * G + 3) * head_dim + (size_t)PF_ROWS * G * kpad
+                                  + kpad * head_dim + (size_t)head_dim * 16 + (size_t)PF_ROWS * G;
+    int failed = 0;
+    if (num_threads < 1) num_threads = 1;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = aligned_alloc(64, ((scratch_floats * sizeof(float)) + 63) & ~(size_t)63);
+        if (!scratch) {
+            failed = 1;
+        } else {
+#pragma omp for schedule(dynamic, 1)
+            for (int item = 0; item < items; item++) {
+                if (head_dim == 64)
+                    prefill_item(q, k_cache, v_cache, block_table, out, n, context_len, num_heads, num_kv_heads,
+                                 block_size, scale, is_bf16, item, scratch, kpad, 64);
+                else
+                    prefill_item(q, k_cache, v_cache, block_table, out, n, context_len, num_heads, num_kv_heads,
+                                 block_size, scale, is_bf16, item, scratch, kpad, 128);
+            }
+            free(scratch);
+        }
+    }
+    return failed;
+#else
+    (void)q; (void)k_cache; (void)v_cache; (void)block_table; (void)out; (void)n; (void)context_len;
+    (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)is_bf16;
+    (void)num_threads;
+    return 2;
+#endif
+}
+
+/* 1 if paged_prefill_attention serves this head size in this build. */
+int paged_prefill_supported(int head_dim) {
+#if defined(__AVX512F__)
+    return head_dim == 64 || head_dim == 128;
+#else
+    (void)head_dim;
+    return 0;
+#endif
+}
