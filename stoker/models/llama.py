@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from stoker.config import ModelConfig
 from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
-from stoker.models.layers import Rotary, gated_mlp, rms_norm
+from stoker.models.layers import Linear, Rotary, gated_mlp, rms_norm
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,15 +23,14 @@ SUPPORTED_ARCHITECTURES = (
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    """q, k and v projections stacked into one matmul."""
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
+    """q, k and v projections stacked into one matmul (with Qwen2's bias)."""
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: torch.Tensor
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class LlamaModel:
@@ -69,21 +68,23 @@ class LlamaModel:
             self.layers.append(
                 DecoderLayer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
-                    qkv_bias=torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                    qkv=Linear(
+                        torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
+                        torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
+                    ),
                     q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
-                    o_proj=w(a + "o_proj.weight"),
+                    o_proj=Linear(w(a + "o_proj.weight")),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous(),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=Linear(
+                        torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
+                    ),
+                    down=Linear(w(p + "mlp.down_proj.weight")),
                 )
             )
         self.norm = w("model.norm.weight")
-        if config.tie_word_embeddings or "lm_head.weight" not in weights:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = w("lm_head.weight")
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
         self.rotary = Rotary(
             config.head_dim,
             max_positions or config.max_position_embeddings,
@@ -112,7 +113,7 @@ class LlamaModel:
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, cfg.num_heads, cfg.head_dim)
             k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -124,10 +125,10 @@ class LlamaModel:
             k = self.rotary.apply(k, cos, sin)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden = residual + F.linear(attn, layer.o_proj)
+            hidden = residual + layer.o_proj(attn)
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             hidden = residual + gated_mlp(x, layer.gate_up, layer.down)
         last = hidden[logits_indices]
         last = rms_norm(last, self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return self.lm_head(last).float()

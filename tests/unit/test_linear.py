@@ -1,0 +1,40 @@
+"""Linear: the oneDNN-packed weight gives F.linear's result, with and without
+bias, for every batch size, and falls back to F.linear when packing is off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stoker.models.layers import Linear
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, tol: float, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    weight = (torch.randn(96, 64, generator=g) * 0.1).to(dtype)
+    bias = torch.randn(96, generator=g).to(dtype) if with_bias else None
+    layer = Linear(weight, bias)
+    if not torch.backends.mkldnn.is_available():
+        assert layer.packed is None
+    for rows in (1, 7, 32, 300):  # one weight layout serves every batch size
+        x = torch.randn(rows, 64, generator=g).to(dtype)
+        torch.testing.assert_close(layer(x).float(), F.linear(x, weight, bias).float(), atol=tol, rtol=tol)
+
+
+def test_packing_replaces_the_weight_on_cpu() -> None:
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    layer = Linear(torch.randn(32, 16))
+    assert layer.packed is not None and layer.weight is None  # no second copy of the weights is kept
+
+
+def test_disabled_packing_is_plain_f_linear(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("STOKER_DISABLE_PACKED_LINEAR", "1")
+    weight = torch.randn(8, 4)
+    layer = Linear(weight)
+    assert layer.packed is None
+    x = torch.randn(3, 4)
+    assert torch.equal(layer(x), F.linear(x, weight))
