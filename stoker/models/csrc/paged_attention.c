@@ -174,6 +174,18 @@ static inline size_t cursor_next(RowCursor *c) {
     return c->block_base + (size_t)(c->in_block++) * c->stride;
 }
 
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 64
+#endif
+
+/* Asks for a row's cache lines ahead of use: rows of one kv head are strided
+ * and blocks scattered, which the hardware prefetcher does not follow. */
+static inline void prefetch_row(const void *base, size_t offset, int D, int is_bf16) {
+    const char *p = is_bf16 ? (const char *)((const uint16_t *)base + offset) : (const char *)((const float *)base + offset);
+    const int bytes = D * (is_bf16 ? 2 : 4);
+    for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 /* exp(x) for x <= 0, 16 lanes: the same polynomial as exp_nonpositive. */
 static inline __m512 exp16_nonpositive(__m512 x) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -218,7 +230,11 @@ static inline __attribute__((always_inline)) void pv_heads(const Job *job, const
     for (int g = 0; g < GC; g++)
         for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
     RowCursor rows = cursor_start(table, job->block_size, job->num_kv_heads, kh, D);
+    RowCursor ahead = rows;
+    int fetched = 0;
     for (int t = 0; t < L; t++) {
+        for (; fetched < L && fetched <= t + PREFETCH_ROWS; fetched++)
+            prefetch_row(job->v_cache, cursor_next(&ahead), D, job->is_bf16);
         const size_t off = cursor_next(&rows);
         __m512 v[8];
         for (int c = 0; c < D / 16; c++) v[c] = load16(job->v_cache, off + (size_t)c * 16, job->is_bf16);
@@ -251,8 +267,12 @@ static inline __attribute__((always_inline)) void run_item_avx512(const Job *job
         load_row(job->q, ((size_t)b * H + (size_t)kh * G + g) * D, D, job->is_bf16, qf + (size_t)g * D);
 
     RowCursor rows = cursor_start(table, job->block_size, KVH, kh, D);
+    RowCursor ahead = rows;
+    int fetched = 0; /* rows prefetched so far, kept PREFETCH_ROWS ahead */
     for (int t0 = 0; t0 < L; t0 += 16) {
         const int n = L - t0 < 16 ? L - t0 : 16;
+        for (; fetched < L && fetched < t0 + 16 + PREFETCH_ROWS; fetched++)
+            prefetch_row(job->k_cache, cursor_next(&ahead), D, job->is_bf16);
         size_t offs[16];
         for (int i = 0; i < 16; i++) offs[i] = i < n ? cursor_next(&rows) : offs[0];
         for (int g = 0; g < G; g++) {
