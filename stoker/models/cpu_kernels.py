@@ -19,7 +19,7 @@ import torch
 
 log = logging.getLogger("stoker.kernels")
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_CSRC = Path(__file__).parent / "csrc"
 # Reassociation lets reductions vectorize. Not -ffast-math: a shared library
 # linked with it sets flush-to-zero for the whole process when loaded.
 _FLAGS = [
@@ -50,28 +50,37 @@ def _cpu_signature() -> str:
 
 
 @cache
-def load_paged_attention() -> ctypes.CDLL | None:
+def _build(name: str) -> ctypes.CDLL | None:
+    """csrc/{name}.c compiled for this CPU (cached by source, flags and CPU) and loaded."""
     if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    source = _SOURCE.read_bytes()
+    path = _CSRC / f"{name}.c"
+    source = path.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention-{key}.so"
+    target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():
         if compiler is None:
-            log.warning("no C compiler found: decode attention uses the slower pure-torch path")
+            log.warning("no C compiler found: %s runs on the slower pure-torch path", name)
             return None
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *_FLAGS, str(_SOURCE), "-o", str(built), "-lm"], capture_output=True, text=True
+                [compiler, *_FLAGS, str(path), "-o", str(built), "-lm"], capture_output=True, text=True
             )
             if result.returncode != 0:
-                log.warning("building the C attention kernel failed, using pure torch:\n%s", result.stderr[-2000:])
+                log.warning("building the C kernel %s failed, using pure torch:\n%s", name, result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic, so concurrent builders never see half a file
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+@cache
+def load_paged_attention() -> ctypes.CDLL | None:
+    lib = _build("paged_attention")
+    if lib is None:
+        return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -80,6 +89,20 @@ def load_paged_attention() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.paged_prefill_supported.restype = ctypes.c_int
     lib.paged_prefill_supported.argtypes = [ctypes.c_int]
+    return lib
+
+
+@cache
+def load_fused_ops() -> ctypes.CDLL | None:
+    lib = _build("fused_ops")
+    if lib is None:
+        return None
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.rms_norm.argtypes = [p, p, p, i, i, f, i, i]
+    lib.silu_mul.argtypes = [p, p, i, i, i, i]
+    lib.rotary.argtypes = [p, p, p, p, p, i, i, i, i, i, i]
+    for fn in (lib.rms_norm, lib.silu_mul, lib.rotary):
+        fn.restype = None
     return lib
 
 
@@ -153,3 +176,58 @@ def paged_prefill_attention(
     if rc == 1:
         raise MemoryError("the C prefill kernel could not allocate its scratch memory")
     return rc == 0
+
+
+def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The fused-ops library if it can serve these tensors: CPU, one dtype of fp32/bf16."""
+    dtype = tensors[0].dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
+        return None
+    return load_fused_ops()
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """LlamaRMSNorm over the last dim in one pass; None if the C op cannot serve x."""
+    lib = _fused(x, weight)
+    if lib is None or not x.is_contiguous() or not weight.is_contiguous() or x.numel() == 0:
+        return None
+    out = torch.empty_like(x)
+    dim = x.shape[-1]
+    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                 int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 2I] (gate, up) -> silu(gate) * up [rows, I]; None if the C op cannot serve it."""
+    lib = _fused(gate_up)
+    if lib is None or gate_up.dim() != 2 or not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    if rows:
+        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(gate_up.dtype == torch.bfloat16),
+                     torch.get_num_threads())
+    return out
+
+
+def fused_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor | None:
+    """x [tokens, heads, head_dim], rows may be strided (a slice of qkv) -> a new
+    contiguous tensor with rotary applied from the [positions, head_dim] tables;
+    None if the C op cannot serve it."""
+    lib = _fused(x, cos, sin)
+    tokens, heads, head_dim = x.shape
+    if lib is None or head_dim > 512 or head_dim % 2 or positions.dtype != torch.int64:
+        return None
+    if x.stride(2) != 1 or x.stride(1) != head_dim or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
+    if tokens:
+        positions = positions.contiguous()
+        lib.rotary(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), tokens,
+                   heads, head_dim, x.stride(0), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out

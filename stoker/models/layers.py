@@ -9,9 +9,14 @@ import os
 import torch
 import torch.nn.functional as F
 
+from stoker.models.cpu_kernels import fused_rms_norm, fused_rotary, fused_silu_mul
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # As transformers' LlamaRMSNorm: normalise in fp32, cast back, then scale.
+    fused = fused_rms_norm(x, weight, eps)
+    if fused is not None:
+        return fused
     dtype = x.dtype
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -60,14 +65,13 @@ class Rotary:
         self.cos = emb.cos().to(dtype).to(device)
         self.sin = emb.sin().to(dtype).to(device)
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for these positions, [tokens, 1, head_dim]: gathered once per
-        forward and shared by every layer's q and k."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim]."""
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, heads, head_dim] (rows may be strided); returns a new tensor."""
+        fused = fused_rotary(x, self.cos, self.sin, positions)
+        if fused is not None:
+            return fused
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return (x * cos) + (rotated * sin)
@@ -112,5 +116,9 @@ class Linear:
 
 def gated_mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
     """SwiGLU with gate and up fused into one matmul."""
-    gate, up = gate_up(x).chunk(2, dim=-1)
+    gu = gate_up(x)
+    fused = fused_silu_mul(gu)
+    if fused is not None:
+        return down(fused)
+    gate, up = gu.chunk(2, dim=-1)
     return down(F.silu(gate) * up)

@@ -109,7 +109,6 @@ class LlamaModel:
         cfg = self.config
         hidden = F.embedding(input_ids, self.embed)
         n = hidden.shape[0]
-        cos, sin = self.rotary.tables(positions)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
@@ -121,8 +120,8 @@ class LlamaModel:
             if layer.q_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = self.rotary.apply(q, cos, sin)
-            k = self.rotary.apply(k, cos, sin)
+            q = self.rotary(q, positions)
+            k = self.rotary(k, positions)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
             hidden = residual + layer.o_proj(attn)

@@ -155,17 +155,23 @@ def test_whole_prompt_prefill_matches_sdpa() -> None:
     torch.testing.assert_close(out.view(n, H, D), ref)
 
 
+def _clear_kernel_caches() -> None:
+    for loader in (cpu_kernels._build, cpu_kernels.load_paged_attention, cpu_kernels.load_fused_ops):
+        loader.cache_clear()
+
+
 def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STOKER_DISABLE_C_KERNELS", "1")
-    cpu_kernels.load_paged_attention.cache_clear()
+    _clear_kernel_caches()
     try:
         assert cpu_kernels.load_paged_attention() is None
         assert cpu_kernels.paged_decode_attention(
             torch.zeros(1, H, D), torch.zeros(2, BS, KVH, D), torch.zeros(2, BS, KVH, D),
             torch.ones(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0,
         ) is None
+        assert cpu_kernels.fused_rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6) is None
     finally:
-        cpu_kernels.load_paged_attention.cache_clear()
+        _clear_kernel_caches()
 
 
 def test_loading_the_kernel_keeps_subnormals() -> None:
@@ -174,8 +180,8 @@ def test_loading_the_kernel_keeps_subnormals() -> None:
     import sys
 
     code = (
-        "import sys; from stoker.models.cpu_kernels import load_paged_attention; "
-        "assert load_paged_attention() is not None; "
+        "import sys; from stoker.models.cpu_kernels import load_fused_ops, load_paged_attention; "
+        "assert load_paged_attention() is not None and load_fused_ops() is not None; "
         "assert sys.float_info.min / 2 > 0, 'subnormals flushed to zero'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
