@@ -60,6 +60,15 @@ static inline void load_row(const void *base, size_t offset, int n, int is_bf16,
     }
 }
 
+static inline void store_row(void *base, size_t offset, const float *restrict src, int n, int is_bf16) {
+    if (is_bf16) {
+        uint16_t *restrict dst = (uint16_t *)base + offset;
+        for (int d = 0; d < n; d++) dst[d] = bf16_round(src[d]);
+    } else {
+        memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
+    }
+}
+
 static inline __attribute__((always_inline)) void run_item_d(const Job *job, int item, float *restrict scratch, const int D) {
     const int H = job->num_heads, KVH = job->num_kv_heads, BS = job->block_size;
     const int G = H / KVH;
@@ -108,15 +117,8 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *job, int
             }
         }
     }
-    for (int g = 0; g < G; g++) {
-        size_t o = ((size_t)b * H + (size_t)kh * G + g) * D;
-        if (job->is_bf16) {
-            uint16_t *dst = (uint16_t *)job->out + o;
-            for (int d = 0; d < D; d++) dst[d] = bf16_round(acc[(size_t)g * D + d]);
-        } else {
-            memcpy((float *)job->out + o, acc + (size_t)g * D, (size_t)D * sizeof(float));
-        }
-    }
+    for (int g = 0; g < G; g++)
+        store_row(job->out, ((size_t)b * H + (size_t)kh * G + g) * D, acc + (size_t)g * D, D, job->is_bf16);
 }
 
 #if defined(__AVX512F__)
@@ -301,15 +303,8 @@ static inline __attribute__((always_inline)) void run_item_avx512(const Job *job
         default: pv_heads(job, table, kh, L, scores, inv_sum, g0, 4, D, acc); break;
         }
     }
-    for (int g = 0; g < G; g++) {
-        size_t o = ((size_t)b * H + (size_t)kh * G + g) * D;
-        if (job->is_bf16) {
-            uint16_t *dst = (uint16_t *)job->out + o;
-            for (int d = 0; d < D; d++) dst[d] = bf16_round(acc[(size_t)g * D + d]);
-        } else {
-            memcpy((float *)job->out + o, acc + (size_t)g * D, (size_t)D * sizeof(float));
-        }
-    }
+    for (int g = 0; g < G; g++)
+        store_row(job->out, ((size_t)b * H + (size_t)kh * G + g) * D, acc + (size_t)g * D, D, job->is_bf16);
 }
 #endif
 
@@ -461,12 +456,7 @@ static inline __attribute__((always_inline)) void prefill_item(
             const __m512 inv = _mm512_set1_ps(inv_sum[j + u]);
             float res[128] __attribute__((aligned(64)));
             for (int c = 0; c < D / 16; c++) _mm512_store_ps(res + c * 16, _mm512_mul_ps(acc[u][c], inv));
-            if (is_bf16) {
-                uint16_t *dst = (uint16_t *)out + o;
-                for (int d = 0; d < D; d++) dst[d] = bf16_round(res[d]);
-            } else {
-                memcpy((float *)out + o, res, (size_t)D * sizeof(float));
-            }
+            store_row(out, o, res, D, is_bf16);
         }
     }
 }
