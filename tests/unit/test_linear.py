@@ -24,9 +24,10 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, tol: float, with_bia
         torch.testing.assert_close(layer(x).float(), F.linear(x, weight, bias).float(), atol=tol, rtol=tol)
 
 
-def test_packing_replaces_the_weight_on_cpu() -> None:
+def test_packing_replaces_the_weight_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
+    monkeypatch.delenv("STOKER_DISABLE_PACKED_LINEAR", raising=False)
     layer = Linear(torch.randn(32, 16))
     assert layer.packed is not None and layer.weight is None  # no second copy of the weights is kept
 
