@@ -179,12 +179,14 @@ def paged_prefill_attention(
 
 
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The fused-ops library if it can serve these tensors: CPU, one dtype of fp32/bf16."""
+    """The fused-ops library if it can serve these tensors: CPU, one dtype of fp32/bf16.
+    Called several times per layer, so plain loops and is_cpu, not generators and devices."""
     dtype = tensors[0].dtype
-    if dtype not in (torch.float32, torch.bfloat16):
+    if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return None
-    if any(t.device.type != "cpu" or t.dtype != dtype for t in tensors):
-        return None
+    for t in tensors:
+        if not t.is_cpu or t.dtype is not dtype:
+            return None
     return load_fused_ops()
 
 
