@@ -56,7 +56,8 @@ def _build(name: str) -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     path = _CSRC / f"{name}.c"
-    source = path.read_bytes()
+    # The headers count too: a changed header must not load a library built without it.
+    source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{key}.so"
     if not target.exists():

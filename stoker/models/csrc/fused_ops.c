@@ -11,21 +11,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-static inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16; /* nearest even, as torch */
-    const uint32_t quiet_nan = (u >> 16) | 0x40u;
-    /* A select, not a branch, so the loops that call this still vectorize. */
-    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
-}
+#include "bf16.h"
 
 /* Rounds v to the tensor's dtype and back (a no-op for fp32), so intermediate
  * results carry the same precision as in the unfused torch ops. */

@@ -13,6 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int64_t *block_tables, *context_lens;
@@ -21,13 +23,6 @@ typedef struct {
     float scale;
     int is_bf16;
 } Job; /* work items are (sequence, kv head) pairs */
-
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    u += 0x7FFFu + ((u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(u >> 16);
-}
 
 /* exp for x <= 0 as 2^k * 2^f with a degree-6 polynomial for 2^f (relative
  * error ~2e-7, like expf): glibc's expf does not vectorize here, this does. */
@@ -63,25 +58,52 @@ static inline void load_row(const void *base, size_t offset, int n, int is_bf16,
 static inline void store_row(void *base, size_t offset, const float *restrict src, int n, int is_bf16) {
     if (is_bf16) {
         uint16_t *restrict dst = (uint16_t *)base + offset;
-        for (int d = 0; d < n; d++) dst[d] = bf16_round(src[d]);
+        for (int d = 0; d < n; d++) dst[d] = float_to_bf16(src[d]);
     } else {
         memcpy((float *)base + offset, src, (size_t)n * sizeof(float));
     }
 }
 
-static inline __attribute__((always_inline)) void run_item_d(const Job *job, int item, float *restrict scratch, const int D) {
-    const int H = job->num_heads, KVH = job->num_kv_heads, BS = job->block_size;
-    const int G = H / KVH;
-    const int b = item / KVH, kh = item % KVH;
-    const int L = (int)job->context_lens[b];
-    const int64_t *table = job->block_tables + (size_t)b * job->max_blocks;
-    float *qf = scratch;               /* [G, D] */
-    float *acc = qf + (size_t)G * D;   /* [G, D] */
-    float *row = acc + (size_t)G * D;  /* [D] */
-    float *scores = row + D;           /* [G, L] */
+/* One work item: sequence b, kv head kh and its G query heads, with the
+ * item's slices of the thread's scratch. The layout is defined here once;
+ * decode_scratch_floats sizes it. */
+typedef struct {
+    int b, kh, G, L;
+    const int64_t *table;
+    float *qf;     /* [G, D] the queries, widened */
+    float *acc;    /* [G, D] the outputs being summed */
+    float *slot;   /* [max(G, D)] a row of keys or values, or 1/sum per head */
+    float *scores; /* [G, L] */
+} Item;
 
+static size_t decode_scratch_floats(int G, int D, int max_len) {
+    return (size_t)2 * G * D + (size_t)(G > D ? G : D) + (size_t)G * max_len;
+}
+
+static inline Item item_start(const Job *job, int item, float *restrict scratch, int D) {
+    const int KVH = job->num_kv_heads, G = job->num_heads / KVH;
+    Item it;
+    it.b = item / KVH;
+    it.kh = item % KVH;
+    it.G = G;
+    it.L = (int)job->context_lens[it.b];
+    it.table = job->block_tables + (size_t)it.b * job->max_blocks;
+    it.qf = scratch;
+    it.acc = it.qf + (size_t)G * D;
+    it.slot = it.acc + (size_t)G * D;
+    it.scores = it.slot + (G > D ? G : D);
     for (int g = 0; g < G; g++)
-        load_row(job->q, ((size_t)b * H + (size_t)kh * G + g) * D, D, job->is_bf16, qf + (size_t)g * D);
+        load_row(job->q, ((size_t)it.b * job->num_heads + (size_t)it.kh * G + g) * D, D, job->is_bf16,
+                 it.qf + (size_t)g * D);
+    return it;
+}
+
+static inline __attribute__((always_inline)) void run_item_d(const Job *job, int item, float *restrict scratch, const int D) {
+    const Item it = item_start(job, item, scratch, D);
+    const int H = job->num_heads, KVH = job->num_kv_heads, BS = job->block_size;
+    const int G = it.G, b = it.b, kh = it.kh, L = it.L;
+    const int64_t *table = it.table;
+    float *qf = it.qf, *acc = it.acc, *row = it.slot, *scores = it.scores;
 
     for (int t0 = 0; t0 < L; t0 += BS) {
         const size_t block_base = (size_t)table[t0 / BS] * BS;
@@ -254,19 +276,12 @@ static inline __attribute__((always_inline)) void pv_heads(const Job *job, const
 
 static inline __attribute__((always_inline)) void run_item_avx512(const Job *job, int item, float *restrict scratch,
                                                                    const int D) {
+    const Item it = item_start(job, item, scratch, D);
     const int H = job->num_heads, KVH = job->num_kv_heads;
-    const int G = H / KVH;
-    const int b = item / KVH, kh = item % KVH;
-    const int L = (int)job->context_lens[b];
-    const int64_t *table = job->block_tables + (size_t)b * job->max_blocks;
-    float *qf = scratch;                     /* [G, D] */
-    float *acc = qf + (size_t)G * D;         /* [G, D] */
-    float *inv_sum = acc + (size_t)G * D;    /* [G] */
-    float *scores = inv_sum + (G > D ? G : D); /* [G, L] */
+    const int G = it.G, b = it.b, kh = it.kh, L = it.L;
+    const int64_t *table = it.table;
+    float *qf = it.qf, *acc = it.acc, *inv_sum = it.slot, *scores = it.scores;
     const __m512 scale = _mm512_set1_ps(job->scale);
-
-    for (int g = 0; g < G; g++)
-        load_row(job->q, ((size_t)b * H + (size_t)kh * G + g) * D, D, job->is_bf16, qf + (size_t)g * D);
 
     RowCursor rows = cursor_start(table, job->block_size, KVH, kh, D);
     RowCursor ahead = rows;
@@ -336,7 +351,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     int max_len = 0;
     for (int b = 0; b < num_seqs; b++)
         if (context_lens[b] > max_len) max_len = (int)context_lens[b];
-    const size_t scratch_floats = (size_t)2 * G * head_dim + (G > head_dim ? G : head_dim) + (size_t)G * max_len;
+    const size_t scratch_floats = decode_scratch_floats(G, head_dim, max_len);
     int failed = 0;
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
