@@ -126,9 +126,7 @@ def paged_decode_attention(
     when given, which must be contiguous); None if the kernel cannot serve this
     call (no compiler, unsupported dtype or device)."""
     lib = load_paged_attention()
-    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    if k_cache.dtype != q.dtype:
+    if lib is None or not _cpu_float(q, k_cache, v_cache):
         return None
     q = q.contiguous()
     if out is None:
@@ -159,9 +157,7 @@ def paged_prefill_attention(
     n positions of context_len) over the paged cache, written into `out` (same
     shape, contiguous). False if the kernel cannot serve this call."""
     lib = load_paged_attention()
-    if lib is None or q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16):
-        return False
-    if k_cache.dtype != q.dtype or block_ids.dtype != torch.int64:
+    if lib is None or not _cpu_float(q, k_cache, v_cache) or block_ids.dtype != torch.int64:
         return False
     if not (q.is_contiguous() and out.is_contiguous() and block_ids.is_contiguous()):
         raise ValueError("q, out and block_ids must be contiguous")
@@ -179,16 +175,21 @@ def paged_prefill_attention(
     return rc == 0
 
 
-def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    """The fused-ops library if it can serve these tensors: CPU, one dtype of fp32/bf16.
+def _cpu_float(*tensors: torch.Tensor) -> bool:
+    """All on the CPU in one dtype, fp32 or bf16: what every C kernel here takes.
     Called several times per layer, so plain loops and is_cpu, not generators and devices."""
     dtype = tensors[0].dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16:
-        return None
+        return False
     for t in tensors:
         if not t.is_cpu or t.dtype is not dtype:
-            return None
-    return load_fused_ops()
+            return False
+    return True
+
+
+def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The fused-ops library if it can serve these tensors."""
+    return load_fused_ops() if _cpu_float(*tensors) else None
 
 
 def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

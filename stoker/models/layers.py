@@ -87,7 +87,8 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
-        probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+        # Its own generator: loading a model must not move the caller's global RNG.
+        probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
     except (RuntimeError, AttributeError, NotImplementedError):
         return None
@@ -102,7 +103,6 @@ class Linear:
     to 1.7x (fp32) faster. Elsewhere it is F.linear on the weight as given."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.packed = _pack_for_onednn(weight)
         # The packed copy replaces the original; keep the original only to fall back on.

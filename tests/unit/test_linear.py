@@ -39,3 +39,12 @@ def test_disabled_packing_is_plain_f_linear(monkeypatch: pytest.MonkeyPatch) -> 
     assert layer.packed is None
     x = torch.randn(3, 4)
     assert torch.equal(layer(x), F.linear(x, weight))
+
+
+def test_packing_leaves_the_global_rng_alone() -> None:
+    """Loading a model must not change what a user's seeded torch code draws next."""
+    torch.manual_seed(1)
+    expected = torch.rand(4)
+    torch.manual_seed(1)
+    Linear(torch.randn(32, 16, generator=torch.Generator().manual_seed(2)))
+    assert torch.equal(torch.rand(4), expected)
