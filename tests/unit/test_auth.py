@@ -175,6 +175,7 @@ async def test_admin_api(setup):
     assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth(created["secret"])), 401,
                         "api_key_revoked")
     assert_openai_error(await client.get("/admin/keys/nope", headers=auth(admin)), 404)
+    assert_openai_error(await client.delete("/admin/keys/nope", headers=auth(admin)), 404, "key_not_found")
     assert (await client.post("/admin/keys", json={"name": "x", "bogus": 1}, headers=auth(admin))).status_code == 422
 
 

@@ -18,6 +18,7 @@ from starlette.concurrency import run_in_threadpool
 from stoker.control.auth import get_plane, require_admin
 from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
+from stoker.control.plane import ControlPlane
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 AdminKey = Annotated[ApiKey, Depends(require_admin)]
@@ -38,8 +39,12 @@ class CreateKey(BaseModel):
     admin: bool = False
 
 
-def _not_found(key_id: str) -> ControlError:
-    return ControlError(404, f"No API key with id '{key_id}'.", "invalid_request_error", code="key_not_found")
+async def _existing_key(plane: ControlPlane, key_id: str) -> ApiKey:
+    """The key with this id, or a 404 naming it."""
+    key = await run_in_threadpool(plane.keys.get, key_id)
+    if key is None:
+        raise ControlError(404, f"No API key with id '{key_id}'.", "invalid_request_error", code="key_not_found")
+    return key
 
 
 @router.post("/keys", status_code=201)
@@ -64,9 +69,7 @@ async def list_keys(request: Request, _admin: AdminKey) -> dict:
 @router.get("/keys/{key_id}")
 async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
-    key = await run_in_threadpool(plane.keys.get, key_id)
-    if key is None:
-        raise _not_found(key_id)
+    key = await _existing_key(plane, key_id)
     usage = await run_in_threadpool(plane.ledger.key_report, key.id, key.budget_period, key.budget_tokens)
     return {**key.public(), "usage": usage}
 
@@ -74,8 +77,6 @@ async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
 @router.delete("/keys/{key_id}")
 async def revoke_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
-    key = await run_in_threadpool(plane.keys.get, key_id)
-    if key is None:
-        raise _not_found(key_id)
+    await _existing_key(plane, key_id)
     revoked = await run_in_threadpool(plane.keys.revoke, key_id)
     return {"id": key_id, "revoked": True, "already_revoked": not revoked}
