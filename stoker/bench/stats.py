@@ -162,7 +162,17 @@ def paired_ratios(base: Sequence[float | None], other: Sequence[float | None]) -
     return {"ratio": gmean, "min": min(ratios), "max": max(ratios), "pairs": len(ratios)}
 
 
-COMPARE_METRICS = ("output_tok_s", "total_tok_s", "req_s", "ttft.p50", "ttft.p99", "itl.p50", "itl.p99", "tpot.p50", "e2e.p50")
+COMPARE_METRICS = (
+    "output_tok_s",
+    "total_tok_s",
+    "req_s",
+    "ttft.p50",
+    "ttft.p99",
+    "itl.p50",
+    "itl.p99",
+    "tpot.p50",
+    "e2e.p50",
+)
 
 
 def compare_runs(runs: Sequence[dict], base_target: str) -> list[dict]:
@@ -177,7 +187,10 @@ def compare_runs(runs: Sequence[dict], base_target: str) -> list[dict]:
         for other in others:
             row = {"stage": stage, "base": base_target, "other": other, "ratios": {}}
             for name in COMPARE_METRICS:
-                b = [metric(by_key[(base_target, stage, i)], name) if (base_target, stage, i) in by_key else None for i in reps]
+                b = [
+                    metric(by_key[(base_target, stage, i)], name) if (base_target, stage, i) in by_key else None
+                    for i in reps
+                ]
                 o = [metric(by_key[(other, stage, i)], name) if (other, stage, i) in by_key else None for i in reps]
                 row["ratios"][name] = paired_ratios(b, o)
             rows.append(row)
@@ -194,6 +207,12 @@ def merge_repetitions(runs: Sequence[dict], slo: dict[str, float] | None = None)
     for (target, stage), group in groups.items():
         results = [RequestResult.from_dict(d) for r in group for d in r["requests"]]
         duration = sum(r["summary"]["duration_s"] for r in group)
-        merged.append({"target": target, "stage": stage, "stage_value": group[0].get("stage_value"),
-                       "summary": summarize(results, duration, slo)})
+        merged.append(
+            {
+                "target": target,
+                "stage": stage,
+                "stage_value": group[0].get("stage_value"),
+                "summary": summarize(results, duration, slo),
+            }
+        )
     return merged

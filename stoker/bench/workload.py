@@ -77,8 +77,10 @@ class HFTokenizer:
     def chat_overhead(self) -> int:
         """Tokens the chat template wraps around one user message."""
         try:
-            ids = self.hf.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True)
-        except Exception:  # noqa: BLE001 - no usable template: nothing to subtract
+            ids = self.hf.apply_chat_template(
+                [{"role": "user", "content": "x"}], add_generation_prompt=True, tokenize=True
+            )
+        except Exception:
             return 0
         if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
@@ -144,7 +146,10 @@ def fit_text(tok: Tokenizer, rng: random.Random, n_tokens: int, prefix: str = ""
     (when the tokenizer allows it; else the nearest found)."""
     if n_tokens < 1:
         raise ValueError("n_tokens must be at least 1")
-    count = lambda t: len(tok.encode(t))
+
+    def count(t):
+        return len(tok.encode(t))
+
     text = prefix
     sep = " " if prefix else ""
     # Grow by about the missing number of words (English words are ~1-1.5 tokens).
@@ -155,7 +160,7 @@ def fit_text(tok: Tokenizer, rng: random.Random, n_tokens: int, prefix: str = ""
         return text
     # Overshot: cut the suffix token by token, re-measuring after each cut
     # because a cut word may re-encode into a different number of tokens.
-    suffix_ids = tok.encode(text[len(prefix):])
+    suffix_ids = tok.encode(text[len(prefix) :])
     k = len(suffix_ids) - (have - n_tokens)
     best, best_err, seen = text, have - n_tokens, set()
     while 0 <= k <= len(suffix_ids) and k not in seen:
@@ -199,7 +204,9 @@ def synthetic(
             text = fit_text(tok, rng, shared_prefix_len + n, prefix=prefixes[group])
         else:
             text = fit_text(tok, rng, n)
-        specs.append(RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i], prefix_group=group))
+        specs.append(
+            RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i], prefix_group=group)
+        )
     return specs
 
 
@@ -209,8 +216,9 @@ def synthetic_token_ids(tok: Tokenizer, lengths: Sequence[int], seed: int = 0) -
     return [tok.encode(fit_text(tok, rng, n))[:n] for n in lengths]
 
 
-def load_dataset(path: str, output_len: LengthDist | None = None, seed: int = 0,
-                 tok: Tokenizer | None = None) -> list[RequestSpec]:
+def load_dataset(
+    path: str, output_len: LengthDist | None = None, seed: int = 0, tok: Tokenizer | None = None
+) -> list[RequestSpec]:
     """JSONL, one request a line: {"prompt": "..."} or {"messages": [...]}, with
     an optional "max_tokens" / "output_len". A conversation ending with an
     assistant turn is sent without it; that turn's length becomes max_tokens."""

@@ -146,8 +146,12 @@ class AdmissionController:
         now = self._clock()
         if self.draining:
             raise ControlError(
-                503, "The server is shutting down and accepts no new requests.", "overloaded",
-                code="draining", reason="draining", retry_after=self.fallback_retry_after,
+                503,
+                "The server is shutting down and accepts no new requests.",
+                "overloaded",
+                code="draining",
+                reason="draining",
+                retry_after=self.fallback_retry_after,
             )
         share = 1.0 if priority <= 0 else self.batch_share
         limit_requests = max(1, int(self.max_queued_requests * share))
@@ -164,7 +168,10 @@ class AdmissionController:
                 503,
                 f"The server is overloaded ({q.requests} requests, {q.tokens} prompt tokens waiting); "
                 f"retry after {math.ceil(wait)}s.",
-                "overloaded", code="overloaded", reason=reason, retry_after=wait,
+                "overloaded",
+                code="overloaded",
+                reason=reason,
+                retry_after=wait,
             )
         ticket = Ticket(now, prompt_tokens)
         self._transit.append(ticket)

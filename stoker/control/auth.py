@@ -56,15 +56,29 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-def _fail(request: Request, plane: ControlPlane, status: int, message: str, code: str, reason: str,
-          type: str = "invalid_request_error", key: ApiKey | None = None) -> ControlError:
+def _fail(
+    request: Request,
+    plane: ControlPlane,
+    status: int,
+    message: str,
+    code: str,
+    reason: str,
+    type: str = "invalid_request_error",
+    key: ApiKey | None = None,
+) -> ControlError:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     exc = ControlError(status, message, type, code=code, headers=headers, reason=reason)
     plane.metrics.auth_failures.labels(reason).inc()
     plane.metrics.observe_error(status)
     request.state.logged = True  # the refusal's log line is written here
-    plane.gate.refused(exc, request_id=request_id_of(request), key=key, method=request.method,
-                       path=request.url.path, headers=dict(request.headers))
+    plane.gate.refused(
+        exc,
+        request_id=request_id_of(request),
+        key=key,
+        method=request.method,
+        path=request.url.path,
+        headers=dict(request.headers),
+    )
     return exc
 
 
@@ -78,11 +92,23 @@ async def authenticate(request: Request, scope: str = SCOPE_INFERENCE) -> ApiKey
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if not header:
-        raise _fail(request, plane, 401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
-                    "missing_api_key", "missing")
+        raise _fail(
+            request,
+            plane,
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
+            "missing_api_key",
+            "missing",
+        )
     if scheme.lower() != "bearer" or not token:
-        raise _fail(request, plane, 401, "Malformed Authorization header; expected 'Bearer <key>'.",
-                    "invalid_api_key", "malformed")
+        raise _fail(
+            request,
+            plane,
+            401,
+            "Malformed Authorization header; expected 'Bearer <key>'.",
+            "invalid_api_key",
+            "malformed",
+        )
     key_id = parse_key_id(token)
     if key_id is None:
         outcome, key = AuthOutcome.MALFORMED, None
@@ -96,8 +122,16 @@ async def authenticate(request: Request, scope: str = SCOPE_INFERENCE) -> ApiKey
         raise _fail(request, plane, 401, message, code, outcome.value)
     assert key is not None
     if not key.has_scope(scope):
-        raise _fail(request, plane, 403, f"This API key lacks the '{scope}' permission.", "insufficient_permissions",
-                    "scope", type="permission_error", key=key)
+        raise _fail(
+            request,
+            plane,
+            403,
+            f"This API key lacks the '{scope}' permission.",
+            "insufficient_permissions",
+            "scope",
+            type="permission_error",
+            key=key,
+        )
     request.state.api_key = key
     return key
 
@@ -111,9 +145,16 @@ async def require_admin(request: Request) -> ApiKey:
     """Dependency for /admin routes: an admin key, even in open mode."""
     plane = get_plane(request)
     if not plane.auth_enabled():
-        raise _fail(request, plane, 403, "The admin API needs an admin key; create one with "
-                    "`stoker keys create --name NAME --admin` (this also switches authentication on).",
-                    "insufficient_permissions", "open_mode", type="permission_error")
+        raise _fail(
+            request,
+            plane,
+            403,
+            "The admin API needs an admin key; create one with "
+            "`stoker keys create --name NAME --admin` (this also switches authentication on).",
+            "insufficient_permissions",
+            "open_mode",
+            type="permission_error",
+        )
     key = await authenticate(request, SCOPE_ADMIN)
     assert key is not None
     return key

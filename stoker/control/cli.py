@@ -31,7 +31,8 @@ def parse_expiry(text: str, now: float | None = None) -> float:
         moment = dt.datetime.fromisoformat(text.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"--expires: expected YYYY-MM-DD, an ISO datetime or a duration like 30d, got {text!r}") from None
+            f"--expires: expected YYYY-MM-DD, an ISO datetime or a duration like 30d, got {text!r}"
+        ) from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=dt.timezone.utc)
     return moment.timestamp()
@@ -65,9 +66,16 @@ def cmd_create(args: argparse.Namespace) -> int:
         return 2
     try:
         key, secret = store.create(
-            args.name, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent,
-            budget_tokens=args.budget_tokens, budget_period=args.budget_period or "month",
-            priority=args.priority, models=models, expires_at=args.expires, admin=args.admin,
+            args.name,
+            rpm=args.rpm,
+            tpm=args.tpm,
+            max_concurrent=args.max_concurrent,
+            budget_tokens=args.budget_tokens,
+            budget_period=args.budget_period or "month",
+            priority=args.priority,
+            models=models,
+            expires_at=args.expires,
+            admin=args.admin,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -93,8 +101,10 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'ID':<13} {'NAME':<20} {'STATUS':<8} {'PRIORITY':<11} {'ADMIN':<5} {'EXPIRES':<21} LIMITS")
     for k in keys:
-        print(f"{k['id']:<13} {k['name'][:20]:<20} {k['status']:<8} {k['priority']:<11} "
-              f"{'yes' if 'admin' in k['scopes'] else 'no':<5} {_when(k['expires_at']):<21} {_limits(k)}")
+        print(
+            f"{k['id']:<13} {k['name'][:20]:<20} {k['status']:<8} {k['priority']:<11} "
+            f"{'yes' if 'admin' in k['scopes'] else 'no':<5} {_when(k['expires_at']):<21} {_limits(k)}"
+        )
     return 0
 
 
@@ -130,17 +140,23 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"  models:   {', '.join(key.models) if key.models else 'all'}")
     print(f"  limits:   {_limits(info)}")
     print(f"  created:  {_when(key.created_at)}   expires: {_when(key.expires_at)}   revoked: {_when(key.revoked_at)}")
-    for label, u in (("this " + key.budget_period, info["usage"]["this_period"]), ("all time", info["usage"]["all_time"])):
-        print(f"  usage {label}: {u['requests']} requests, {u['prompt_tokens']} prompt "
-              f"({u['cached_tokens']} cached) + {u['completion_tokens']} completion = {u['total_tokens']} tokens")
+    for label, u in (
+        ("this " + key.budget_period, info["usage"]["this_period"]),
+        ("all time", info["usage"]["all_time"]),
+    ):
+        print(
+            f"  usage {label}: {u['requests']} requests, {u['prompt_tokens']} prompt "
+            f"({u['cached_tokens']} cached) + {u['completion_tokens']} completion = {u['total_tokens']} tokens"
+        )
     if "budget_remaining" in info["usage"]:
         print(f"  budget remaining: {info['usage']['budget_remaining']} tokens")
     return 0
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    keys = subparsers.add_parser("keys", help="manage API keys", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    keys = subparsers.add_parser(
+        "keys", help="manage API keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     keys.set_defaults(func=lambda _args: keys.print_help() or 2)
     sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
 
@@ -158,7 +174,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--budget-period", choices=["day", "month"], help="budget period, UTC (default month)")
     create.add_argument("--priority", choices=["interactive", "batch"], default="interactive")
     create.add_argument("--models", help="comma-separated models this key may use (default all)")
-    create.add_argument("--expires", type=parse_expiry, help="YYYY-MM-DD (valid through that day, UTC), ISO datetime, or 30d/12h")
+    create.add_argument(
+        "--expires", type=parse_expiry, help="YYYY-MM-DD (valid through that day, UTC), ISO datetime, or 30d/12h"
+    )
     create.add_argument("--admin", action="store_true", help="may use the /admin API")
     create.set_defaults(func=cmd_create)
 

@@ -47,8 +47,9 @@ class ControlError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-def error_response(status: int, message: str, type: str, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type: str, code: str | None = None, headers: dict[str, str] | None = None
+) -> JSONResponse:
     return ControlError(status, message, type, code, headers=headers).response()
 
 

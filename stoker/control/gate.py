@@ -97,8 +97,14 @@ class RequestGate:
         try:
             if key is not None:
                 if not key.allows_model(model):
-                    raise ControlError(403, f"This API key may not use the model '{model}'.", "permission_error",
-                                       code="model_not_allowed", param="model", reason="model")
+                    raise ControlError(
+                        403,
+                        f"This API key may not use the model '{model}'.",
+                        "permission_error",
+                        code="model_not_allowed",
+                        param="model",
+                        reason="model",
+                    )
                 await self._check_budget(key, arrival)
             lease = self.limiter.acquire(key, estimate)
             try:
@@ -108,8 +114,16 @@ class RequestGate:
                 raise
         except ControlError as exc:
             self._count_refusal(exc)
-            self.refused(exc, request_id=request_id, key=key, model=model, arrival=arrival,
-                         headers=trace_headers, prompt_tokens=prompt_tokens, priority=priority)
+            self.refused(
+                exc,
+                request_id=request_id,
+                key=key,
+                model=model,
+                arrival=arrival,
+                headers=trace_headers,
+                prompt_tokens=prompt_tokens,
+                priority=priority,
+            )
             raise
         if key is not None:
             self._reserved[key.id] = self._reserved.get(key.id, 0) + estimate
@@ -119,8 +133,20 @@ class RequestGate:
             q = self.admission.queue()
             self.metrics.queued_requests.set(q.requests)
             self.metrics.queued_tokens.set(q.tokens)
-        return Admission(request_id, key, model, priority, deadline, prompt_tokens, estimate,
-                         arrival, time.time(), lease, ticket, trace_headers)
+        return Admission(
+            request_id,
+            key,
+            model,
+            priority,
+            deadline,
+            prompt_tokens,
+            estimate,
+            arrival,
+            time.time(),
+            lease,
+            ticket,
+            trace_headers,
+        )
 
     async def _check_budget(self, key: ApiKey, now: float) -> None:
         if key.budget_tokens is None or self.ledger is None:
@@ -141,7 +167,9 @@ class RequestGate:
                 429,
                 f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
                 f"({used} used, {reserved} reserved by requests in flight).",
-                "insufficient_quota", code="insufficient_quota", reason="budget",
+                "insufficient_quota",
+                code="insufficient_quota",
+                reason="budget",
                 # Waiting for in-flight requests may free reserved tokens; otherwise the period must end.
                 retry_after=(1 if used < key.budget_tokens else end - now),
             )
@@ -218,34 +246,73 @@ class RequestGate:
             self.admission.record_finished(prompt, now)
         self.in_flight -= 1
         if self.ledger is not None:
-            self.ledger.record(UsageRecord(
-                request_id=adm.request_id, key_id=adm.key.id if adm.key else None, model=adm.model,
-                prompt_tokens=prompt if ran else 0, cached_tokens=cached_tokens, completion_tokens=completion_tokens,
-                status=status, finish_reason=finish_reason, queue_time=_queue_time(first), ttft=_ttft(first),
-                latency=now - adm.arrival, created_at=now,
-            ))
+            self.ledger.record(
+                UsageRecord(
+                    request_id=adm.request_id,
+                    key_id=adm.key.id if adm.key else None,
+                    model=adm.model,
+                    prompt_tokens=prompt if ran else 0,
+                    cached_tokens=cached_tokens,
+                    completion_tokens=completion_tokens,
+                    status=status,
+                    finish_reason=finish_reason,
+                    queue_time=_queue_time(first),
+                    ttft=_ttft(first),
+                    latency=now - adm.arrival,
+                    created_at=now,
+                )
+            )
         if self.metrics is not None:
             reasons = finish_reasons if finish_reasons is not None else [finish_reason] if finish_reason else []
             self._finish_metrics(adm, samples, prompt, completion_tokens, reasons, status, error, ran and generation)
         if self.request_log is not None:
-            self.request_log.log(RequestLogRecord(
-                request_id=adm.request_id, status=status, model=adm.model,
-                key_id=adm.key.id if adm.key else None, key_name=adm.key.name if adm.key else None,
-                method=method, path=path, prompt_tokens=prompt, cached_tokens=cached_tokens,
-                completion_tokens=completion_tokens, queue_time=_queue_time(first), ttft=_ttft(first),
-                latency=now - adm.arrival, finish_reason=finish_reason, priority=adm.priority,
-                stream=stream, error=error,
-            ), **(log_extra or {}))
+            self.request_log.log(
+                RequestLogRecord(
+                    request_id=adm.request_id,
+                    status=status,
+                    model=adm.model,
+                    key_id=adm.key.id if adm.key else None,
+                    key_name=adm.key.name if adm.key else None,
+                    method=method,
+                    path=path,
+                    prompt_tokens=prompt,
+                    cached_tokens=cached_tokens,
+                    completion_tokens=completion_tokens,
+                    queue_time=_queue_time(first),
+                    ttft=_ttft(first),
+                    latency=now - adm.arrival,
+                    finish_reason=finish_reason,
+                    priority=adm.priority,
+                    stream=stream,
+                    error=error,
+                ),
+                **(log_extra or {}),
+            )
         if self.tracer is not None and self.tracer.enabled:
             self.tracer.record(
-                request_id=adm.request_id, headers=adm.trace_headers, start=adm.arrival, end=now,
-                admitted_at=adm.admitted_at, times=first, error=error if status >= 400 or error else None,
-                attributes=_trace_attrs(adm.model, adm.key, prompt, completion_tokens, cached_tokens,
-                                        finish_reason, status, adm.priority),
+                request_id=adm.request_id,
+                headers=adm.trace_headers,
+                start=adm.arrival,
+                end=now,
+                admitted_at=adm.admitted_at,
+                times=first,
+                error=error if status >= 400 or error else None,
+                attributes=_trace_attrs(
+                    adm.model, adm.key, prompt, completion_tokens, cached_tokens, finish_reason, status, adm.priority
+                ),
             )
 
-    def _finish_metrics(self, adm: Admission, samples: list[RequestTimes], prompt: int, completion: int,
-                        reasons: list[str], status: int, error: str | None, observe: bool) -> None:
+    def _finish_metrics(
+        self,
+        adm: Admission,
+        samples: list[RequestTimes],
+        prompt: int,
+        completion: int,
+        reasons: list[str],
+        status: int,
+        error: str | None,
+        observe: bool,
+    ) -> None:
         m = self.metrics
         assert m is not None
         m.in_flight.set(self.in_flight)
@@ -264,22 +331,49 @@ class RequestGate:
             if used is not None:
                 m.set_budget_remaining(adm.key.id, adm.key.name, max(0, adm.key.budget_tokens - used))
 
-    def refused(self, exc: ControlError, *, request_id: str, key: ApiKey | None = None, model: str | None = None,
-                arrival: float | None = None, headers: Mapping[str, str] | None = None,
-                prompt_tokens: int | None = None, priority: int | None = None,
-                method: str | None = None, path: str | None = None) -> None:
+    def refused(
+        self,
+        exc: ControlError,
+        *,
+        request_id: str,
+        key: ApiKey | None = None,
+        model: str | None = None,
+        arrival: float | None = None,
+        headers: Mapping[str, str] | None = None,
+        prompt_tokens: int | None = None,
+        priority: int | None = None,
+        method: str | None = None,
+        path: str | None = None,
+    ) -> None:
         """Log and trace a request refused before it was admitted."""
         now = time.time()
         arrival = arrival if arrival is not None else now
         if self.request_log is not None:
-            self.request_log.log(RequestLogRecord(
-                request_id=request_id, status=exc.status, model=model, key_id=key.id if key else None,
-                key_name=key.name if key else None, method=method, path=path, prompt_tokens=prompt_tokens,
-                latency=now - arrival, priority=priority, error=exc.code or exc.type,
-            ), reason=exc.reason)
+            self.request_log.log(
+                RequestLogRecord(
+                    request_id=request_id,
+                    status=exc.status,
+                    model=model,
+                    key_id=key.id if key else None,
+                    key_name=key.name if key else None,
+                    method=method,
+                    path=path,
+                    prompt_tokens=prompt_tokens,
+                    latency=now - arrival,
+                    priority=priority,
+                    error=exc.code or exc.type,
+                ),
+                reason=exc.reason,
+            )
         if self.tracer is not None and self.tracer.enabled:
-            self.tracer.record(request_id=request_id, headers=headers, start=arrival, end=now, error=exc.code or exc.type,
-                               attributes=_trace_attrs(model, key, prompt_tokens, None, None, None, exc.status, priority))
+            self.tracer.record(
+                request_id=request_id,
+                headers=headers,
+                start=arrival,
+                end=now,
+                error=exc.code or exc.type,
+                attributes=_trace_attrs(model, key, prompt_tokens, None, None, None, exc.status, priority),
+            )
 
 
 def _queue_time(times: RequestTimes | None) -> float | None:
@@ -290,13 +384,25 @@ def _ttft(times: RequestTimes | None) -> float | None:
     return times.first_token - times.arrival if times and times.first_token is not None else None
 
 
-def _trace_attrs(model: str | None, key: ApiKey | None, prompt: int | None, completion: int | None,
-                 cached: int | None, finish_reason: str | None, status: int, priority: int | None) -> dict:
+def _trace_attrs(
+    model: str | None,
+    key: ApiKey | None,
+    prompt: int | None,
+    completion: int | None,
+    cached: int | None,
+    finish_reason: str | None,
+    status: int,
+    priority: int | None,
+) -> dict:
     # gen_ai.* follow OpenTelemetry's GenAI semantic conventions.
     return {
-        "gen_ai.system": "stoker", "gen_ai.request.model": model, "gen_ai.usage.input_tokens": prompt,
-        "gen_ai.usage.output_tokens": completion, "stoker.cached_tokens": cached,
+        "gen_ai.system": "stoker",
+        "gen_ai.request.model": model,
+        "gen_ai.usage.input_tokens": prompt,
+        "gen_ai.usage.output_tokens": completion,
+        "stoker.cached_tokens": cached,
         "gen_ai.response.finish_reasons": [finish_reason] if finish_reason else None,
-        "http.response.status_code": status, "stoker.key_id": key.id if key else None,
+        "http.response.status_code": status,
+        "stoker.key_id": key.id if key else None,
         "stoker.priority": priority,
     }

@@ -48,8 +48,8 @@ def parse_key_id(secret: str) -> str | None:
     """The public id inside a well-formed secret, or None."""
     if not secret.startswith(SECRET_PREFIX):
         return None
-    rest = secret[len(SECRET_PREFIX):]
-    key_id, sep, random_part = rest[:ID_HEX_CHARS], rest[ID_HEX_CHARS:ID_HEX_CHARS + 1], rest[ID_HEX_CHARS + 1:]
+    rest = secret[len(SECRET_PREFIX) :]
+    key_id, sep, random_part = rest[:ID_HEX_CHARS], rest[ID_HEX_CHARS : ID_HEX_CHARS + 1], rest[ID_HEX_CHARS + 1 :]
     if sep != "-" or len(random_part) < 16 or any(c not in "0123456789abcdef" for c in key_id):
         return None
     return key_id
@@ -173,8 +173,12 @@ class KeyStore:
         """Create a key; returns it and its secret, which is never stored or shown again."""
         if not name or len(name) > 200:
             raise ValueError("name must be 1-200 characters")
-        for label, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", max_concurrent),
-                             ("budget_tokens", budget_tokens)):
+        for label, value in (
+            ("rpm", rpm),
+            ("tpm", tpm),
+            ("max_concurrent", max_concurrent),
+            ("budget_tokens", budget_tokens),
+        ):
             _positive(label, value)
         if budget_period not in BUDGET_PERIODS:
             raise ValueError(f"budget_period must be one of {BUDGET_PERIODS}, got {budget_period!r}")
@@ -188,10 +192,20 @@ class KeyStore:
         secret = f"{SECRET_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
         scopes = (SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,)
         key = ApiKey(
-            id=key_id, name=name, prefix=secret[: len(SECRET_PREFIX) + ID_HEX_CHARS], scopes=scopes,
-            models=models, rpm=rpm, tpm=tpm, max_concurrent=max_concurrent, budget_tokens=budget_tokens,
-            budget_period=budget_period, priority=priority, created_at=time.time(),  # type: ignore[arg-type]
-            expires_at=expires_at, secret_hash=hash_secret(secret),
+            id=key_id,
+            name=name,
+            prefix=secret[: len(SECRET_PREFIX) + ID_HEX_CHARS],
+            scopes=scopes,
+            models=models,
+            rpm=rpm,
+            tpm=tpm,
+            max_concurrent=max_concurrent,
+            budget_tokens=budget_tokens,
+            budget_period=budget_period,
+            priority=priority,
+            created_at=time.time(),  # type: ignore[arg-type]
+            expires_at=expires_at,
+            secret_hash=hash_secret(secret),
         )
         row = asdict(key)
         row["scopes"] = json.dumps(list(scopes))
@@ -227,9 +241,13 @@ class KeyStore:
 
     def count_active(self, now: float | None = None) -> int:
         now = now if now is not None else time.time()
-        query = select(func.count()).select_from(api_keys).where(
-            api_keys.c.revoked_at.is_(None),
-            (api_keys.c.expires_at.is_(None)) | (api_keys.c.expires_at > now),
+        query = (
+            select(func.count())
+            .select_from(api_keys)
+            .where(
+                api_keys.c.revoked_at.is_(None),
+                (api_keys.c.expires_at.is_(None)) | (api_keys.c.expires_at > now),
+            )
         )
         with self.engine.connect() as conn:
             return int(conn.execute(query).scalar_one())

@@ -154,13 +154,13 @@ class UsageLedger:
         with self._write_lock:
             with self.engine.connect() as conn:
                 stored = conn.execute(
-                    select(func.coalesce(func.sum(usage.c.prompt_tokens + usage.c.completion_tokens), 0))
-                    .where(usage.c.key_id == key_id, usage.c.created_at >= start)
+                    select(func.coalesce(func.sum(usage.c.prompt_tokens + usage.c.completion_tokens), 0)).where(
+                        usage.c.key_id == key_id, usage.c.created_at >= start
+                    )
                 ).scalar_one()
             with self._totals_lock:
                 with self._cond:
-                    pending = sum(r.total_tokens for r in self._pending
-                                  if r.key_id == key_id and r.created_at >= start)
+                    pending = sum(r.total_tokens for r in self._pending if r.key_id == key_id and r.created_at >= start)
                 total = int(stored) + pending
                 self._totals[key_id] = (start, total)
         return total
@@ -176,7 +176,7 @@ class UsageLedger:
                     return
             try:
                 self.flush()
-            except Exception:  # noqa: BLE001 - keep the thread alive; flush() already logged and kept the rows
+            except Exception:
                 time.sleep(self.flush_interval)
 
     def flush(self) -> int:
@@ -227,8 +227,7 @@ class UsageLedger:
         self.flush()
         start = period_start(period, now)
         this_period = self.summary(key_id, since=start)
-        out = {"period": period, "period_start": start, "this_period": this_period,
-               "all_time": self.summary(key_id)}
+        out = {"period": period, "period_start": start, "this_period": this_period, "all_time": self.summary(key_id)}
         if budget_tokens is not None:
             out["budget_remaining"] = max(0, budget_tokens - this_period["total_tokens"])
         return out

@@ -137,10 +137,14 @@ class RateLimiter:
         state = self._get(key, now)
         if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
             raise ControlError(
-                429, f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
-                "rate_limit_exceeded", code="rate_limit_exceeded", reason="concurrency",
+                429,
+                f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
+                "rate_limit_exceeded",
+                code="rate_limit_exceeded",
+                reason="concurrency",
                 # The wait depends on running requests we cannot predict; 1s is the shortest honest hint.
-                headers=self.headers(key, now), retry_after=1,
+                headers=self.headers(key, now),
+                retry_after=1,
             )
         waits = []
         if state.requests is not None:
@@ -156,8 +160,11 @@ class RateLimiter:
                 f"Rate limit reached for {unit} per minute (limit {limit}); "
                 f"this request needs {1 if kind == 'requests' else estimated_tokens}. "
                 f"Retry after {wait:.1f}s.",
-                "rate_limit_exceeded", code="rate_limit_exceeded", reason=kind,
-                headers=self.headers(key, now), retry_after=wait,
+                "rate_limit_exceeded",
+                code="rate_limit_exceeded",
+                reason=kind,
+                headers=self.headers(key, now),
+                retry_after=wait,
             )
         if state.requests is not None:
             state.requests.take(1, now)

@@ -72,16 +72,26 @@ class ControlPlane:
         metrics.ledger_pending.set_function(lambda: ledger.pending)
 
     @classmethod
-    def open(cls, settings: ControlSettings | None = None, tracer: RequestTracer | None = None,
-             request_log: RequestLogger | None = None) -> ControlPlane:
+    def open(
+        cls,
+        settings: ControlSettings | None = None,
+        tracer: RequestTracer | None = None,
+        request_log: RequestLogger | None = None,
+    ) -> ControlPlane:
         """Open the database (migrating it), start the ledger writer, check the auth mode.
         Raises AuthRequiredButNoKeys when require_auth is set and no key exists."""
         settings = settings or ControlSettings()
         engine = open_db(settings.db)
         keys = KeyStore(engine, cache_ttl=settings.key_cache_ttl)
         ledger = UsageLedger(engine, flush_interval=settings.ledger_flush_interval)
-        plane = cls(settings, keys, ledger, Metrics(settings.model_name, settings.metrics_per_key),
-                    tracer or RequestTracer(settings.otlp_endpoint), request_log or RequestLogger())
+        plane = cls(
+            settings,
+            keys,
+            ledger,
+            Metrics(settings.model_name, settings.metrics_per_key),
+            tracer or RequestTracer(settings.otlp_endpoint),
+            request_log or RequestLogger(),
+        )
         active = keys.count_active()
         if settings.require_auth and active == 0:
             engine.dispose()
@@ -163,12 +173,11 @@ class ControlPlane:
                 stats = await fetch()
             except asyncio.CancelledError:
                 raise
-            except Exception as exc:  # noqa: BLE001 - the engine may be restarting; keep the last view
+            except Exception as exc:
                 log.debug("engine stats unavailable: %s", exc)
             else:
                 self.update_engine_stats(stats, taken_at)
             await asyncio.sleep(interval)
-
 
     def update_engine_stats(self, stats: EngineStats, taken_at: float | None = None) -> None:
         """Feed every fresh EngineStats snapshot here (admission + metrics)."""

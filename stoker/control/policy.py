@@ -42,7 +42,9 @@ def resolve_priority(key: ApiKey | None, requested: int | str | None) -> int:
         return base
     if isinstance(requested, str):
         if requested not in PRIORITY_VALUES:
-            raise _bad("priority", f"priority must be an integer or one of {sorted(PRIORITY_VALUES)}, got {requested!r}")
+            raise _bad(
+                "priority", f"priority must be an integer or one of {sorted(PRIORITY_VALUES)}, got {requested!r}"
+            )
         value = PRIORITY_VALUES[requested]
     elif isinstance(requested, bool) or not isinstance(requested, int):
         raise _bad("priority", f"priority must be an integer, got {requested!r}")
@@ -68,12 +70,19 @@ def resolve_deadline(
         try:
             ms = float(header_ms)
         except ValueError:
-            raise _bad(DEADLINE_HEADER, f"{DEADLINE_HEADER} must be a number of milliseconds, got {header_ms!r}") from None
+            raise _bad(
+                DEADLINE_HEADER, f"{DEADLINE_HEADER} must be a number of milliseconds, got {header_ms!r}"
+            ) from None
         if not math.isfinite(ms) or ms <= 0:
             raise _bad(DEADLINE_HEADER, f"{DEADLINE_HEADER} must be positive, got {header_ms!r}")
         budgets.append(ms / 1000.0)
     if timeout is not None:
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+        if (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, (int, float))
+            or not math.isfinite(timeout)
+            or timeout <= 0
+        ):
             raise _bad("timeout", f"timeout must be a positive number of seconds, got {timeout!r}")
         budgets.append(float(timeout))
     if not budgets:
@@ -89,6 +98,9 @@ def deadline_exceeded_error(request_id: str | None = None) -> ControlError:
     at its deadline (EngineCoreOutput.error == "deadline")."""
     suffix = f" (request {request_id})" if request_id else ""
     return ControlError(
-        504, f"The request's deadline passed before it could be scheduled{suffix}.", "timeout",
-        code="deadline_exceeded", reason="deadline",
+        504,
+        f"The request's deadline passed before it could be scheduled{suffix}.",
+        "timeout",
+        code="deadline_exceeded",
+        reason="deadline",
     )

@@ -98,10 +98,17 @@ class ControlMiddleware:
                 # Refused before admission by the server itself (400, 404, 413, ...):
                 # still one log line per request.
                 key = state.get("api_key")
-                plane.request_log.log(RequestLogRecord(
-                    request_id=request_id, status=status["code"], key_id=key.id if key else None,
-                    key_name=key.name if key else None, method=scope.get("method"), path=scope.get("path"),
-                    latency=time.time() - state["arrival"]))
+                plane.request_log.log(
+                    RequestLogRecord(
+                        request_id=request_id,
+                        status=status["code"],
+                        key_id=key.id if key else None,
+                        key_name=key.name if key else None,
+                        method=scope.get("method"),
+                        path=scope.get("path"),
+                        latency=time.time() - state["arrival"],
+                    )
+                )
 
 
 async def _before(request: Request) -> None:
@@ -120,9 +127,16 @@ async def _admit(request: Request, info: Any) -> None:
                 priority, timeout = body.get("priority"), body.get("timeout")
     try:
         adm = await plane.admit_http(
-            request, getattr(request.state, "api_key", None), model=info.model, prompt_tokens=info.prompt_tokens,
-            max_tokens=info.max_tokens, n=info.n, priority=priority, timeout=timeout,
-            arrival=getattr(request.state, "arrival", None), capacity=info.endpoint != "embedding",
+            request,
+            getattr(request.state, "api_key", None),
+            model=info.model,
+            prompt_tokens=info.prompt_tokens,
+            max_tokens=info.max_tokens,
+            n=info.n,
+            priority=priority,
+            timeout=timeout,
+            arrival=getattr(request.state, "arrival", None),
+            capacity=info.endpoint != "embedding",
         )
     except ControlError as exc:
         if exc.status != 400:  # gate.admit logged its own refusals; a bad priority/deadline is left to the middleware
@@ -143,13 +157,23 @@ def _finished(record: Any) -> None:
     plane = get_plane(request)
     reasons = list(record.finish_reasons)
     plane.gate.finish(
-        adm, prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
-        cached_tokens=record.cached_tokens, finish_reason=reasons[0] if reasons else None,
-        finish_reasons=reasons, status=record.status, times=list(record.times), error=record.error,
-        stream=record.stream, method=request.method, path=request.url.path,
+        adm,
+        prompt_tokens=record.prompt_tokens,
+        completion_tokens=record.completion_tokens,
+        cached_tokens=record.cached_tokens,
+        finish_reason=reasons[0] if reasons else None,
+        finish_reasons=reasons,
+        status=record.status,
+        times=list(record.times),
+        error=record.error,
+        stream=record.stream,
+        method=request.method,
+        path=request.url.path,
         generation=record.endpoint != "embedding",
-        log_extra={"endpoint": record.endpoint,
-                   "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None},
+        log_extra={
+            "endpoint": record.endpoint,
+            "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None,
+        },
     )
 
 
@@ -189,8 +213,9 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     from stoker.server.routes.admin import router as admin_router
 
     app.include_router(admin_router)
-    app.add_api_route("/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)],
-                      include_in_schema=False)
+    app.add_api_route(
+        "/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)], include_in_schema=False
+    )
     app.add_middleware(ControlMiddleware)
     state.hooks.before.append(_before)
     state.hooks.admit.append(_admit)

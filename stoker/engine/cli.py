@@ -30,7 +30,7 @@ def _run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
         )
     except ValueError as exc:
-        raise SystemExit(f"stoker: {exc}")
+        raise SystemExit(f"stoker: {exc}") from None
     llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=256)
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]

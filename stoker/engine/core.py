@@ -47,7 +47,11 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16
     # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
-    return torch.bfloat16 if torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}) else torch.float32
+    return (
+        torch.bfloat16
+        if torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+        else torch.float32
+    )
 
 
 def _total_memory_bytes(device: torch.device) -> int:
@@ -92,7 +96,9 @@ class EngineCore:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, self.kv, num_blocks, block_size, kv_dtype)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
+        )
         self.sampler = Sampler()
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
@@ -102,9 +108,15 @@ class EngineCore:
         self.load_seconds = time.perf_counter() - started
         log.info(
             "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), loaded in %.1fs",
-            self.served_model_name, self.model_config.architecture, str(self.dtype).removeprefix("torch."),
-            self.device, self.kv.num_blocks, block_size, self.kv_capacity_tokens,
-            self.kv.num_blocks * per_block / 2**20, self.load_seconds,
+            self.served_model_name,
+            self.model_config.architecture,
+            str(self.dtype).removeprefix("torch."),
+            self.device,
+            self.kv.num_blocks,
+            block_size,
+            self.kv_capacity_tokens,
+            self.kv.num_blocks * per_block / 2**20,
+            self.load_seconds,
         )
 
     @property
@@ -151,8 +163,15 @@ class EngineCore:
             if params.seed is not None:
                 generator = torch.Generator().manual_seed(params.seed + index)
             r = Request(
-                req.request_id, index, prompt, params, req.arrival_time,
-                req.priority, req.deadline, max_tokens, generator,
+                req.request_id,
+                index,
+                prompt,
+                params,
+                req.arrival_time,
+                req.priority,
+                req.deadline,
+                max_tokens,
+                generator,
             )
             r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
             samples.append(r)
@@ -186,10 +205,7 @@ class EngineCore:
         logits = self.runner.execute(sched)
         sampling = [s.request for s in sched.scheduled if s.samples]
         eos_ids = list(self.eos_token_ids)
-        rows = [
-            SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, eos_ids)
-            for r in sampling
-        ]
+        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, eos_ids) for r in sampling]
         sampled = self.sampler(logits, rows) if rows else []
         for s in sched.scheduled:
             r = s.request

@@ -46,9 +46,7 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.enable_caching = enable_caching
         # Least recently freed first; a cached block here is free but still hittable.
-        self.free_queue: OrderedDict[int, Block] = OrderedDict(
-            (b.block_id, b) for b in self.blocks[1:]
-        )
+        self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
 
     @property

@@ -46,9 +46,7 @@ class LLM:
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
-                raise ValueError(
-                    f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
-                )
+                raise ValueError(f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts")
         requests = []
         for prompt, params in zip(prompts, params_list):
             if isinstance(prompt, str):
@@ -101,5 +99,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -10,9 +10,9 @@ from enum import Enum
 
 
 class FinishReason(str, Enum):
-    STOP = "stop"      # eos, a stop token id or a stop string
+    STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
-    ABORT = "abort"    # cancelled by the caller, a deadline, or a drain
+    ABORT = "abort"  # cancelled by the caller, a deadline, or a drain
 
 
 @dataclass

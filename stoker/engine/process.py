@@ -141,7 +141,7 @@ def run_engine(config: EngineConfig, core_spec: str, input_addr: str, output_add
     except Exception:
         out.send_multipart([FATAL, traceback.format_exc().encode()])
         out.close(linger=2000)
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         ctx.destroy(linger=1000)
 

@@ -34,8 +34,10 @@ class ModelRunner:
         self.device = model.device
         # The C kernel reads the paged cache in place; elsewhere decodes gather + SDPA.
         self.direct_decode = (
-            self.device.type == "cpu" and kv_dtype in (torch.float32, torch.bfloat16)
-            and kv_dtype == model.dtype and load_paged_attention() is not None
+            self.device.type == "cpu"
+            and kv_dtype in (torch.float32, torch.bfloat16)
+            and kv_dtype == model.dtype
+            and load_paged_attention() is not None
         )
         cfg = model.config
         # Prefill chunks likewise, where the build has the AVX-512 kernel; else causal SDPA.
@@ -80,9 +82,7 @@ class ModelRunner:
                 if start > 0 and not self.direct_prefill:
                     q_pos = torch.arange(start, end, device=self.device)[:, None]
                     mask = torch.arange(end, device=self.device)[None, :] <= q_pos
-                prefills.append(
-                    PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks]), mask)
-                )
+                prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks]), mask))
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
 

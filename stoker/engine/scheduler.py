@@ -183,8 +183,7 @@ class Scheduler:
             victims.append(victim)
             # Blocks only the victim holds come back; shared ones stay in use.
             available += sum(
-                1 for b in self.kv.req_blocks.get(victim.key, [])
-                if b.ref_count == 1 and b.block_id not in cached_ids
+                1 for b in self.kv.req_blocks.get(victim.key, []) if b.ref_count == 1 and b.block_id not in cached_ids
             )
         if available < needed or (need_slot and not victims):
             return False

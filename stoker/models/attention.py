@@ -108,8 +108,6 @@ def paged_attention(
         else:
             ks = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             vs = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa
-            )
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa)
         out[s : s + n] = o.squeeze(0).transpose(0, 1)
     return out.reshape(num_tokens, heads * head_dim)

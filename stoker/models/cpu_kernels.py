@@ -23,8 +23,16 @@ _CSRC = Path(__file__).parent / "csrc"
 # Reassociation lets reductions vectorize. Not -ffast-math: a shared library
 # linked with it sets flush-to-zero for the whole process when loaded.
 _FLAGS = [
-    "-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros",
-    "-fassociative-math", "-freciprocal-math", "-fPIC", "-shared", "-fopenmp",
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fno-signed-zeros",
+    "-fassociative-math",
+    "-freciprocal-math",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
 ]
 
 
@@ -136,10 +144,21 @@ def paged_decode_attention(
     seqs, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     failed = lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-        block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-        seqs, heads, kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, int(q.dtype == torch.bfloat16), torch.get_num_threads(),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        seqs,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        int(q.dtype == torch.bfloat16),
+        torch.get_num_threads(),
     )
     return None if failed else out
 
@@ -166,8 +185,19 @@ def paged_prefill_attention(
     if block_ids.numel() * block_size < context_len:
         raise ValueError("block_ids do not cover context_len")
     rc = lib.paged_prefill_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(), out.data_ptr(),
-        n, context_len, heads, kv_heads, head_dim, block_size, scale, int(q.dtype == torch.bfloat16),
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_ids.data_ptr(),
+        out.data_ptr(),
+        n,
+        context_len,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        int(q.dtype == torch.bfloat16),
         torch.get_num_threads(),
     )
     if rc == 1:
@@ -181,10 +211,7 @@ def _cpu_float(*tensors: torch.Tensor) -> bool:
     dtype = tensors[0].dtype
     if dtype is not torch.float32 and dtype is not torch.bfloat16:
         return False
-    for t in tensors:
-        if not t.is_cpu or t.dtype is not dtype:
-            return False
-    return True
+    return all(not (not t.is_cpu or t.dtype is not dtype) for t in tensors)
 
 
 def _fused(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -199,8 +226,16 @@ def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         return None
     out = torch.empty_like(x)
     dim = x.shape[-1]
-    lib.rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-                 int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    lib.rms_norm(
+        x.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.numel() // dim,
+        dim,
+        eps,
+        int(x.dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -212,14 +247,18 @@ def fused_silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype)
     if rows:
-        lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, int(gate_up.dtype == torch.bfloat16),
-                     torch.get_num_threads())
+        lib.silu_mul(
+            gate_up.data_ptr(),
+            out.data_ptr(),
+            rows,
+            inter,
+            int(gate_up.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
     return out
 
 
-def fused_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
-) -> torch.Tensor | None:
+def fused_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
     """x [tokens, heads, head_dim], rows may be strided (a slice of qkv) -> a new
     contiguous tensor with rotary applied from the [positions, head_dim] tables;
     None if the C op cannot serve it."""
@@ -232,6 +271,17 @@ def fused_rotary(
     out = torch.empty(tokens, heads, head_dim, dtype=x.dtype)
     if tokens:
         positions = positions.contiguous()
-        lib.rotary(x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), tokens,
-                   heads, head_dim, x.stride(0), int(x.dtype == torch.bfloat16), torch.get_num_threads())
+        lib.rotary(
+            x.data_ptr(),
+            out.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            tokens,
+            heads,
+            head_dim,
+            x.stride(0),
+            int(x.dtype == torch.bfloat16),
+            torch.get_num_threads(),
+        )
     return out

@@ -45,8 +45,14 @@ class EmbeddingModel:
             raw = json.load(f)
         if raw.get("model_type") != "bert" or raw.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"{path}: only BERT encoders with gelu are supported")
-        self.config = BertConfig(raw["vocab_size"], raw["hidden_size"], raw["num_hidden_layers"],
-                                 raw["num_attention_heads"], raw["max_position_embeddings"], raw["layer_norm_eps"])
+        self.config = BertConfig(
+            raw["vocab_size"],
+            raw["hidden_size"],
+            raw["num_hidden_layers"],
+            raw["num_attention_heads"],
+            raw["max_position_embeddings"],
+            raw["layer_norm_eps"],
+        )
         self.name = name or (BUNDLED_NAME if path == bundled_model_path() else os.path.basename(os.path.normpath(path)))
         self.max_tokens = self.config.max_position_embeddings
         st_config = os.path.join(path, "sentence_bert_config.json")
@@ -75,8 +81,9 @@ class EmbeddingModel:
         return ids
 
     def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"],
-                            self.config.layer_norm_eps)
+        return F.layer_norm(
+            x, (x.shape[-1],), self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"], self.config.layer_norm_eps
+        )
 
     def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"])

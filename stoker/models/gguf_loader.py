@@ -53,7 +53,14 @@ def _gguf_cache_dir(path: str) -> Path:
     """
     st = os.stat(path)
     h = hashlib.sha256()
-    ident = [_CACHE_VERSION, os.path.abspath(path), st.st_size, st.st_mtime_ns, version("gguf"), version("transformers")]
+    ident = [
+        _CACHE_VERSION,
+        os.path.abspath(path),
+        st.st_size,
+        st.st_mtime_ns,
+        version("gguf"),
+        version("transformers"),
+    ]
     h.update(repr(ident).encode())
     with open(path, "rb") as f:
         h.update(f.read(1 << 20))
@@ -107,6 +114,7 @@ def _hf_name(gguf_name: str) -> str | None:
 
 def _gguf_meta(path: str) -> dict[str, Any]:
     """ModelConfig fields and a tensor index (offset, type, shape) from the header, cached."""
+
     def build(tmp: Path) -> None:
         _write_json(tmp / "meta.json", _read_gguf_header(path))
 
@@ -159,7 +167,9 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
     stem = os.path.basename(path).lower().removesuffix(".gguf")
     config = ModelConfig(
         architecture=hf_arch,
-        vocab_size=int(rows.get("token_embd.weight") or field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))),
+        vocab_size=int(
+            rows.get("token_embd.weight") or field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+        ),
         hidden_size=hidden,
         intermediate_size=int(field(f"{arch}.feed_forward_length")),
         num_layers=int(field(f"{arch}.block_count")),
@@ -219,7 +229,9 @@ def _row_elements(t: dict[str, Any]) -> int:
     return t["shape"][-1] * np.dtype(t["dtype"]).itemsize // type_size * block
 
 
-def _dequantize_gguf(path: str, meta: dict[str, Any], config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _dequantize_gguf(
+    path: str, meta: dict[str, Any], config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Every tensor in HF name and layout, as transformers' GGUF loading produces it."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -248,7 +260,9 @@ def gguf_tokenizer(path: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     def convert(tmp: Path) -> None:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True)
+        hf = AutoTokenizer.from_pretrained(
+            os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
+        )
         hf.save_pretrained(tmp)
 
     folder = _cached(_gguf_cache_dir(path) / "tokenizer", convert)

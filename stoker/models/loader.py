@@ -169,6 +169,7 @@ def _read_safetensors(folder: Path, dtype: torch.dtype, device: str) -> dict[str
                 weights[key] = f.get_tensor(key).to(device=device, dtype=dtype)
     return weights
 
+
 # --- small helpers --------------------------------------------------------------
 
 

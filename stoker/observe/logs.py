@@ -58,8 +58,22 @@ class RequestLogRecord:
     """OpenAI error type/code when the request failed (e.g. rate_limit_exceeded)."""
 
 
-_ALWAYS = frozenset({"request_id", "status", "model", "key_id", "key_name", "prompt_tokens", "cached_tokens",
-                     "completion_tokens", "queue_time", "ttft", "latency", "finish_reason"})
+_ALWAYS = frozenset(
+    {
+        "request_id",
+        "status",
+        "model",
+        "key_id",
+        "key_name",
+        "prompt_tokens",
+        "cached_tokens",
+        "completion_tokens",
+        "queue_time",
+        "ttft",
+        "latency",
+        "finish_reason",
+    }
+)
 
 
 class _Raw(logging.Formatter):

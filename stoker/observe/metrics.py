@@ -25,15 +25,64 @@ from prometheus_client import (
 
 from stoker.engine.params import EngineStats, RequestTimes
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-                1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    320.0,
+    640.0,
+)
+_ITL_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 # EngineStats counter field -> attribute name of our Counter
-_CUMULATIVE = ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits", "prompt_tokens",
-               "generation_tokens", "steps")
+_CUMULATIVE = (
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "prompt_tokens",
+    "generation_tokens",
+    "steps",
+)
 
 
 class Metrics:
@@ -44,51 +93,138 @@ class Metrics:
         r, m = self.registry, ["model_name"]
 
         # -- vLLM-compatible --------------------------------------------------
-        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r)
+        self.running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", m, registry=r
+        )
         self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", m, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m, registry=r)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed (prefix-cache hits included).", m, registry=r)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r)
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       m + ["finished_reason"], registry=r)
-        self.preemptions = Counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", m, registry=r)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", m, registry=r)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", m, registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m,
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m,
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m,
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", m,
-                                    buckets=_LATENCY_BUCKETS, registry=r)
-        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m,
-                                               buckets=_TOKEN_BUCKETS, registry=r)
-        self.request_generation_tokens = Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.", m,
-                                                   buckets=_TOKEN_BUCKETS, registry=r)
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.", m,
-                                          buckets=_TOKEN_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(
+            "vllm:prompt_tokens", "Number of prefill tokens processed (prefix-cache hits included).", m, registry=r
+        )
+        self.generation_tokens = Counter(
+            "vllm:generation_tokens", "Number of generation tokens processed.", m, registry=r
+        )
+        self.request_success = Counter(
+            "vllm:request_success", "Count of successfully processed requests.", m + ["finished_reason"], registry=r
+        )
+        self.preemptions = Counter(
+            "vllm:num_preemptions", "Cumulative number of preemptions from the engine.", m, registry=r
+        )
+        self.prefix_queries = Counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", m, registry=r
+        )
+        self.prefix_hits = Counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", m, registry=r
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Histogram of time to first token in seconds.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm:inter_token_latency_seconds",
+            "Histogram of inter-token latency in seconds.",
+            m,
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", m, buckets=_TOKEN_BUCKETS, registry=r
+        )
+        self.request_generation_tokens = Histogram(
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            m,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            m,
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
 
         # -- stoker ----------------------------------------------------------
-        self.prompt_tokens_computed = Counter("stoker:prompt_tokens_computed", "Prompt tokens computed by the model (prefix-cache hits excluded).", m, registry=r)
-        self.admission_rejections = Counter("stoker:admission_rejections", "Requests refused with 503 for lack of capacity, by reason.",
-                                            ["reason"], registry=r)
-        self.rate_limit_rejections = Counter("stoker:rate_limit_rejections", "Requests refused with 429 for a key's quota, by limit.",
-                                             ["limit"], registry=r)
-        self.auth_failures = Counter("stoker:auth_failures", "Requests refused with 401/403, by reason.", ["reason"], registry=r)
-        self.deadline_drops = Counter("stoker:deadline_exceeded", "Requests whose deadline passed, by phase.", ["phase"], registry=r)
+        self.prompt_tokens_computed = Counter(
+            "stoker:prompt_tokens_computed",
+            "Prompt tokens computed by the model (prefix-cache hits excluded).",
+            m,
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            "stoker:admission_rejections",
+            "Requests refused with 503 for lack of capacity, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.rate_limit_rejections = Counter(
+            "stoker:rate_limit_rejections",
+            "Requests refused with 429 for a key's quota, by limit.",
+            ["limit"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            "stoker:auth_failures", "Requests refused with 401/403, by reason.", ["reason"], registry=r
+        )
+        self.deadline_drops = Counter(
+            "stoker:deadline_exceeded", "Requests whose deadline passed, by phase.", ["phase"], registry=r
+        )
         self.engine_restarts = Counter("stoker:engine_restarts", "Times the engine process was restarted.", registry=r)
-        self.draining = Gauge("stoker:draining", "1 while the server drains (refuses new requests) before shutdown.", registry=r)
+        self.draining = Gauge(
+            "stoker:draining", "1 while the server drains (refuses new requests) before shutdown.", registry=r
+        )
         self.in_flight = Gauge("stoker:requests_in_flight", "Requests admitted and not yet finished.", registry=r)
-        self.queued_requests = Gauge("stoker:admission_queue_requests", "Waiting requests as admission sees them (engine + in transit).", registry=r)
-        self.queued_tokens = Gauge("stoker:admission_queue_tokens", "Waiting prompt tokens as admission sees them (engine + in transit).", registry=r)
-        self.drain_rate = Gauge("stoker:drain_rate_tokens_per_second", "Prompt tokens finished per second recently (drives Retry-After).", registry=r)
-        self.request_errors = Counter("stoker:request_errors", "Requests that ended with an error status, by HTTP status.", ["status"], registry=r)
-        self.ledger_pending = Gauge("stoker:ledger_pending_records", "Usage records not yet written to the database.", registry=r)
-        self.budget_exhausted_keys = Gauge("stoker:budget_exhausted_keys", "Keys refused for budget in the current period.", registry=r)
+        self.queued_requests = Gauge(
+            "stoker:admission_queue_requests",
+            "Waiting requests as admission sees them (engine + in transit).",
+            registry=r,
+        )
+        self.queued_tokens = Gauge(
+            "stoker:admission_queue_tokens",
+            "Waiting prompt tokens as admission sees them (engine + in transit).",
+            registry=r,
+        )
+        self.drain_rate = Gauge(
+            "stoker:drain_rate_tokens_per_second",
+            "Prompt tokens finished per second recently (drives Retry-After).",
+            registry=r,
+        )
+        self.request_errors = Counter(
+            "stoker:request_errors", "Requests that ended with an error status, by HTTP status.", ["status"], registry=r
+        )
+        self.ledger_pending = Gauge(
+            "stoker:ledger_pending_records", "Usage records not yet written to the database.", registry=r
+        )
+        self.budget_exhausted_keys = Gauge(
+            "stoker:budget_exhausted_keys", "Keys refused for budget in the current period.", registry=r
+        )
         self.budget_remaining = (
-            Gauge("stoker:budget_remaining_tokens", "Tokens left in a key's budget for the period.", ["key_id", "key_name"], registry=r)
-            if per_key_labels else None
+            Gauge(
+                "stoker:budget_remaining_tokens",
+                "Tokens left in a key's budget for the period.",
+                ["key_id", "key_name"],
+                registry=r,
+            )
+            if per_key_labels
+            else None
         )
 
         self._last = EngineStats()
@@ -130,8 +266,9 @@ class Metrics:
 
     # -- requests -----------------------------------------------------------------
 
-    def observe_finished(self, times: RequestTimes | None, prompt_tokens: int, generation_tokens: int,
-                         finish_reason: str | None) -> None:
+    def observe_finished(
+        self, times: RequestTimes | None, prompt_tokens: int, generation_tokens: int, finish_reason: str | None
+    ) -> None:
         """Latency histograms from the engine's own timestamps, for one finished request."""
         name = self.model_name
         self.request_prompt_tokens.labels(name).observe(prompt_tokens)

@@ -82,8 +82,9 @@ class RequestTracer:
         carrier = {k.lower(): v for k, v in (headers or {}).items()}
         parent = _propagator.extract(carrier) if "traceparent" in carrier else None
         attrs = {"stoker.request_id": request_id, **{k: v for k, v in (attributes or {}).items() if v is not None}}
-        root = self.tracer.start_span(name, context=parent, kind=SpanKind.SERVER,
-                                      start_time=_ns(start), attributes=attrs)
+        root = self.tracer.start_span(
+            name, context=parent, kind=SpanKind.SERVER, start_time=_ns(start), attributes=attrs
+        )
         ctx = trace.set_span_in_context(root)
 
         def child(label: str, begin: float | None, finish: float | None, status_error: str | None = None) -> None:
@@ -103,8 +104,11 @@ class RequestTracer:
             # A request dropped while waiting was never scheduled: its queue span
             # runs until it finished (was dropped).
             child("queue", queued_from, times.scheduled if times.scheduled is not None else times.finished)
-            prefill_end = times.first_token if times.first_token is not None else (
-                times.finished if times.scheduled is not None else None)
+            prefill_end = (
+                times.first_token
+                if times.first_token is not None
+                else (times.finished if times.scheduled is not None else None)
+            )
             child("prefill", times.scheduled, prefill_end)
             if times.first_token is not None:
                 child("decode", times.first_token, times.finished or times.last_token)

@@ -38,17 +38,37 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="serve a model over an OpenAI-compatible HTTP API",
         description=__doc__,
     )
-    parser.add_argument("model_path", nargs="?", default=None, metavar="MODEL",
-                        help="GGUF file or Hugging Face folder (same as --model)")
-    parser.add_argument("--config", metavar="YAML", default=None,
-                        help="YAML file of options (keys as the long option names, _ or -); env STOKER_CONFIG")
+    parser.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="GGUF file or Hugging Face folder (same as --model)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        default=None,
+        help="YAML file of options (keys as the long option names, _ or -); env STOKER_CONFIG",
+    )
     add_model_options(parser, EngineConfig, "engine")
     add_model_options(parser, ServerConfig, "server", skip=("embedding_model",))
-    parser.add_argument("--embedding-model", dest="embedding_model", metavar="PATH", default=argparse.SUPPRESS,
-                        help="embedding model for /v1/embeddings: all-MiniLM-L6-v2 (bundled, the default) "
-                             "or a sentence-transformers BERT folder; env STOKER_EMBEDDING_MODEL (none disables)")
-    parser.add_argument("--no-embedding-model", dest="embedding_model", action="store_const", const=None,
-                        default=argparse.SUPPRESS, help="serve no embedding model")
+    parser.add_argument(
+        "--embedding-model",
+        dest="embedding_model",
+        metavar="PATH",
+        default=argparse.SUPPRESS,
+        help="embedding model for /v1/embeddings: all-MiniLM-L6-v2 (bundled, the default) "
+        "or a sentence-transformers BERT folder; env STOKER_EMBEDDING_MODEL (none disables)",
+    )
+    parser.add_argument(
+        "--no-embedding-model",
+        dest="embedding_model",
+        action="store_const",
+        const=None,
+        default=argparse.SUPPRESS,
+        help="serve no embedding model",
+    )
     for key, cls in extension_settings().items():
         add_model_options(parser, cls, key.removesuffix("_config"), skip=EXTENSION_SKIP.get(key, ()))
     parser.set_defaults(func=run)
@@ -81,8 +101,9 @@ def resolve_configs(args: argparse.Namespace) -> tuple[EngineConfig, ServerConfi
 def resolve_extension_settings(args: argparse.Namespace) -> dict[str, BaseModel]:
     """{extras key: settings} for each extension, from the same three sources."""
     values = _yaml_values(args)
-    return {key: build(cls, values, args, skip=EXTENSION_SKIP.get(key, ()))
-            for key, cls in extension_settings().items()}
+    return {
+        key: build(cls, values, args, skip=EXTENSION_SKIP.get(key, ())) for key, cls in extension_settings().items()
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,8 +163,14 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
         print(f"stoker serve: {exc}", file=sys.stderr, flush=True)
         return 2
     uv_config = uvicorn.Config(
-        app, host=server_config.host, port=server_config.port, loop="uvloop", http="httptools",
-        log_level=server_config.log_level, access_log=False, timeout_graceful_shutdown=5,
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=server_config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
         lifespan="on",
     )
     server = Server(uv_config)

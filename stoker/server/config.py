@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import itertools
 import os
 import textwrap
 import types
@@ -81,7 +82,7 @@ def field_docs(cls: type[BaseModel]) -> dict[str, str]:
         except (OSError, TypeError):
             continue
         body = tree.body[0].body  # type: ignore[attr-defined]
-        for node, nxt in zip(body, body[1:]):
+        for node, nxt in itertools.pairwise(body):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)
@@ -112,8 +113,9 @@ def _none_or(convert: Any, nullable: bool) -> Any:
     return parse
 
 
-def add_model_options(parser: argparse.ArgumentParser, cls: type[BaseModel], title: str,
-                      skip: tuple[str, ...] = ()) -> None:
+def add_model_options(
+    parser: argparse.ArgumentParser, cls: type[BaseModel], title: str, skip: tuple[str, ...] = ()
+) -> None:
     group = parser.add_argument_group(title)
     docs = field_docs(cls)
     for name, info in cls.model_fields.items():
@@ -129,8 +131,9 @@ def add_model_options(parser: argparse.ArgumentParser, cls: type[BaseModel], tit
             group.add_argument(flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
         else:
             convert = kind if kind in (int, float) else str
-            group.add_argument(flag, type=_none_or(convert, nullable), default=argparse.SUPPRESS,
-                               metavar=name.upper(), help=help_text)
+            group.add_argument(
+                flag, type=_none_or(convert, nullable), default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
 
 
 def env_values(cls: type[BaseModel], environ: dict[str, str] | None = None) -> dict[str, Any]:
@@ -146,8 +149,13 @@ def env_values(cls: type[BaseModel], environ: dict[str, str] | None = None) -> d
     return values
 
 
-def build(cls: type[BaseModel], yaml_values: dict[str, Any], args: argparse.Namespace,
-          environ: dict[str, str] | None = None, skip: tuple[str, ...] = ()) -> BaseModel:
+def build(
+    cls: type[BaseModel],
+    yaml_values: dict[str, Any],
+    args: argparse.Namespace,
+    environ: dict[str, str] | None = None,
+    skip: tuple[str, ...] = (),
+) -> BaseModel:
     """Merge the three sources for the fields cls knows, in precedence order."""
     fields = {k for k in cls.model_fields if k not in skip}
     values: dict[str, Any] = {k: v for k, v in yaml_values.items() if k in fields}

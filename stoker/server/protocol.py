@@ -54,8 +54,12 @@ def unavailable(message: str) -> APIError:
 def deadline_exceeded(request_id: str) -> APIError:
     """504 for a request the engine dropped at its deadline before any token
     was sent (same shape as stoker.control.policy.deadline_exceeded_error)."""
-    return APIError(504, f"The request's deadline passed before it could be served (request {request_id}).",
-                    type="timeout", code="deadline_exceeded")
+    return APIError(
+        504,
+        f"The request's deadline passed before it could be served (request {request_id}).",
+        type="timeout",
+        code="deadline_exceeded",
+    )
 
 
 class ErrorInfo(BaseModel):
@@ -131,7 +135,15 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    _unsupported: ClassVar[tuple[str, ...]] = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "prediction")
+    _unsupported: ClassVar[tuple[str, ...]] = (
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "logit_bias",
+        "audio",
+        "prediction",
+    )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: PosInt | None = None
@@ -149,9 +161,12 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-Prompt = str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] | Annotated[
-    list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)
-]
+Prompt = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
 
 
 class CompletionRequest(SamplingFields):

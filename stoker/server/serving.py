@@ -94,12 +94,19 @@ class Job:
         usage = self.usage()
         samples = [c for o in self.outputs for c in o.outputs]
         return FinishedRecord(
-            request_id=self.request_id, endpoint=self.endpoint, model=self.model, status=status,
-            prompt_tokens=usage["prompt_tokens"], completion_tokens=usage["completion_tokens"],
+            request_id=self.request_id,
+            endpoint=self.endpoint,
+            model=self.model,
+            status=status,
+            prompt_tokens=usage["prompt_tokens"],
+            completion_tokens=usage["completion_tokens"],
             cached_tokens=usage["prompt_tokens_details"]["cached_tokens"],
             finish_reasons=[c.finish_reason.value for c in samples if c.finish_reason is not None],
             times=[c.times for c in samples if c.times is not None],
-            error=error, stream=stream, started=self.started, http_request=request,
+            error=error,
+            stream=stream,
+            started=self.started,
+            http_request=request,
             engine_request_id=self.engine_request_id,
         )
 

@@ -27,8 +27,21 @@ def served(tmp_path_factory):
     db = str(tmp / "stoker.db")
     store = KeyStore(open_db(db))
     secrets = {"interactive": store.create("fg")[1], "batch": store.create("bg", priority="batch")[1]}
-    server = start_server(["--max-model-len", "512", "--max-num-seqs", "1", "--no-embedding-model",
-                           "--db", db, "--ledger-flush-interval", "0.2"], str(tmp), ready_timeout=600)
+    server = start_server(
+        [
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "1",
+            "--no-embedding-model",
+            "--db",
+            db,
+            "--ledger-flush-interval",
+            "0.2",
+        ],
+        str(tmp),
+        ready_timeout=600,
+    )
     try:
         yield server, secrets, db
     finally:
@@ -48,9 +61,13 @@ async def test_priority_and_deadline_in_the_real_engine(served) -> None:
     server, secrets, _ = served
     finished: list[str] = []
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
         async def call(name: str, key: str, max_tokens: int, **headers: str) -> httpx.Response:
-            r = await http.post("/v1/completions", json=body(max_tokens),
-                                headers=auth(secrets[key], **{"x-request-id": name, **headers}))
+            r = await http.post(
+                "/v1/completions",
+                json=body(max_tokens),
+                headers=auth(secrets[key], **{"x-request-id": name, **headers}),
+            )
             finished.append(name)
             return r
 
@@ -71,10 +88,16 @@ async def test_priority_and_deadline_in_the_real_engine(served) -> None:
 
 async def test_metrics_move_with_the_real_engine(served) -> None:
     server, secrets, _ = served
-    names = ["vllm:time_to_first_token_seconds_count", "vllm:inter_token_latency_seconds_count",
-             "vllm:e2e_request_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-             "vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:request_success_total",
-             "vllm:iteration_tokens_total_count"]
+    names = [
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:generation_tokens_total",
+        "vllm:prompt_tokens_total",
+        "vllm:request_success_total",
+        "vllm:iteration_tokens_total_count",
+    ]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
         before = (await http.get("/metrics")).text
         for _ in range(2):
@@ -88,7 +111,9 @@ async def test_metrics_move_with_the_real_engine(served) -> None:
     assert delta["vllm:e2e_request_latency_seconds_count"] == 2 and delta["vllm:request_queue_time_seconds_count"] == 2
     assert delta["vllm:generation_tokens_total"] >= 12 and delta["vllm:prompt_tokens_total"] > 0, delta
     assert delta["vllm:request_success_total"] == 2 and delta["vllm:iteration_tokens_total_count"] > 0, delta
-    ttft_sum = sample(after, "vllm:time_to_first_token_seconds_sum") - sample(before, "vllm:time_to_first_token_seconds_sum")
+    ttft_sum = sample(after, "vllm:time_to_first_token_seconds_sum") - sample(
+        before, "vllm:time_to_first_token_seconds_sum"
+    )
     assert ttft_sum > 0
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert re.search(rf"^{gauge}{{", after, re.MULTILINE), gauge
@@ -99,8 +124,10 @@ def test_usage_rows_after_sigterm(served) -> None:
     finishes (drain), and every admitted request has its row once the process exits."""
     server, secrets, db = served
     headers = auth(secrets["batch"], **{"x-request-id": "in-flight-at-sigterm"})
-    with httpx.Client(base_url=server.url, timeout=120) as http, \
-            http.stream("POST", "/v1/completions", json={**body(24), "stream": True}, headers=headers) as response:
+    with (
+        httpx.Client(base_url=server.url, timeout=120) as http,
+        http.stream("POST", "/v1/completions", json={**body(24), "stream": True}, headers=headers) as response,
+    ):
         lines = response.iter_lines()
         next(lines)
         server.proc.send_signal(signal.SIGTERM)

@@ -11,7 +11,6 @@ import time
 import httpx
 import openai
 import pytest
-
 from conftest import ServerProcess
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -38,8 +37,16 @@ def test_chat_sync_stream_and_not(client: openai.OpenAI) -> None:
     full = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     text = full.choices[0].message.content
     assert text and full.usage.completion_tokens <= 12 and full.choices[0].finish_reason in ("stop", "length")
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=CHAT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
     # The same prompt again hits the prefix cache.
@@ -58,8 +65,7 @@ async def test_chat_and_completions_async(aclient: openai.AsyncOpenAI) -> None:
 
 
 def test_completions_sync(client: openai.OpenAI) -> None:
-    out = client.completions.create(model=MODEL, prompt=["One, two,", "A, B,"], max_tokens=5, temperature=0,
-                                    logprobs=2)
+    out = client.completions.create(model=MODEL, prompt=["One, two,", "A, B,"], max_tokens=5, temperature=0, logprobs=2)
     assert [c.index for c in out.choices] == [0, 1]
     assert len(out.choices[0].logprobs.tokens) == out.usage.completion_tokens // 2 or out.choices[0].logprobs
 
@@ -88,8 +94,9 @@ def test_greedy_matches_offline_llm(client: openai.OpenAI) -> None:
     from stoker.engine.params import SamplingParams
 
     prompts = ["The capital of France is", "def fibonacci(n):"]
-    served = [client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text
-              for p in prompts]
+    served = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0).choices[0].text for p in prompts
+    ]
     llm = LLM(max_model_len=1024, max_num_seqs=4)
     # One prompt at a time, as the server ran them: in bf16 a different batch
     # shape may legitimately flip a near-tie; fp32 fidelity is the engine's own test.
@@ -101,8 +108,12 @@ def test_greedy_matches_offline_llm(client: openai.OpenAI) -> None:
 async def test_32_concurrent_streams(aclient: openai.AsyncOpenAI) -> None:
     async def one(i: int) -> int:
         stream = await aclient.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Count to {i}."}], max_tokens=16,
-            stream=True, stream_options={"include_usage": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Count to {i}."}],
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         chunks = [c async for c in stream]
         assert chunks[-2].choices[0].finish_reason in ("stop", "length")
         return chunks[-1].usage.completion_tokens
@@ -122,8 +133,13 @@ def test_disconnect_frees_kv_blocks(real_server: ServerProcess) -> None:
         assert time.monotonic() < deadline
         time.sleep(0.1)
     idle = stats()["kv_blocks_used"]
-    body = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 900,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 900,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", f"{real_server.url}/v1/completions", json=body, timeout=120) as response:
         lines = response.iter_lines()
         for _ in range(4):

@@ -52,7 +52,10 @@ def test_weights_equal_transformers(gguf_path: str, loaded: LoadedModel) -> None
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path), torch_dtype=torch.float32, local_files_only=True
+        os.path.dirname(gguf_path),
+        gguf_file=os.path.basename(gguf_path),
+        torch_dtype=torch.float32,
+        local_files_only=True,
     )
     expected = {k: v for k, v in ref.state_dict().items() if not k.endswith("inv_freq")}
     expected.pop("lm_head.weight")  # tied: transformers exposes the embedding under both names
@@ -85,7 +88,9 @@ def test_tokenizer_equals_transformers(gguf_path: str, loaded: LoadedModel) -> N
         assert tok.decode(ids) == ref.decode(ids, skip_special_tokens=True)
     assert tok.encode("Hello")[0] != tok.bos_token_id  # SmolLM's tokenizer adds no BOS
     messages = [{"role": "user", "content": "What is 2+2?"}]
-    assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
     assert tok.vocab_size == len(ref) == 49152
 
 

@@ -41,9 +41,7 @@ def _prompts(tokenizer) -> list[list[int]]:
         _PASSAGE * 6 + "What time did the clock stop?",
         "def fibonacci(n):\n    " + _PASSAGE * 8,
     ]
-    prompts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=True) for c in chats
-    ]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=True) for c in chats]
     prompts += [tokenizer.encode(r) for r in raw]
     return prompts
 
@@ -69,10 +67,14 @@ def reference() -> tuple[list[list[int]], list[list[int]]]:
         for p in prompts:
             ids = torch.tensor([p])
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
             )
-            outputs.append(out[0, len(p):].tolist())
+            outputs.append(out[0, len(p) :].tolist())
     return prompts, outputs
 
 
@@ -85,7 +87,9 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
 
 def _assert_same(got: list[list[int]], want: list[list[int]]) -> None:
     for i, (g, w) in enumerate(zip(got, want)):
-        assert g == w, f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
+        assert g == w, (
+            f"prompt {i}: first difference at token {next(j for j, (a, b) in enumerate(zip(g, w)) if a != b)}"
+        )
 
 
 def test_alone_and_together_and_cached(reference) -> None:

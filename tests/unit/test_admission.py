@@ -129,6 +129,7 @@ def test_draining_refuses():
 
 # -- policy -------------------------------------------------------------------------
 
+
 def _key(priority: str) -> ApiKey:
     return ApiKey(id="k", name="k", prefix="p", priority=priority)
 

@@ -107,11 +107,9 @@ def test_prefill_kernel_matches_naive_causal(
     context, with lengths around the kernel's 16-row and 16-key tiles."""
     if not cpu_kernels.prefill_kernel_supported(head_dim):
         pytest.skip("no AVX-512 C kernel on this machine")
-    lens = [1, 16, 33, 70, 41]                  # whole contexts
-    chunk_lens = [1, 16, 17, 31, 9]             # the last tokens of each are this step's queries
-    k_cache, v_cache, tables, keys, values = _setup(
-        dtype, lens, seed=2, D=head_dim, BS=block_size, KVH=kv_heads
-    )
+    lens = [1, 16, 33, 70, 41]  # whole contexts
+    chunk_lens = [1, 16, 17, 31, 9]  # the last tokens of each are this step's queries
+    k_cache, v_cache, tables, keys, values = _setup(dtype, lens, seed=2, D=head_dim, BS=block_size, KVH=kv_heads)
     q = torch.randn(sum(chunk_lens), heads, head_dim).to(dtype)
     chunks, start = [], 0
     for table, ctx, n in zip(tables, lens, chunk_lens):
@@ -133,7 +131,11 @@ def test_prefill_chunk_with_cached_context_is_causal() -> None:
     q = torch.randn(n, H, D)
     causal = torch.arange(11)[None, :] <= torch.arange(start, 11)[:, None]
     meta = AttentionMetadata(
-        torch.zeros(0, dtype=torch.long), 0, None, None, None,
+        torch.zeros(0, dtype=torch.long),
+        0,
+        None,
+        None,
+        None,
         [PrefillChunk(0, n, 11, torch.tensor(tables[0]), causal)],
     )
     out = paged_attention(q, keys[0][start:], values[0][start:], k_cache, v_cache, meta, D**-0.5).view(n, H, D)
@@ -145,11 +147,14 @@ def test_prefill_chunk_with_cached_context_is_causal() -> None:
 def test_whole_prompt_prefill_matches_sdpa() -> None:
     n = 9
     q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, None, None, None,
-                             [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]), None)])
+    meta = AttentionMetadata(
+        torch.zeros(0, dtype=torch.long), 0, None, None, None, [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]), None)]
+    )
     out = paged_attention(q, k, v, torch.zeros(4, BS, KVH, D), torch.zeros(4, BS, KVH, D), meta, D**-0.5)
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(3, 1).transpose(0, 1), v.repeat_interleave(3, 1).transpose(0, 1),
+        q.transpose(0, 1),
+        k.repeat_interleave(3, 1).transpose(0, 1),
+        v.repeat_interleave(3, 1).transpose(0, 1),
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out.view(n, H, D), ref)
@@ -165,10 +170,17 @@ def test_kernel_disabled_by_environment(monkeypatch: pytest.MonkeyPatch) -> None
     _clear_kernel_caches()
     try:
         assert cpu_kernels.load_paged_attention() is None
-        assert cpu_kernels.paged_decode_attention(
-            torch.zeros(1, H, D), torch.zeros(2, BS, KVH, D), torch.zeros(2, BS, KVH, D),
-            torch.ones(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long), 1.0,
-        ) is None
+        assert (
+            cpu_kernels.paged_decode_attention(
+                torch.zeros(1, H, D),
+                torch.zeros(2, BS, KVH, D),
+                torch.zeros(2, BS, KVH, D),
+                torch.ones(1, 1, dtype=torch.long),
+                torch.ones(1, dtype=torch.long),
+                1.0,
+            )
+            is None
+        )
         assert cpu_kernels.fused_rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6) is None
     finally:
         _clear_kernel_caches()

@@ -47,22 +47,35 @@ def make_app(plane: ControlPlane) -> FastAPI:
         return Response(body, media_type=ctype)
 
     @app.post("/v1/completions")
-    async def completions(body: dict, request: Request,
-                          key: Annotated[ApiKey | None, Depends(require_key)]) -> JSONResponse:
-        adm = await plane.admit_http(request, key, model=body["model"], prompt_tokens=body["prompt_tokens"],
-                                     max_tokens=body["max_tokens"], priority=body.get("priority"),
-                                     timeout=body.get("timeout"))
+    async def completions(
+        body: dict, request: Request, key: Annotated[ApiKey | None, Depends(require_key)]
+    ) -> JSONResponse:
+        adm = await plane.admit_http(
+            request,
+            key,
+            model=body["model"],
+            prompt_tokens=body["prompt_tokens"],
+            max_tokens=body["max_tokens"],
+            priority=body.get("priority"),
+            timeout=body.get("timeout"),
+        )
         n = body.get("completion_tokens", 3)
         times = None
         try:
             await asyncio.sleep(body.get("hold", 0))  # stands in for the engine
             t = time.time()
             times = RequestTimes(adm.arrival, t - 0.003, t - 0.002, t, t, [t - 0.002, t - 0.001, t])
-            return JSONResponse({"priority": adm.priority, "deadline": adm.deadline},
-                                headers=adm.headers)
+            return JSONResponse({"priority": adm.priority, "deadline": adm.deadline}, headers=adm.headers)
         finally:
-            plane.gate.finish(adm, completion_tokens=n, cached_tokens=1, times=times, finish_reason="stop",
-                              method=request.method, path=request.url.path)
+            plane.gate.finish(
+                adm,
+                completion_tokens=n,
+                cached_tokens=1,
+                times=times,
+                finish_reason="stop",
+                method=request.method,
+                path=request.url.path,
+            )
 
     return app
 
@@ -82,8 +95,9 @@ def setup(tmp_path, log_stream):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    settings = ControlSettings(db=str(tmp_path / "s.db"), max_queued_requests=4, max_queued_tokens=1000,
-                               model_name="smol", key_cache_ttl=0.0)
+    settings = ControlSettings(
+        db=str(tmp_path / "s.db"), max_queued_requests=4, max_queued_tokens=1000, model_name="smol", key_cache_ttl=0.0
+    )
     planes = []
 
     def build(**overrides) -> tuple[ControlPlane, httpx.AsyncClient]:
@@ -140,15 +154,21 @@ async def test_auth_failures(setup):
     assert_openai_error(r, 401, "missing_api_key")
     assert r.headers["www-authenticate"] == "Bearer"
     assert_openai_error(await client.post("/v1/completions", json=body(), headers={"Authorization": "Basic x"}), 401)
-    assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth("sk-nope")), 401, "invalid_api_key")
-    assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth(secret[:-2] + "zz")), 401,
-                        "invalid_api_key")
+    assert_openai_error(
+        await client.post("/v1/completions", json=body(), headers=auth("sk-nope")), 401, "invalid_api_key"
+    )
+    assert_openai_error(
+        await client.post("/v1/completions", json=body(), headers=auth(secret[:-2] + "zz")), 401, "invalid_api_key"
+    )
     assert (await client.post("/v1/completions", json=body(), headers=auth(secret))).status_code == 200
-    err = assert_openai_error(await client.post("/v1/completions", json=body(model="other"), headers=auth(secret)),
-                              403, "model_not_allowed")
+    err = assert_openai_error(
+        await client.post("/v1/completions", json=body(model="other"), headers=auth(secret)), 403, "model_not_allowed"
+    )
     assert err["param"] == "model"
     await asyncio.sleep(0.06)
-    assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth(expired)), 401, "api_key_expired")
+    assert_openai_error(
+        await client.post("/v1/completions", json=body(), headers=auth(expired)), 401, "api_key_expired"
+    )
     plane.keys.revoke(key.id)
     assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth(secret)), 401, "api_key_revoked")
     assert_openai_error(await client.get("/admin/keys", headers=auth(secret)), 401)
@@ -172,8 +192,9 @@ async def test_admin_api(setup):
     assert shown["usage"]["this_period"]["requests"] == 1
     assert shown["usage"]["this_period"]["total_tokens"] == 13  # 10 prompt + 3 completion, reconciled
     assert (await client.delete(f"/admin/keys/{created['id']}", headers=auth(admin))).json()["revoked"]
-    assert_openai_error(await client.post("/v1/completions", json=body(), headers=auth(created["secret"])), 401,
-                        "api_key_revoked")
+    assert_openai_error(
+        await client.post("/v1/completions", json=body(), headers=auth(created["secret"])), 401, "api_key_revoked"
+    )
     assert_openai_error(await client.get("/admin/keys/nope", headers=auth(admin)), 404)
     assert_openai_error(await client.delete("/admin/keys/nope", headers=auth(admin)), 404, "key_not_found")
     assert (await client.post("/admin/keys", json={"name": "x", "bogus": 1}, headers=auth(admin))).status_code == 422
@@ -192,8 +213,14 @@ async def test_rate_limit_429_and_headers(setup):
     err = assert_openai_error(r, 429, "rate_limit_exceeded")
     assert err["type"] == "rate_limit_exceeded"
     assert int(r.headers["retry-after"]) >= 1
-    for h in ("limit-requests", "remaining-requests", "reset-requests", "limit-tokens", "remaining-tokens",
-              "reset-tokens"):
+    for h in (
+        "limit-requests",
+        "remaining-requests",
+        "reset-requests",
+        "limit-tokens",
+        "remaining-tokens",
+        "reset-tokens",
+    ):
         assert f"x-ratelimit-{h}" in r.headers
 
 
@@ -254,7 +281,9 @@ async def test_priority_and_deadline_reach_the_engine(setup):
     r = await client.post("/v1/completions", json=body(priority=0, timeout=3600), headers=auth(batch))
     assert r.json()["priority"] == 1  # never above the key's class
     assert r.json()["deadline"] == pytest.approx(time.time() + 300, abs=5)  # capped by max_queue_wait
-    r = await client.post("/v1/completions", json=body(priority=5), headers={**auth(batch), "x-stoker-deadline-ms": "1500"})
+    r = await client.post(
+        "/v1/completions", json=body(priority=5), headers={**auth(batch), "x-stoker-deadline-ms": "1500"}
+    )
     assert r.json()["priority"] == 5 and r.json()["deadline"] == pytest.approx(time.time() + 1.5, abs=1)
     assert_openai_error(await client.post("/v1/completions", json=body(priority="top"), headers=auth(batch)), 400)
 
@@ -264,8 +293,11 @@ async def test_metrics_logs_traces_and_ledger(setup, tmp_path):
     plane, client = build(metrics_require_auth=True)
     _, secret = plane.keys.create("obs", rpm=1)
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    r = await client.post("/v1/completions", json=body(), headers={
-        **auth(secret), "x-request-id": "req-abc", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"})
+    r = await client.post(
+        "/v1/completions",
+        json=body(),
+        headers={**auth(secret), "x-request-id": "req-abc", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+    )
     assert r.headers["x-request-id"] == "req-abc"
     assert (await client.post("/v1/completions", json=body(), headers=auth(secret))).status_code == 429
     assert (await client.get("/metrics")).status_code == 401
@@ -276,10 +308,16 @@ async def test_metrics_logs_traces_and_ledger(setup, tmp_path):
     assert "vllm:time_to_first_token_seconds_count" in text
 
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    assert [(x["status"], x.get("error")) for x in lines] == [(200, None), (429, "rate_limit_exceeded"), (401, "missing_api_key")]
+    assert [(x["status"], x.get("error")) for x in lines] == [
+        (200, None),
+        (429, "rate_limit_exceeded"),
+        (401, "missing_api_key"),
+    ]
     first = lines[0]
     assert first["request_id"] == "req-abc" and first["key_name"] == "obs" and first["completion_tokens"] == 3
-    assert first["cached_tokens"] == 1 and "ttft" in first and "queue_time" in first and first["finish_reason"] == "stop"
+    assert (
+        first["cached_tokens"] == 1 and "ttft" in first and "queue_time" in first and first["finish_reason"] == "stop"
+    )
     assert secret not in stream.getvalue()
 
     roots = [s for s in exporter.get_finished_spans() if s.name == "stoker.request"]

@@ -19,9 +19,29 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 def test_offline_bench_runs_both_engines_and_reports_the_ratio(tiny: str, tmp_path, capsys) -> None:
     if offline.stoker_available():
         pytest.skip(f"engine unavailable: {offline.stoker_available()}")
-    rc = offline.main(["--model", tiny, "--num-prompts", "3", "--input-len", "8:24", "--output-len", "4",
-                       "--batch-sizes", "1,3", "--stoker-batch-sizes", "2", "--dtype", "float32",
-                       "--profile", "--profile-steps", "2", "--out", str(tmp_path)])
+    rc = offline.main(
+        [
+            "--model",
+            tiny,
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8:24",
+            "--output-len",
+            "4",
+            "--batch-sizes",
+            "1,3",
+            "--stoker-batch-sizes",
+            "2",
+            "--dtype",
+            "float32",
+            "--profile",
+            "--profile-steps",
+            "2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     data = json.loads((tmp_path / "offline.json").read_text())
     runs = {(r["engine"], r["batch_size"]): r for r in data["runs"]}
@@ -53,8 +73,28 @@ def test_greedy_tokens_agree_with_transformers_unpadded(tiny: str) -> None:
 
 
 def test_baseline_alone_when_the_engine_is_skipped(tiny: str, tmp_path) -> None:
-    assert offline.main(["--model", tiny, "--num-prompts", "2", "--input-len", "6:9", "--output-len", "2",
-                         "--batch-sizes", "2", "--dtype", "float32", "--skip-stoker", "--out", str(tmp_path)]) == 0
+    assert (
+        offline.main(
+            [
+                "--model",
+                tiny,
+                "--num-prompts",
+                "2",
+                "--input-len",
+                "6:9",
+                "--output-len",
+                "2",
+                "--batch-sizes",
+                "2",
+                "--dtype",
+                "float32",
+                "--skip-stoker",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     data = json.loads((tmp_path / "offline.json").read_text())
     assert [r["engine"] for r in data["runs"]] == ["transformers"]
     assert data["summary"][0]["output_ratio"] is None

@@ -62,13 +62,16 @@ async def test_chat_role_chunk_is_not_a_token() -> None:
     assert server.requests[-1]["body"]["messages"] == [{"role": "user", "content": "prompt number 1"}]
 
 
-@pytest.mark.parametrize("fail, failures", [
-    ("500", {"500": 6}),
-    ("429", {"429": 6}),
-    ("midstream", {"stream error": 6}),
-    ("drop", {"incomplete stream": 6}),
-    ("alternate", {"503": 3}),
-])
+@pytest.mark.parametrize(
+    "fail, failures",
+    [
+        ("500", {"500": 6}),
+        ("429", {"429": 6}),
+        ("midstream", {"stream error": 6}),
+        ("drop", {"incomplete stream": 6}),
+        ("alternate", {"503": 3}),
+    ],
+)
 async def test_server_errors_are_reported_not_raised(fail: str, failures: dict) -> None:
     async with FakeServer(fail=fail, itl=0.0) as server:
         (run,) = await run_bench(config(server.url), SPECS, slo={"ttft": 1.0})
@@ -91,7 +94,9 @@ async def test_unreachable_server_is_reported() -> None:
 
 async def test_open_loop_and_burst_shapes() -> None:
     async with FakeServer(ttft=0.05, itl=0.0) as server:
-        poisson, burst = await run_bench(config(server.url, stages=[Stage("poisson", 40.0), Stage("burst")], num_requests=8), SPECS)
+        poisson, burst = await run_bench(
+            config(server.url, stages=[Stage("poisson", 40.0), Stage("burst")], num_requests=8), SPECS
+        )
     assert poisson["stage"] == "rate=40/s" and burst["stage"] == "burst"
     assert poisson["summary"]["completed"] == burst["summary"]["completed"] == 8
     starts = [r["start"] for r in burst["requests"]]
@@ -145,9 +150,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 async def test_bench_serve_command_writes_report(tmp_path) -> None:
     async with FakeServer(ttft=0.01, itl=0.001) as a, FakeServer(ttft=0.01, itl=0.001, fail="alternate") as b:
-        args = parse(["--url", a.url, "--compare", b.url, "--concurrency", "1,2", "--num-requests", "4",
-                      "--input-len", "5:20", "--output-len", "4", "--ignore-eos", "--slo", "ttft=500ms",
-                      "--out", str(tmp_path), "--no-progress", "--warmup", "0"])
+        args = parse(
+            [
+                "--url",
+                a.url,
+                "--compare",
+                b.url,
+                "--concurrency",
+                "1,2",
+                "--num-requests",
+                "4",
+                "--input-len",
+                "5:20",
+                "--output-len",
+                "4",
+                "--ignore-eos",
+                "--slo",
+                "ttft=500ms",
+                "--out",
+                str(tmp_path),
+                "--no-progress",
+                "--warmup",
+                "0",
+            ]
+        )
         assert await serve_main(args, WordTokenizer()) == 0
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["latency_cdf.png", "report.md", "results.json", "sweep.png"]

@@ -20,9 +20,12 @@ from stoker.bench.stats import (
 )
 
 
-def ok(index: int, ttft: float, e2e: float, out: int, prompt: int = 10, itls: list[float] | None = None) -> RequestResult:
-    return RequestResult(index=index, ok=True, status=200, ttft=ttft, e2e=e2e, output_tokens=out,
-                         prompt_tokens=prompt, itls=itls or [])
+def ok(
+    index: int, ttft: float, e2e: float, out: int, prompt: int = 10, itls: list[float] | None = None
+) -> RequestResult:
+    return RequestResult(
+        index=index, ok=True, status=200, ttft=ttft, e2e=e2e, output_tokens=out, prompt_tokens=prompt, itls=itls or []
+    )
 
 
 def test_percentiles_interpolate_between_order_statistics() -> None:
@@ -77,10 +80,10 @@ def test_parse_slo_units() -> None:
 def test_goodput_counts_failures_as_misses() -> None:
     slo = parse_slo("ttft=500ms,tpot=100ms")
     results = [
-        ok(0, ttft=0.2, e2e=1.2, out=11),   # tpot 0.1: meets (limit inclusive)
-        ok(1, ttft=0.6, e2e=1.0, out=5),    # ttft too slow
-        ok(2, ttft=0.1, e2e=3.1, out=11),   # tpot 0.3: too slow
-        ok(3, ttft=0.1, e2e=0.1, out=1),    # one token, no tpot: meets
+        ok(0, ttft=0.2, e2e=1.2, out=11),  # tpot 0.1: meets (limit inclusive)
+        ok(1, ttft=0.6, e2e=1.0, out=5),  # ttft too slow
+        ok(2, ttft=0.1, e2e=3.1, out=11),  # tpot 0.3: too slow
+        ok(3, ttft=0.1, e2e=0.1, out=1),  # one token, no tpot: meets
         RequestResult(index=4, status=500, error="HTTP 500"),
     ]
     s = summarize(results, duration=2.0, slo=slo)
@@ -104,8 +107,14 @@ def test_paired_ratios_pair_by_repetition_and_use_the_geometric_mean() -> None:
 
 def _run(target: str, rep: int, tok_s: float, ttft: float) -> dict:
     results = [ok(0, ttft=ttft, e2e=ttft + 1.0, out=int(tok_s))]
-    return {"target": target, "stage": "c=4", "stage_value": 4, "repetition": rep,
-            "summary": summarize(results, 1.0), "requests": [r.to_dict() for r in results]}
+    return {
+        "target": target,
+        "stage": "c=4",
+        "stage_value": 4,
+        "repetition": rep,
+        "summary": summarize(results, 1.0),
+        "requests": [r.to_dict() for r in results],
+    }
 
 
 def test_compare_runs_pairs_same_stage_and_repetition() -> None:

@@ -31,9 +31,30 @@ def parse(argv: list[str]) -> argparse.Namespace:
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])
 async def test_bench_against_stoker_over_the_fake_core(fake_server, tmp_path, endpoint: str) -> None:
     out = tmp_path / endpoint
-    args = parse(["--url", fake_server.url, "--endpoint", endpoint, "--concurrency", "1,4", "--num-requests", "8",
-                  "--input-len", "20:60", "--output-len", "8", "--ignore-eos", "--slo", "ttft=5s",
-                  "--out", str(out), "--no-progress", "--timeout", "60"])
+    args = parse(
+        [
+            "--url",
+            fake_server.url,
+            "--endpoint",
+            endpoint,
+            "--concurrency",
+            "1,4",
+            "--num-requests",
+            "8",
+            "--input-len",
+            "20:60",
+            "--output-len",
+            "8",
+            "--ignore-eos",
+            "--slo",
+            "ttft=5s",
+            "--out",
+            str(out),
+            "--no-progress",
+            "--timeout",
+            "60",
+        ]
+    )
     assert await serve_main(args, ByteTokenizer()) == 0
     result = json.loads((out / "results.json").read_text())
     assert result["targets"][0]["model"] == "fake-model"
@@ -50,9 +71,28 @@ async def test_bench_against_stoker_over_the_fake_core(fake_server, tmp_path, en
 async def test_bounded_bench_against_a_real_stoker_server(real_server, tmp_path) -> None:
     from stoker.bench.workload import load_tokenizer
 
-    args = parse(["--url", real_server.url, "--concurrency", "2", "--num-requests", "4", "--duration", "120",
-                  "--input-len", "50:100", "--output-len", "16", "--ignore-eos", "--out", str(tmp_path),
-                  "--no-progress", "--timeout", "300"])
+    args = parse(
+        [
+            "--url",
+            real_server.url,
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "4",
+            "--duration",
+            "120",
+            "--input-len",
+            "50:100",
+            "--output-len",
+            "16",
+            "--ignore-eos",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--timeout",
+            "300",
+        ]
+    )
     assert await serve_main(args, load_tokenizer()) == 0
     result = json.loads((tmp_path / "results.json").read_text())
     (run,) = result["runs"]

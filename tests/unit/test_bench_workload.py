@@ -36,7 +36,7 @@ class SplitTokenizer:
         for i, word in enumerate(text.split(" ")):
             piece = ("" if i == 0 else " ") + word
             for j in range(0, len(piece), 3):
-                ids.append(self._id(piece[j:j + 3]))
+                ids.append(self._id(piece[j : j + 3]))
         return [t for t in ids if self.inverse[t] != ""]
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -41,8 +41,20 @@ def served(tmp_path_factory):
         "batch": store.create("bg", priority="batch")[1],
     }
     server = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--max-num-seqs", "1",
-         "--db", db, "--require-auth"], str(tmp), env={"STOKER_FAKE_STEP_S": str(STEP_S)},
+        [
+            "--engine-core",
+            FAKE_CORE,
+            "--no-embedding-model",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "1",
+            "--db",
+            db,
+            "--require-auth",
+        ],
+        str(tmp),
+        env={"STOKER_FAKE_STEP_S": str(STEP_S)},
     )
     try:
         yield server, secrets, db
@@ -51,7 +63,9 @@ def served(tmp_path_factory):
 
 
 async def wait_idle(server: ServerProcess) -> None:
-    await wait_for(lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["num_waiting"] == 0, 10, "idle")
+    await wait_for(
+        lambda: engine_stats(server)["num_running"] == 0 and engine_stats(server)["num_waiting"] == 0, 10, "idle"
+    )
 
 
 def log_lines(server: ServerProcess) -> list[dict]:
@@ -63,9 +77,13 @@ async def test_interactive_requests_are_served_before_batch_ones(served) -> None
     await wait_idle(server)
     finished: list[str] = []
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+
         async def call(name: str, key: str, max_tokens: int, **body) -> httpx.Response:
-            r = await http.post("/v1/completions", headers=auth(secrets[key], **{"x-request-id": name}),
-                                json={"prompt": "q", "max_tokens": max_tokens, **body})
+            r = await http.post(
+                "/v1/completions",
+                headers=auth(secrets[key], **{"x-request-id": name}),
+                json={"prompt": "q", "max_tokens": max_tokens, **body},
+            )
             finished.append(name)
             return r
 
@@ -96,20 +114,29 @@ async def test_deadline_drop_is_504_timeout_and_a_late_one_ends_with_abort(serve
     await wait_idle(server)
     key = secrets["interactive"]
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
-        blocker = asyncio.create_task(http.post("/v1/completions", headers=auth(key),
-                                                json={"prompt": "q", "max_tokens": 50}))
+        blocker = asyncio.create_task(
+            http.post("/v1/completions", headers=auth(key), json={"prompt": "q", "max_tokens": 50})
+        )
         await wait_for(lambda: engine_stats(server)["num_running"] == 1, 5, "blocker running")
         start = time.monotonic()
-        dropped = await http.post("/v1/completions", json={"prompt": "late", "max_tokens": 2},
-                                  headers=auth(key, **{"x-stoker-deadline-ms": "300", "x-request-id": "dl-queue"}))
+        dropped = await http.post(
+            "/v1/completions",
+            json={"prompt": "late", "max_tokens": 2},
+            headers=auth(key, **{"x-stoker-deadline-ms": "300", "x-request-id": "dl-queue"}),
+        )
         waited = time.monotonic() - start
-        with_stream = await http.post("/v1/chat/completions", headers=auth(key, **{"x-request-id": "dl-stream"}),
-                                      json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
-                                            "stream": True, "timeout": 0.2})
+        with_stream = await http.post(
+            "/v1/chat/completions",
+            headers=auth(key, **{"x-request-id": "dl-stream"}),
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True, "timeout": 0.2},
+        )
         assert (await blocker).status_code == 200
         # Past its deadline while generating: finish_reason "abort", partial text kept.
-        cut = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 100, "timeout": 0.5},
-                              headers=auth(key, **{"x-request-id": "dl-running"}))
+        cut = await http.post(
+            "/v1/completions",
+            json={"prompt": "q", "max_tokens": 100, "timeout": 0.5},
+            headers=auth(key, **{"x-request-id": "dl-running"}),
+        )
         metrics = (await http.get("/metrics")).text
 
     assert dropped.status_code == 504, dropped.text
@@ -141,11 +168,21 @@ async def test_one_request_id_everywhere_even_when_reused(served) -> None:
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
         # Two requests with the same X-Request-Id at once: both run (the engine
         # ids differ), both answer with the client's id.
-        same = await asyncio.gather(*[
-            http.post("/v1/completions", json={"prompt": "q", "max_tokens": 5},
-                      headers=auth(key, **{"x-request-id": "dup-id"})) for _ in range(2)])
-        fresh = await http.post("/v1/chat/completions", headers=auth(key),
-                                json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})
+        same = await asyncio.gather(
+            *[
+                http.post(
+                    "/v1/completions",
+                    json={"prompt": "q", "max_tokens": 5},
+                    headers=auth(key, **{"x-request-id": "dup-id"}),
+                )
+                for _ in range(2)
+            ]
+        )
+        fresh = await http.post(
+            "/v1/chat/completions",
+            headers=auth(key),
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+        )
     assert [r.status_code for r in same] == [200, 200]
     assert all(r.json()["id"] == "cmpl-dup-id" and r.headers["x-request-id"] == "dup-id" for r in same)
     rid = fresh.headers["x-request-id"]
@@ -164,8 +201,20 @@ async def test_one_request_id_everywhere_even_when_reused(served) -> None:
 async def test_overload_retry_after_follows_the_measured_drain_rate(tmp_path) -> None:
     started = time.time()
     server = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--max-num-seqs", "1",
-         "--max-queued-tokens", "50"], str(tmp_path), env={"STOKER_FAKE_STEP_S": str(STEP_S)})
+        [
+            "--engine-core",
+            FAKE_CORE,
+            "--no-embedding-model",
+            "--max-model-len",
+            "256",
+            "--max-num-seqs",
+            "1",
+            "--max-queued-tokens",
+            "50",
+        ],
+        str(tmp_path),
+        env={"STOKER_FAKE_STEP_S": str(STEP_S)},
+    )
     ready = time.time()
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:

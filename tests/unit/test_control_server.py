@@ -30,7 +30,8 @@ def served(tmp_path_factory):
         "other": store.create("other-model-only", models=["nope"]),
     }
     server = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"], str(tmp),
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"],
+        str(tmp),
         env={"STOKER_DB": db, "STOKER_REQUIRE_AUTH": "true", "STOKER_FAKE_STEP_S": "0.005"},
     )
     try:
@@ -51,14 +52,21 @@ def test_control_plane_in_the_real_server(served) -> None:
         assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
         assert http.get("/v1/models").status_code == 401
 
-        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3},
-                      headers={**bearer(secrets["user"]), "X-Request-Id": "trace-me-1"})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": CHAT, "max_tokens": 3},
+            headers={**bearer(secrets["user"]), "X-Request-Id": "trace-me-1"},
+        )
         assert r.status_code == 200, r.text
         assert r.headers["x-request-id"] == "trace-me-1"
         assert r.headers["x-ratelimit-limit-requests"] == "3" and r.headers["x-ratelimit-remaining-requests"] == "2"
         # streaming passes through too
-        with http.stream("POST", "/v1/chat/completions", headers=bearer(secrets["user"]),
-                         json={"messages": CHAT, "max_tokens": 3, "stream": True, "priority": "batch"}) as s:
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            headers=bearer(secrets["user"]),
+            json={"messages": CHAT, "max_tokens": 3, "stream": True, "priority": "batch"},
+        ) as s:
             assert s.status_code == 200 and [x for x in s.iter_lines() if x][-1] == "data: [DONE]"
         http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=bearer(secrets["user"]))
         r = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2}, headers=bearer(secrets["user"]))
@@ -69,15 +77,22 @@ def test_control_plane_in_the_real_server(served) -> None:
         assert r.status_code == 403 and r.json()["error"]["code"] == "model_not_allowed"
 
         for _ in range(3):  # 30-token chat requests (20 prompt + 10) against a 40-token daily budget
-            last = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10},
-                             headers=bearer(secrets["budget"]))
+            last = http.post(
+                "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 10}, headers=bearer(secrets["budget"])
+            )
         assert last.status_code == 429 and last.json()["error"]["code"] == "insufficient_quota"
 
-        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2},
-                      headers={**bearer(secrets["admin"]), "x-stoker-deadline-ms": "abc", "x-request-id": "bad-dl"})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"messages": CHAT, "max_tokens": 2},
+            headers={**bearer(secrets["admin"]), "x-stoker-deadline-ms": "abc", "x-request-id": "bad-dl"},
+        )
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-stoker-deadline-ms"
-        r = http.post("/v1/chat/completions", json={"model": "nope", "messages": CHAT},
-                      headers={**bearer(secrets["admin"]), "x-request-id": "no-model"})
+        r = http.post(
+            "/v1/chat/completions",
+            json={"model": "nope", "messages": CHAT},
+            headers={**bearer(secrets["admin"]), "x-request-id": "no-model"},
+        )
         assert r.status_code == 404
 
         keys = http.get("/admin/keys", headers=bearer(secrets["admin"])).json()["data"]
@@ -87,13 +102,20 @@ def test_control_plane_in_the_real_server(served) -> None:
         metrics = http.get("/metrics").text
         assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in metrics
         assert 'stoker:rate_limit_rejections_total{limit="requests"} 1.0' in metrics
-        assert "vllm:num_requests_running" in metrics and "vllm:e2e_request_latency_seconds_bucket" in metrics  # the fake core stamps no first token
+        assert (
+            "vllm:num_requests_running" in metrics and "vllm:e2e_request_latency_seconds_bucket" in metrics
+        )  # the fake core stamps no first token
 
     assert server.stop() == 0
     lines = [json.loads(x) for x in server.log().splitlines() if x.startswith('{"ts"')]
     first = next(x for x in lines if x["request_id"] == "trace-me-1")
     assert first["key_name"] == "user" and first["status"] == 200 and first["completion_tokens"] == 3
-    assert first["finish_reason"] == "length" and "ttft" in first and first["latency"] > 0 and first["model"] == "fake-model"
+    assert (
+        first["finish_reason"] == "length"
+        and "ttft" in first
+        and first["latency"] > 0
+        and first["model"] == "fake-model"
+    )
     assert not any(s in server.log() for s in secrets.values())
     by_id = {x["request_id"]: x for x in lines}
     assert by_id["no-model"]["status"] == 404 and by_id["no-model"]["key_name"] == "root"

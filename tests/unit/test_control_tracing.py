@@ -62,12 +62,17 @@ def receiver() -> Iterator[Receiver]:
 
 def test_request_span_with_phase_children_and_incoming_traceparent(receiver: Receiver, tmp_path) -> None:
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
-    server = start_server(["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256",
-                           "--otlp-endpoint", endpoint], str(tmp_path))
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--otlp-endpoint", endpoint],
+        str(tmp_path),
+    )
     try:
         with httpx.Client(base_url=server.url, timeout=30) as http:
-            ok = http.post("/v1/completions", json={"prompt": "ab", "max_tokens": 4},
-                           headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-request-id": "traced-1"})
+            ok = http.post(
+                "/v1/completions",
+                json={"prompt": "ab", "max_tokens": 4},
+                headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01", "x-request-id": "traced-1"},
+            )
             assert ok.status_code == 200
     finally:
         assert server.stop() == 0  # the span processor flushes at shutdown
@@ -75,8 +80,11 @@ def test_request_span_with_phase_children_and_incoming_traceparent(receiver: Rec
     by_name: dict[str, list] = {}
     for span in receiver.spans:
         by_name.setdefault(span.name, []).append(span)
-    roots = [s for s in by_name["stoker.request"]
-             if any(a.key == "stoker.request_id" and a.value.string_value == "traced-1" for a in s.attributes)]
+    roots = [
+        s
+        for s in by_name["stoker.request"]
+        if any(a.key == "stoker.request_id" and a.value.string_value == "traced-1" for a in s.attributes)
+    ]
     assert len(roots) == 1
     root = roots[0]
     # The caller's traceparent: same trace, the caller's span as parent.

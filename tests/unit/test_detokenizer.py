@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 

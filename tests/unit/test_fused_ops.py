@@ -52,6 +52,9 @@ def test_rotary_reads_strided_rows(dtype: torch.dtype, tol: float) -> None:
 
 
 def test_unservable_inputs_fall_back() -> None:
-    assert cpu_kernels.fused_rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.float16), 1e-6) is None
+    assert (
+        cpu_kernels.fused_rms_norm(torch.ones(2, 4, dtype=torch.float16), torch.ones(4, dtype=torch.float16), 1e-6)
+        is None
+    )
     assert cpu_kernels.fused_rms_norm(torch.ones(4, 2).t(), torch.ones(4), 1e-6) is None  # not contiguous
     assert cpu_kernels.fused_silu_mul(torch.ones(2, 5)) is None  # odd width

@@ -43,13 +43,23 @@ async def test_dropped_while_waiting_or_never_submitted_is_refunded(env):
     gate, keys, ledger = env
     key, _ = keys.create("k", rpm=10, tpm=1000)
     adm = await admit(gate, key, "r1")
-    gate.finish(adm, times=RequestTimes(arrival=adm.arrival, finished=adm.arrival + 1), finish_reason="abort",
-                status=504, error="deadline")
+    gate.finish(
+        adm,
+        times=RequestTimes(arrival=adm.arrival, finished=adm.arrival + 1),
+        finish_reason="abort",
+        status=504,
+        error="deadline",
+    )
     adm = await admit(gate, key, "r2")
     gate.finish(adm, status=500, submitted=False)
     ledger.flush()
-    assert ledger.summary(key.id) == {"requests": 2, "prompt_tokens": 0, "cached_tokens": 0,
-                                      "completion_tokens": 0, "total_tokens": 0}
+    assert ledger.summary(key.id) == {
+        "requests": 2,
+        "prompt_tokens": 0,
+        "cached_tokens": 0,
+        "completion_tokens": 0,
+        "total_tokens": 0,
+    }
     headers = gate.limiter.headers(key)
     assert headers["x-ratelimit-remaining-requests"] == "10" and headers["x-ratelimit-remaining-tokens"] == "1000"
 

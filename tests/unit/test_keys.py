@@ -48,8 +48,17 @@ def test_expired_key(store):
 
 
 def test_settings_round_trip(store):
-    key, _ = store.create("batchy", rpm=5, tpm=100, max_concurrent=2, budget_tokens=1000, budget_period="day",
-                          priority="batch", models=["a", "b"], admin=True)
+    key, _ = store.create(
+        "batchy",
+        rpm=5,
+        tpm=100,
+        max_concurrent=2,
+        budget_tokens=1000,
+        budget_period="day",
+        priority="batch",
+        models=["a", "b"],
+        admin=True,
+    )
     got = store.get(key.id)
     assert got == key
     assert got.is_admin and got.allows_model("a") and not got.allows_model("c")
@@ -57,8 +66,17 @@ def test_settings_round_trip(store):
     assert store.count_active() == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"rpm": 0}, {"tpm": -1}, {"priority": "urgent"}, {"budget_period": "year"},
-                                    {"models": [""]}, {"max_concurrent": True}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"rpm": 0},
+        {"tpm": -1},
+        {"priority": "urgent"},
+        {"budget_period": "year"},
+        {"models": [""]},
+        {"max_concurrent": True},
+    ],
+)
 def test_invalid_settings(store, kwargs):
     with pytest.raises(ValueError):
         store.create("x", **kwargs)
@@ -116,8 +134,30 @@ def test_cli_create_list_show_revoke(tmp_path, capsys):
     from stoker.cli import main
 
     db = str(tmp_path / "cli.db")
-    assert main(["keys", "create", "--db", db, "--name", "bob", "--rpm", "3", "--models", "m1,m2",
-                 "--budget-tokens", "500", "--budget-period", "day", "--priority", "batch", "--json"]) == 0
+    assert (
+        main(
+            [
+                "keys",
+                "create",
+                "--db",
+                db,
+                "--name",
+                "bob",
+                "--rpm",
+                "3",
+                "--models",
+                "m1,m2",
+                "--budget-tokens",
+                "500",
+                "--budget-period",
+                "day",
+                "--priority",
+                "batch",
+                "--json",
+            ]
+        )
+        == 0
+    )
     created = json.loads(capsys.readouterr().out)
     assert created["secret"].startswith("sk-stoker-") and created["models"] == ["m1", "m2"]
     assert main(["keys", "list", "--db", db, "--json"]) == 0

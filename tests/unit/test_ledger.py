@@ -13,10 +13,22 @@ from stoker.control.db import open_db, usage
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end, period_start
 
 
-def rec(i: int, key_id: str | None = "k1", prompt: int = 10, completion: int = 5, at: float | None = None) -> UsageRecord:
-    return UsageRecord(request_id=f"r{i}", key_id=key_id, model="m", prompt_tokens=prompt, cached_tokens=2,
-                       completion_tokens=completion, status=200, finish_reason="stop", ttft=0.1, latency=0.5,
-                       created_at=at or 0.0)
+def rec(
+    i: int, key_id: str | None = "k1", prompt: int = 10, completion: int = 5, at: float | None = None
+) -> UsageRecord:
+    return UsageRecord(
+        request_id=f"r{i}",
+        key_id=key_id,
+        model="m",
+        prompt_tokens=prompt,
+        cached_tokens=2,
+        completion_tokens=completion,
+        status=200,
+        finish_reason="stop",
+        ttft=0.1,
+        latency=0.5,
+        created_at=at or 0.0,
+    )
 
 
 def count(engine) -> int:
@@ -113,7 +125,9 @@ def test_periods():
 def test_concurrent_records_from_threads(engine):
     ledger = UsageLedger(engine, flush_interval=0.01, batch_size=7)
     ledger.start()
-    threads = [threading.Thread(target=lambda j=j: [ledger.record(rec(j * 100 + i)) for i in range(50)]) for j in range(4)]
+    threads = [
+        threading.Thread(target=lambda j=j: [ledger.record(rec(j * 100 + i)) for i in range(50)]) for j in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:

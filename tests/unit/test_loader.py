@@ -167,9 +167,14 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> dict[str, torch.Ten
     gen = torch.Generator().manual_seed(seed)
     w = GGUFWriter(str(path), arch)
     w.add_name("tiny")
-    for key, value in [("block_count", 2), ("context_length", 512), ("embedding_length", hidden),
-                       ("feed_forward_length", ffn), ("attention.head_count", heads),
-                       ("attention.head_count_kv", kv_heads)]:
+    for key, value in [
+        ("block_count", 2),
+        ("context_length", 512),
+        ("embedding_length", hidden),
+        ("feed_forward_length", ffn),
+        ("attention.head_count", heads),
+        ("attention.head_count_kv", kv_heads),
+    ]:
         w.add_uint32(f"{arch}.{key}", value)
     w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)
     w.add_float32(f"{arch}.rope.freq_base", 10000.0)

@@ -24,9 +24,22 @@ def test_one_json_line_with_the_fields():
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    RequestLogger(logger=logger).log(RequestLogRecord(
-        request_id="r1", status=200, model="m", key_id="k1", key_name="alice", prompt_tokens=10, cached_tokens=4,
-        completion_tokens=5, queue_time=0.01, ttft=0.123456789, latency=0.5, finish_reason="stop"))
+    RequestLogger(logger=logger).log(
+        RequestLogRecord(
+            request_id="r1",
+            status=200,
+            model="m",
+            key_id="k1",
+            key_name="alice",
+            prompt_tokens=10,
+            cached_tokens=4,
+            completion_tokens=5,
+            queue_time=0.01,
+            ttft=0.123456789,
+            latency=0.5,
+            finish_reason="stop",
+        )
+    )
     lines = stream.getvalue().splitlines()
     assert len(lines) == 1
     line = json.loads(lines[0])

@@ -8,12 +8,21 @@ from stoker.engine.params import EngineStats, RequestTimes
 from stoker.observe.metrics import Metrics
 
 VLLM_NAMES = [
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:request_success_total",
-    "vllm:num_preemptions_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
-    "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:num_preemptions_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
+    "vllm:e2e_request_latency_seconds_bucket",
+    "vllm:request_queue_time_seconds_bucket",
+    "vllm:request_prompt_tokens_bucket",
+    "vllm:request_generation_tokens_bucket",
     "vllm:iteration_tokens_total_bucket",
 ]
 
@@ -44,12 +53,33 @@ def test_every_vllm_name_is_exposed():
 
 def test_gauges_and_counter_increments_from_cumulative_stats():
     m = Metrics("smol")
-    m.update_from_engine_stats(EngineStats(num_running=2, num_waiting=3, kv_blocks_total=100, kv_blocks_used=25,
-                                           prompt_tokens=100, prefix_cache_hits=20, prefix_cache_queries=120,
-                                           generation_tokens=10, num_preemptions=1, steps=5, last_step_tokens=12))
-    m.update_from_engine_stats(EngineStats(num_running=1, prompt_tokens=150, prefix_cache_hits=20,
-                                           prefix_cache_queries=170, generation_tokens=30, num_preemptions=1,
-                                           steps=6, last_step_tokens=70))
+    m.update_from_engine_stats(
+        EngineStats(
+            num_running=2,
+            num_waiting=3,
+            kv_blocks_total=100,
+            kv_blocks_used=25,
+            prompt_tokens=100,
+            prefix_cache_hits=20,
+            prefix_cache_queries=120,
+            generation_tokens=10,
+            num_preemptions=1,
+            steps=5,
+            last_step_tokens=12,
+        )
+    )
+    m.update_from_engine_stats(
+        EngineStats(
+            num_running=1,
+            prompt_tokens=150,
+            prefix_cache_hits=20,
+            prefix_cache_queries=170,
+            generation_tokens=30,
+            num_preemptions=1,
+            steps=6,
+            last_step_tokens=70,
+        )
+    )
     assert value(m, "vllm:num_requests_running") == 1
     assert value(m, "vllm:num_requests_waiting") == 0
     assert value(m, "vllm:prompt_tokens_total") == 170  # 150 computed + 20 from the prefix cache
@@ -76,8 +106,9 @@ def test_engine_restart_never_makes_counters_go_back():
 
 def test_observe_finished_intervals_from_engine_timestamps():
     m = Metrics("smol")
-    times = RequestTimes(arrival=10.0, scheduled=10.5, first_token=11.0, last_token=11.3, finished=11.3,
-                         token_times=[11.0, 11.1, 11.3])
+    times = RequestTimes(
+        arrival=10.0, scheduled=10.5, first_token=11.0, last_token=11.3, finished=11.3, token_times=[11.0, 11.1, 11.3]
+    )
     m.observe_finished(times, prompt_tokens=40, generation_tokens=3, finish_reason="length")
     assert value(m, "vllm:request_success_total", finished_reason="length") == 1
     assert value(m, "vllm:time_to_first_token_seconds_sum") == 1.0

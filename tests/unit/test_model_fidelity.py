@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
-from tiny_models import make_tiny_hf_model
 
 NEW_TOKENS = 12
 
@@ -36,10 +36,14 @@ def _reference(hf, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[l
             ids = torch.tensor([p])
             logits.append(hf(ids).logits[0, -1].float())
             out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
             )
-            tokens.append(out[0, len(p):].tolist())
+            tokens.append(out[0, len(p) :].tolist())
     return logits, tokens
 
 
@@ -65,7 +69,7 @@ def test_last_token_logits_match_transformers(tiny) -> None:
     "engine_args",
     [
         {},
-        {"max_num_batched_tokens": 7},                           # chunked prefill
+        {"max_num_batched_tokens": 7},  # chunked prefill
         {"num_kv_blocks": 22, "block_size": 4, "enable_prefix_caching": False},  # preemption
     ],
     ids=["batched", "chunked", "preempted"],

@@ -40,7 +40,9 @@ def req(
         base = 1000 * (sum(map(ord, rid)) % 50 + 1)
         prompt = list(range(base, base + prompt))
     params = SamplingParams(n=n, max_tokens=max_tokens)
-    return Request(rid, index, list(prompt), params, arrival, priority=priority, deadline=deadline, max_tokens=max_tokens)
+    return Request(
+        rid, index, list(prompt), params, arrival, priority=priority, deadline=deadline, max_tokens=max_tokens
+    )
 
 
 @dataclass
@@ -199,7 +201,9 @@ def test_remove_waiting_and_running() -> None:
 # ------------------------------------------------------------------ preemption
 
 
-def three_running(policy: str, priorities: tuple[int, int, int] = (0, 0, 0)) -> tuple[Scheduler, Request, Request, Request]:
+def three_running(
+    policy: str, priorities: tuple[int, int, int] = (0, 0, 0)
+) -> tuple[Scheduler, Request, Request, Request]:
     """bs 4, usable blocks 1..7; three 7-token prompts hold [1,2], [3,4], [5,6]
     after one step and fill their second block after the next."""
     s = make(num_blocks=8, policy=policy)
@@ -429,6 +433,7 @@ def test_no_prefix_caching_recomputes_everything() -> None:
 
 
 # ---------------------------------------------------- review fixes, pinned
+
 
 def test_fcfs_victim_is_latest_arrival_whatever_its_priority() -> None:
     s, a, _b, c = three_running("fcfs", priorities=(1, 0, 0))

@@ -3,7 +3,6 @@ the fake engine core (seconds, no model)."""
 
 from __future__ import annotations
 
-
 import httpx
 import openai
 import pytest
@@ -43,8 +42,11 @@ def test_max_completion_tokens_and_text_parts(http: httpx.Client) -> None:
 
 def test_openai_client_streaming_with_usage(fake_server) -> None:
     client = openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0)
-    chunks = list(client.chat.completions.create(
-        model="fake-model", messages=CHAT, max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="fake-model", messages=CHAT, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "abcd"
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -52,8 +54,9 @@ def test_openai_client_streaming_with_usage(fake_server) -> None:
 
 
 def test_chat_logprobs(http: httpx.Client) -> None:
-    body = http.post("/v1/chat/completions", json={
-        "messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}).json()
+    body = http.post(
+        "/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    ).json()
     content = body["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == ["a", "b"] and content[0]["bytes"] == [97]
     assert len(content[0]["top_logprobs"]) == 2
@@ -78,40 +81,47 @@ def test_completions_echo_logprobs_stream(http: httpx.Client) -> None:
     assert lines[-1] == "data: [DONE]" and len(lines) == 4
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": "x", "suffix": "y"}, None),
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [10**9]}, "prompt"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "seed": 2**70}, "seed"),
-    ({"prompt": "x", "best_of": 3}, None),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, None),
-    ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "suffix": "y"}, None),
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [10**9]}, "prompt"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "seed": 2**70}, "seed"),
+        ({"prompt": "x", "best_of": 3}, None),
+        ({"prompt": "x", "echo": True, "logprobs": 1}, None),
+        ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
 def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param: str | None) -> None:
     error = error_of(http.post("/v1/completions", json=body), 400)
     if param is not None:
         assert error["param"].startswith(param), error
 
 
-@pytest.mark.parametrize("body", [
-    {"messages": []},
-    {"messages": [{"role": "robot", "content": "x"}]},
-    {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-    {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-    {"messages": CHAT, "top_logprobs": 2},
-    {"messages": CHAT, "response_format": {"type": "json_object"}},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": [{"role": "robot", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": CHAT, "top_logprobs": 2},
+        {"messages": CHAT, "response_format": {"type": "json_object"}},
+    ],
+)
 def test_chat_client_errors_are_400(http: httpx.Client, body: dict) -> None:
     error_of(http.post("/v1/chat/completions", json=body), 400)
 
 
 def test_malformed_json_and_wrong_types(http: httpx.Client) -> None:
-    error = error_of(http.post("/v1/chat/completions", content=b"{not json",
-                               headers={"content-type": "application/json"}), 400)
+    error = error_of(
+        http.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}), 400
+    )
     assert "JSON" in error["message"]
     error_of(http.post("/v1/chat/completions", json=[1, 2]), 400)
     error_of(http.post("/v1/chat/completions", json={"messages": "hi"}), 400)
@@ -124,8 +134,9 @@ def test_context_overflow_names_the_numbers(http: httpx.Client) -> None:
 
 
 def test_unknown_model_404_and_route_404(http: httpx.Client) -> None:
-    assert error_of(http.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)["code"] == \
-        "model_not_found"
+    assert (
+        error_of(http.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)["code"] == "model_not_found"
+    )
     error_of(http.get("/v1/nothing"), 404)
     error_of(http.post("/v1/embeddings", json={"input": "x"}), 404)  # started with --no-embedding-model
 
@@ -154,5 +165,3 @@ def test_models_tokenize_detokenize_version_health(http: httpx.Client) -> None:
     assert http.get("/health").json() == {"status": "ok"}
     ready = http.get("/ready").json()
     assert ready["ready"] and ready["engine_pid"] and ready["engine_stats"]["kv_blocks_total"] == 64
-
-

@@ -68,8 +68,18 @@ def test_control_settings_are_serve_options(tmp_path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("STOKER_MAX_QUEUED_REQUESTS", "8")
     monkeypatch.setenv("STOKER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     monkeypatch.delenv("STOKER_DB", raising=False)
-    args = parse(["--config", str(config), "--require-auth", "--max-queued-tokens", "10", "--max-queue-wait", "5",
-                  "--metrics-per-key"])
+    args = parse(
+        [
+            "--config",
+            str(config),
+            "--require-auth",
+            "--max-queued-tokens",
+            "10",
+            "--max-queue-wait",
+            "5",
+            "--metrics-per-key",
+        ]
+    )
     control = resolve_extension_settings(args)["control_config"]
     assert isinstance(control, ControlSettings)
     assert control.db == "/yaml.db" and control.max_queued_requests == 8 and control.max_queued_tokens == 10
@@ -90,9 +100,25 @@ def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
 
     db = tmp_path / "empty.db"
     result = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "serve", "--engine-core", FAKE_CORE, "--no-embedding-model",
-         "--port", "0", "--db", str(db), "--require-auth"],
-        capture_output=True, text=True, timeout=60, cwd=REPO, check=False,
+        [
+            sys.executable,
+            "-m",
+            "stoker.cli",
+            "serve",
+            "--engine-core",
+            FAKE_CORE,
+            "--no-embedding-model",
+            "--port",
+            "0",
+            "--db",
+            str(db),
+            "--require-auth",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        check=False,
         env={**__import__("os").environ, "PYTHONPATH": f"{TESTS_DIR}:{REPO}"},
     )
     assert result.returncode == 2, result.stderr

@@ -7,17 +7,19 @@ from __future__ import annotations
 import httpx
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, Phase, settings
-
 from conftest import FAKE_CORE, ServerProcess, start_server
+from hypothesis import HealthCheck, Phase, settings
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory: pytest.TempPathFactory) -> ServerProcess:
-    server = start_server(["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"],
-                          str(tmp_path_factory.mktemp("fuzz")), env={"STOKER_FAKE_STEP_S": "0"})
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"],
+        str(tmp_path_factory.mktemp("fuzz")),
+        env={"STOKER_FAKE_STEP_S": "0"},
+    )
     try:
         yield server
     finally:
@@ -34,8 +36,9 @@ STATUS: list[tuple[str, int]] = []
 
 
 @schema.parametrize()
-@settings(max_examples=40, deadline=None, phases=[Phase.explicit, Phase.generate],
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=40, deadline=None, phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck)
+)
 def test_no_input_causes_a_500(case: schemathesis.Case, fuzz_server: ServerProcess) -> None:
     response = case.call(base_url=fuzz_server.url, timeout=30)
     STATUS.append((case.path, response.status_code))

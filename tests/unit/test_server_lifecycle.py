@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-
 from conftest import FAKE_CORE, ServerProcess, start_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,16 +49,21 @@ def long_body(stream: bool, max_tokens: int = 150) -> dict:
 
 def test_stream_disconnect_aborts_and_frees_blocks(fake_server: ServerProcess) -> None:
     wait_until(lambda: blocks_idle(fake_server), 10, "idle before the test")
-    with httpx.Client(base_url=fake_server.url, timeout=30) as http:
-        with http.stream("POST", "/v1/completions", json=long_body(True)) as response:
-            lines = response.iter_lines()
-            for _ in range(3):
-                next(lines)
-            # The engine pushes stats at most every 0.2 s, counted from its previous
-            # push (which may be the "went idle" push of the test before), so a
-            # snapshot can lag the first tokens by up to that: wait for it.
-            wait_until(lambda: ready_body(fake_server)["engine_stats"]["kv_blocks_used"] > 0, 1.0,
-                       "blocks in use in a stats snapshot")
+    with (
+        httpx.Client(base_url=fake_server.url, timeout=30) as http,
+        http.stream("POST", "/v1/completions", json=long_body(True)) as response,
+    ):
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        # The engine pushes stats at most every 0.2 s, counted from its previous
+        # push (which may be the "went idle" push of the test before), so a
+        # snapshot can lag the first tokens by up to that: wait for it.
+        wait_until(
+            lambda: ready_body(fake_server)["engine_stats"]["kv_blocks_used"] > 0,
+            1.0,
+            "blocks in use in a stats snapshot",
+        )
     # 150 tokens take 3 s; the blocks must come back long before that.
     assert wait_until(lambda: blocks_idle(fake_server), 1.5, "blocks freed after disconnect") < 1.5
 
@@ -75,6 +79,7 @@ async def test_engine_kill_fails_in_flight_cleanly_and_recovers(fake_server: Ser
     before = ready_body(fake_server)
     restarts = before["engine_restarts"]
     async with httpx.AsyncClient(base_url=fake_server.url, timeout=30) as http:
+
         async def stream() -> list[str]:
             async with http.stream("POST", "/v1/completions", json=long_body(True, 150)) as response:
                 assert response.status_code == 200
@@ -88,7 +93,7 @@ async def test_engine_kill_fails_in_flight_cleanly_and_recovers(fake_server: Ser
         lines, response = await asyncio.gather(streaming, plain)
         assert time.monotonic() - start < 2.0
     assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable"
-    assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][len("data: "):])
+    assert lines[-1] == "data: [DONE]" and "error" in json.loads(lines[-2][len("data: ") :])
     wait_until(lambda: ready_body(fake_server)["ready"], 30, "ready again")
     after = ready_body(fake_server)
     assert after["engine_restarts"] == restarts + 1 and after["engine_pid"] != before["engine_pid"]
@@ -97,11 +102,22 @@ async def test_engine_kill_fails_in_flight_cleanly_and_recovers(fake_server: Ser
 
 
 async def drain_run(tmp_path, shutdown_timeout: float, max_tokens: int) -> tuple[list[list[str]], int, float]:
-    server = start_server(["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "512",
-                           "--shutdown-timeout", str(shutdown_timeout)], str(tmp_path),
-                          env={"STOKER_FAKE_STEP_S": "0.02"})
+    server = start_server(
+        [
+            "--engine-core",
+            FAKE_CORE,
+            "--no-embedding-model",
+            "--max-model-len",
+            "512",
+            "--shutdown-timeout",
+            str(shutdown_timeout),
+        ],
+        str(tmp_path),
+        env={"STOKER_FAKE_STEP_S": "0.02"},
+    )
     try:
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+
             async def stream() -> list[str]:
                 body = {"prompt": "x", "max_tokens": max_tokens, "stream": True}
                 async with http.stream("POST", "/v1/completions", json=body) as response:
@@ -123,7 +139,7 @@ async def drain_run(tmp_path, shutdown_timeout: float, max_tokens: int) -> tuple
 
 
 def finish_reasons(lines: list[str]) -> list[str]:
-    chunks = [json.loads(line[len("data: "):]) for line in lines if line != "data: [DONE]"]
+    chunks = [json.loads(line[len("data: ") :]) for line in lines if line != "data: [DONE]"]
     return [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]]
 
 

@@ -39,8 +39,15 @@ def test_enabled_with_otlp_endpoint():
 def test_request_span_with_phase_children(traced):
     tracer, exporter = traced
     times = RequestTimes(arrival=100.0, scheduled=100.2, first_token=100.5, last_token=101.0, finished=101.0)
-    tracer.record(request_id="r1", headers={}, start=100.0, end=101.1, admitted_at=100.05, times=times,
-                  attributes={"gen_ai.request.model": "m", "gen_ai.usage.output_tokens": 7, "none": None})
+    tracer.record(
+        request_id="r1",
+        headers={},
+        start=100.0,
+        end=101.1,
+        admitted_at=100.05,
+        times=times,
+        attributes={"gen_ai.request.model": "m", "gen_ai.usage.output_tokens": 7, "none": None},
+    )
     spans = by_name(exporter)
     assert set(spans) == {"stoker.request", "admission", "queue", "prefill", "decode"}
     root = spans["stoker.request"]
@@ -60,8 +67,13 @@ def test_request_span_with_phase_children(traced):
 def test_incoming_traceparent_is_honoured(traced):
     tracer, exporter = traced
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
-    tracer.record(request_id="r", headers={"Traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
-                  start=1.0, end=2.0, admitted_at=1.1)
+    tracer.record(
+        request_id="r",
+        headers={"Traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        start=1.0,
+        end=2.0,
+        admitted_at=1.1,
+    )
     root = by_name(exporter)["stoker.request"]
     assert format(root.context.trace_id, "032x") == trace_id
     assert format(root.parent.span_id, "016x") == "00f067aa0ba902b7"

@@ -1,9 +1,9 @@
 """Admin HTTP API for keys: /admin/keys (admin keys only).
 
-    POST   /admin/keys          create; the response holds the secret, shown once
-    GET    /admin/keys          list (never secrets or hashes)
-    GET    /admin/keys/{id}     one key with its usage this period and in total
-    DELETE /admin/keys/{id}     revoke (effective at once in this server)
+POST   /admin/keys          create; the response holds the secret, shown once
+GET    /admin/keys          list (never secrets or hashes)
+GET    /admin/keys/{id}     one key with its usage this period and in total
+DELETE /admin/keys/{id}     revoke (effective at once in this server)
 """
 
 from __future__ import annotations
@@ -51,8 +51,9 @@ async def _existing_key(plane: ControlPlane, key_id: str) -> ApiKey:
 async def create_key(body: CreateKey, request: Request, _admin: AdminKey) -> dict:
     plane = get_plane(request)
     if body.expires_at is not None and body.expires_at <= time.time():
-        raise ControlError(400, "expires_at is in the past.", "invalid_request_error", code="invalid_value",
-                           param="expires_at")
+        raise ControlError(
+            400, "expires_at is in the past.", "invalid_request_error", code="invalid_value", param="expires_at"
+        )
     try:
         key, secret = await run_in_threadpool(lambda: plane.keys.create(**body.model_dump()))
     except ValueError as exc:

@@ -33,8 +33,12 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
             raise unavailable("the model is still loading")
         raise APIError(404, "no embedding model is served", param="model", code="model_not_found")
     if body.model is not None and body.model != embedder.name:
-        raise APIError(404, f"The model `{body.model}` does not exist or is not an embedding model.",
-                       param="model", code="model_not_found")
+        raise APIError(
+            404,
+            f"The model `{body.model}` does not exist or is not an embedding model.",
+            param="model",
+            code="model_not_found",
+        )
     model = embedder.model
     inputs: list[list[int]] = []
     for i, item in enumerate(flatten_prompts(body.input)):
@@ -45,8 +49,11 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
                 raise bad_request(f"input[{i}]: token ids must be in [0, {model.config.vocab_size})", param="input")
             ids = model.wrap_ids(list(item))
         if len(ids) > embedder.max_tokens:
-            raise bad_request(f"input[{i}] has {len(ids)} tokens; {embedder.name} accepts at most "
-                              f"{embedder.max_tokens}", param="input", code="context_length_exceeded")
+            raise bad_request(
+                f"input[{i}] has {len(ids)} tokens; {embedder.name} accepts at most {embedder.max_tokens}",
+                param="input",
+                code="context_length_exceeded",
+            )
         inputs.append(ids)
     tokens = sum(map(len, inputs))
     await state.hooks.run_admit(request, AdmissionInfo("embedding", embedder.name, tokens, 0, 1, False))
@@ -57,8 +64,19 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
         if body.encoding_format == "base64":  # little-endian float32, as OpenAI encodes it
             vector = base64.b64encode(row.numpy().astype("<f4").tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vector})
-    state.hooks.run_finished(FinishedRecord(request_id="", endpoint="embedding", model=embedder.name, status=200,
-                                            prompt_tokens=tokens, http_request=request))
-    return {"object": "list", "data": data, "model": embedder.name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
+    state.hooks.run_finished(
+        FinishedRecord(
+            request_id="",
+            endpoint="embedding",
+            model=embedder.name,
+            status=200,
+            prompt_tokens=tokens,
+            http_request=request,
+        )
+    )
+    return {
+        "object": "list",
+        "data": data,
+        "model": embedder.name,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }

@@ -44,13 +44,22 @@ CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
 def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     try:
         return SamplingParams(
-            n=body.n, max_tokens=max_tokens, min_tokens=body.min_tokens,
+            n=body.n,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0, repetition_penalty=body.repetition_penalty or 1.0,
-            presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-            seed=body.seed, stop=body.stop or [], stop_token_ids=body.stop_token_ids or [],
-            ignore_eos=body.ignore_eos, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            seed=body.seed,
+            stop=body.stop or [],
+            stop_token_ids=body.stop_token_ids or [],
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=body.skip_special_tokens,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -71,13 +80,19 @@ def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: 
         if longest >= limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but the prompt has {longest} tokens "
-                "and leaves no room for a completion.", param="messages", code="context_length_exceeded")
+                "and leaves no room for a completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
         return limit - longest
     if longest + requested > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{longest + requested} tokens ({longest} in the prompt, {requested} for the completion). "
-            "Please reduce the prompt or max_tokens.", param="max_tokens", code="context_length_exceeded")
+            "Please reduce the prompt or max_tokens.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     return requested
 
 
@@ -87,11 +102,23 @@ def request_id_for(request: Request) -> str | None:
     return rid if isinstance(rid, str) and rid else None
 
 
-async def run(request: Request, state: ServerState, job: Job, stream: bool, include_usage: bool,
-              render_delta: Any, render_final: Any, obj: str) -> Response:
+async def run(
+    request: Request,
+    state: ServerState,
+    job: Job,
+    stream: bool,
+    include_usage: bool,
+    render_delta: Any,
+    render_final: Any,
+    obj: str,
+) -> Response:
     job.request_id = request_id_for(request) or job.request_id
-    await state.hooks.run_admit(request, AdmissionInfo(
-        job.endpoint, job.model, sum(map(len, job.prompts)), job.params.max_tokens or 0, job.params.n, stream))
+    await state.hooks.run_admit(
+        request,
+        AdmissionInfo(
+            job.endpoint, job.model, sum(map(len, job.prompts)), job.params.max_tokens or 0, job.params.n, stream
+        ),
+    )
     job.priority = getattr(request.state, "priority", job.priority)
     job.deadline = getattr(request.state, "deadline", job.deadline)
     events = run_job(state.engine, job, state.engine_ids_in_use)
@@ -100,9 +127,11 @@ async def run(request: Request, state: ServerState, job: Job, stream: bool, incl
         # failures (engine down, request rejected, deadline) are real HTTP errors.
         first = await until_disconnect(request, events.__anext__())
         if not stream:
+
             async def rest() -> None:
                 async for _ in events:
                     pass
+
             await until_disconnect(request, rest())
     except ClientDisconnected:
         state.hooks.run_finished(job.record(CLIENT_CLOSED, "client disconnected", stream, request))
@@ -139,8 +168,16 @@ async def run(request: Request, state: ServerState, job: Job, stream: bool, incl
                 yield sse({**head, "choices": [], "usage": job.usage()})
         except EngineUnavailableError as exc:
             outcome["error"] = str(exc)
-            yield sse({"error": {"message": str(exc), "type": "service_unavailable", "param": None,
-                                 "code": "engine_unavailable"}})
+            yield sse(
+                {
+                    "error": {
+                        "message": str(exc),
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": "engine_unavailable",
+                    }
+                }
+            )
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
@@ -166,9 +203,9 @@ def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[
         text = state.token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
-    return {"content": [
-        {**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items
-    ]}
+    return {
+        "content": [{**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items]
+    }
 
 
 @router.post("/v1/chat/completions")
@@ -193,21 +230,43 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             delta = {"role": "assistant", "content": d.new_text}
         if not delta and not d.new_logprobs:
             return []
-        choice = {"index": d.index, "delta": delta, "logprobs": chat_logprobs(state, d.new_logprobs),
-                  "finish_reason": d.finish_reason.value if d.finish_reason else None}
+        choice = {
+            "index": d.index,
+            "delta": delta,
+            "logprobs": chat_logprobs(state, d.new_logprobs),
+            "finish_reason": d.finish_reason.value if d.finish_reason else None,
+        }
         return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
 
     def render_final(job: Job) -> dict[str, Any]:
         choices = [
-            {"index": c.index, "message": {"role": "assistant", "content": c.text},
-             "logprobs": chat_logprobs(state, c.logprobs), "finish_reason": _reason(c)}
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(state, c.logprobs),
+                "finish_reason": _reason(c),
+            }
             for c in job.outputs[0].outputs
         ]
-        return {"id": f"chatcmpl-{job.request_id}", "object": "chat.completion", "created": job.created,
-                "model": job.model, "choices": choices, "usage": job.usage()}
+        return {
+            "id": f"chatcmpl-{job.request_id}",
+            "object": "chat.completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": job.usage(),
+        }
 
-    return await run(request, state, job, body.stream, include_usage, render_delta, render_final,
-                     "chat.completion.chunk" if body.stream else "chat.completion")
+    return await run(
+        request,
+        state,
+        job,
+        body.stream,
+        include_usage,
+        render_delta,
+        render_final,
+        "chat.completion.chunk" if body.stream else "chat.completion",
+    )
 
 
 def _reason(c: CompletionOutput) -> str | None:
@@ -225,8 +284,12 @@ def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, of
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return {"tokens": tokens, "token_logprobs": [i.logprob for i in items],
-            "top_logprobs": [{state.token_text(t): lp for t, lp in i.top} for i in items], "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": [i.logprob for i in items],
+        "top_logprobs": [{state.token_text(t): lp for t, lp in i.top} for i in items],
+        "text_offset": offsets,
+    }
 
 
 @router.post("/v1/completions")
@@ -259,8 +322,12 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             text = (job.prompt_texts[p] or "") + text
         offset = text_len.get(index, 0)
         text_len[index] = offset + len(text)
-        choice = {"index": index, "text": text, "logprobs": completion_logprobs(state, d.new_logprobs, offset),
-                  "finish_reason": d.finish_reason.value if d.finish_reason else None}
+        choice = {
+            "index": index,
+            "text": text,
+            "logprobs": completion_logprobs(state, d.new_logprobs, offset),
+            "finish_reason": d.finish_reason.value if d.finish_reason else None,
+        }
         return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
 
     def render_final(job: Job) -> dict[str, Any]:
@@ -268,10 +335,22 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for p, out in enumerate(job.outputs):
             prefix = (job.prompt_texts[p] or "") if body.echo else ""
             for c in out.outputs:
-                choices.append({"index": job.choice_index(p, c.index), "text": prefix + c.text,
-                                "logprobs": completion_logprobs(state, c.logprobs, 0), "finish_reason": _reason(c)})
-        return {"id": f"cmpl-{job.request_id}", "object": "text_completion", "created": job.created,
-                "model": job.model, "choices": choices, "usage": job.usage()}
+                choices.append(
+                    {
+                        "index": job.choice_index(p, c.index),
+                        "text": prefix + c.text,
+                        "logprobs": completion_logprobs(state, c.logprobs, 0),
+                        "finish_reason": _reason(c),
+                    }
+                )
+        return {
+            "id": f"cmpl-{job.request_id}",
+            "object": "text_completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": job.usage(),
+        }
 
     return await run(request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion")
 

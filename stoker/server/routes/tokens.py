@@ -18,11 +18,25 @@ async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
     data = []
     if state.served_model_name is not None and state.engine.info is not None:
-        data.append({"id": state.served_model_name, "object": "model", "created": int(state.started),
-                     "owned_by": "stoker", "max_model_len": state.engine.max_model_len})
+        data.append(
+            {
+                "id": state.served_model_name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "stoker",
+                "max_model_len": state.engine.max_model_len,
+            }
+        )
     if state.embedder is not None:
-        data.append({"id": state.embedder.name, "object": "model", "created": int(state.started),
-                     "owned_by": "stoker", "max_model_len": state.embedder.max_tokens})
+        data.append(
+            {
+                "id": state.embedder.name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "stoker",
+                "max_model_len": state.embedder.max_tokens,
+            }
+        )
     return {"object": "list", "data": data}
 
 
@@ -35,7 +49,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             tokens = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True)
+                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+            )
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(str(exc), param="messages") from None
     else:
