@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 from stoker.bench.workload import parse_int_list
 
@@ -220,7 +221,9 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     hf_sizes = parse_int_list(args.batch_sizes)
     stoker_sizes = parse_int_list(args.stoker_batch_sizes or args.batch_sizes)
-    pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.hf.eos_token_id
+    # The transformers baseline pads with the underlying Hugging Face tokenizer's ids.
+    hf_tok: Any = getattr(tok, "hf", tok)
+    pad_id = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else hf_tok.eos_token_id
     for dtype in args.dtype.split(","):
         if not args.skip_stoker and not why_not:
             for b in stoker_sizes:

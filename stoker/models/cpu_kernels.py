@@ -202,7 +202,7 @@ def paged_prefill_attention(
     )
     if rc == 1:
         raise MemoryError("the C prefill kernel could not allocate its scratch memory")
-    return rc == 0
+    return bool(rc == 0)
 
 
 def _cpu_float(*tensors: torch.Tensor) -> bool:
