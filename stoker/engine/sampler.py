@@ -270,6 +270,9 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> _Nucleus:
     are prefixes of the sorted order), so only the net is sorted; the net is
     widened only for rows whose net holds too little."""
     n = probs.shape[0]
+    # top_p is a fraction of the row's float32 mass, which may miss 1 by ~1e-6
+    # over a large vocabulary: enough to move the cut by a token in a flat tail.
+    top_p = top_p * probs.sum(dim=-1, dtype=torch.float64)
     todo = torch.arange(n, device=probs.device)
     p_max = probs.amax(dim=-1, keepdim=True)
     parts: list[_Nucleus] = []

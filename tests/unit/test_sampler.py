@@ -118,7 +118,9 @@ def test_min_tokens_masked_ids_never_sampled() -> None:
 def hf_mask(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    z = x.unsqueeze(0) / temperature
+    # float64: transformers' float32 cumsum over a large vocabulary rounds
+    # by ~1e-6, which moves its cut by a token in a flat tail (5.x does).
+    z = x.double().unsqueeze(0) / temperature
     if top_k > 0:
         z = TopKLogitsWarper(top_k)(None, z)
     if top_p < 1.0:
@@ -148,7 +150,17 @@ def test_top_p_widens_its_net_for_a_long_tail() -> None:
     rows = [row(top_p=0.9), row(top_p=0.9)]
     z = _shaped_probs(x.clone(), rows, [0, 1])
     for i in range(2):
+        assert torch.equal(z[i] > 0, exact_top_p_mask(x[i], 0.9))
         assert torch.equal(z[i] > 0, hf_mask(x[i], 1.0, 0, 0.9))
+
+
+def exact_top_p_mask(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, in float64: a token stays while the mass strictly before it is below top_p."""
+    p = torch.softmax(x.double(), -1)
+    s, idx = p.sort(descending=True, stable=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[idx[s.cumsum(0) - s < top_p]] = True
+    return keep
 
 
 def test_invert_cdf_edges() -> None:
