@@ -30,10 +30,10 @@ from stoker.control.limits import RateLimiter
 from stoker.control.policy import DEADLINE_HEADER, resolve_deadline, resolve_priority
 from stoker.control.settings import ControlSettings
 from stoker.engine.params import EngineStats
-from stoker.observe.logs import RequestLogger
+from stoker.errors import StartupRefused
+from stoker.observe.logs import RequestLogger, request_id_of
 from stoker.observe.metrics import Metrics
 from stoker.observe.tracing import RequestTracer
-from stoker.server.hooks import StartupRefused
 
 log = logging.getLogger("stoker.control")
 
@@ -145,9 +145,7 @@ class ControlPlane:
     ) -> Admission:
         """gate.admit for an HTTP request: resolves the request id (request.state.request_id,
         set by RequestIdMiddleware), priority (body field), deadline (x-stoker-deadline-ms
-        header or body `timeout`) and trace headers. Raises ControlError (400/403/429/503)."""
-        from stoker.control.auth import request_id_of
-
+        header or body `timeout`) and trace headers. Raises APIError (400/403/429/503)."""
         return await self.gate.admit(
             request_id=request_id_of(request),
             key=key,
