@@ -22,20 +22,24 @@ from stoker.errors import APIError
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 AdminKey = Annotated[ApiKey, Depends(require_admin)]
+MAX_LIMIT = 2**53
 
 
 class CreateKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    budget_tokens: int | None = Field(None, ge=1)
+    # Bounded so every value fits the database's 64-bit integers.
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
     budget_period: Literal["day", "month"] = "month"
     priority: Literal["interactive", "batch"] = "interactive"
     models: list[str] | None = None
-    expires_at: float | None = Field(None, description="Unix time (seconds) after which the key stops working.")
+    expires_at: float | None = Field(
+        None, gt=0, le=1e11, allow_inf_nan=False, description="Unix time (seconds) after which the key stops working."
+    )
     admin: bool = False
 
 

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
 from stoker.errors import APIError
+from stoker.server import openapi
 from stoker.server.config import ServerConfig
 from stoker.server.routes import embeddings, health, openai, tokens
 from stoker.server.state import ServerState
@@ -102,7 +103,14 @@ def install_error_handlers(app: FastAPI) -> None:
         body = APIError(500, "internal server error", type="server_error").body()
         return StrictJSONResponse(body, status_code=500)
 
+    async def bad_text(_: Request, exc: Exception) -> StrictJSONResponse:
+        # JSON escapes can carry lone surrogates ("\ud800"), which no encoder
+        # (tokenizer, database) accepts: the client's text, so a 400.
+        body = APIError(400, "strings must be valid Unicode text (no lone surrogates)", code="invalid_text").body()
+        return StrictJSONResponse(body, status_code=400)
+
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(UnicodeEncodeError, bad_text)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
@@ -212,4 +220,5 @@ def create_app(
             raise
         module.install(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    openapi.install(app, state)
     return app

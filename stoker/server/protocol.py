@@ -15,9 +15,11 @@ from stoker.errors import APIError
 
 INT32 = 2**31 - 1
 Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-PosInt = Annotated[int, Field(ge=1, le=INT32)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT32)]
-TokenId = Annotated[int, Field(ge=0, le=INT32)]
+# Tagged fields get the served model's limits in /openapi.json (server/openapi.py).
+TokenId = Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})]
+ModelName = Annotated[str, Field(json_schema_extra={"x-stoker": "model"})]
 Float = Annotated[float, Field(allow_inf_nan=False)]
 
 
@@ -85,10 +87,10 @@ class SamplingFields(_Request):
     says what is accepted; what depends on the model (context length, vocabulary)
     is checked when the request is built and answered 400 naming the field."""
 
-    model: str | None = None
+    model: ModelName | None = None
     """Model name; may be omitted when one model is served."""
     n: Annotated[int, Field(ge=1, le=64)] = 1
-    max_tokens: PosInt | None = None
+    max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: UnitOpen | None = None
     seed: Int | None = None
@@ -103,7 +105,7 @@ class SamplingFields(_Request):
     """-1 or 0 disables top-k."""
     min_p: Unit | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    min_tokens: NonNegInt = 0
+    min_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
@@ -151,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PosInt | None = None
+    max_completion_tokens: MaxTokens | None = None
     """Newer OpenAI name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -165,10 +167,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 Prompt = (
-    str
+    Annotated[str, Field(min_length=1)]
     | Annotated[list[str], Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+# The embedding model has a vocabulary of its own: its ids are not tagged.
+EmbeddingInput = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[NonNegInt], Field(min_length=1)]
+    | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
 )
 
 
@@ -193,19 +202,19 @@ class EmbeddingRequest(_Request):
     _unsupported: ClassVar[tuple[str, ...]] = ("dimensions",)
 
     model: str | None = None
-    input: Prompt
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
 class TokenizeCompletionRequest(_Request):
-    model: str | None = None
+    model: ModelName | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
 class TokenizeChatRequest(_Request):
-    model: str | None = None
+    model: ModelName | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
 
@@ -215,7 +224,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
+    model: ModelName | None = None
     tokens: list[TokenId]
 
 
