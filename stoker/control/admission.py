@@ -64,7 +64,6 @@ class AdmissionController:
         self._clock = clock
         self._started = clock()
         self._stats = EngineStats()
-        self._stats_time: float | None = None
         self._transit: deque[Ticket] = deque()
         self._transit_requests = 0
         self._transit_tokens = 0
@@ -79,7 +78,6 @@ class AdmissionController:
         (default now). Requests admitted before that are in its numbers."""
         taken_at = taken_at if taken_at is not None else self._clock()
         self._stats = stats
-        self._stats_time = taken_at
         while self._transit and self._transit[0].admitted_at <= taken_at:
             self._forget(self._transit.popleft())
 

@@ -15,10 +15,8 @@ switches it off again.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stoker.control.admission import AdmissionController
@@ -124,9 +122,6 @@ class ControlPlane:
                 log.warning("an API key now exists: authentication is on")
         return self._auth_on
 
-    def enable_auth(self) -> None:
-        self._auth_on = True
-
     # -- request path ---------------------------------------------------------------
 
     async def admit_http(
@@ -161,21 +156,6 @@ class ControlPlane:
         )
 
     # -- engine and lifecycle ---------------------------------------------------------
-
-    async def poll_engine_stats(self, fetch: Callable[[], Awaitable[EngineStats]], interval: float = 0.25) -> None:
-        """Run as a task for the server's lifetime: feeds update_engine_stats every
-        `interval` seconds. A failing fetch (engine restarting) is skipped, not fatal."""
-        while True:
-            taken_at = time.time()
-            try:
-                stats = await fetch()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("engine stats unavailable: %s", exc)
-            else:
-                self.update_engine_stats(stats, taken_at)
-            await asyncio.sleep(interval)
 
     def update_engine_stats(self, stats: EngineStats, taken_at: float | None = None) -> None:
         """Feed every fresh EngineStats snapshot here (admission + metrics)."""

@@ -41,7 +41,7 @@ def request_id_of(request: Any) -> str:
     the client's X-Request-Id if safe, else a new one (remembered on the request)."""
     rid = getattr(request.state, "request_id", None)
     if rid is None:
-        rid = request_id_from(request.headers.get("x-request-id"))
+        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
         request.state.request_id = rid
     return str(rid)
 

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies (pydantic) and the error shape.
+"""OpenAI-compatible request bodies (pydantic) and helpers that build the one error type (stoker.errors.APIError).
 
 Request models ignore unknown fields, as OpenAI's own SDKs may send newer
 ones, but fields stoker knows and does not support are rejected by name.
@@ -39,17 +39,6 @@ def deadline_exceeded(request_id: str) -> APIError:
         type="timeout",
         code="deadline_exceeded",
     )
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class _Request(BaseModel):

@@ -243,6 +243,32 @@ def test_mixed_batch_greedy_rows_stay_exact() -> None:
         assert out[i].token_id == int(x[i].argmax())
 
 
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"repetition_penalty": 5e-324},
+        {"repetition_penalty": 1e308},
+        {"repetition_penalty": 5e-324, "temperature": 1e-5},
+        {"repetition_penalty": 1e308, "temperature": 1e300, "top_p": 5e-324},
+        {"min_p": 5e-324, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+        {"min_p": 1.0, "top_k": 1, "temperature": 2.0},
+    ],
+)
+def test_extreme_parameters_keep_the_math_finite(extreme: dict[str, float]) -> None:
+    # Every token of the prompt seen, some with negative logits: a tiny penalty
+    # divides positive logits by 5e-324, a huge one multiplies negative ones by 1e308.
+    x = logits(4, scale=50.0)
+    rows = [row(list(range(VOCAB)), [1, 1, 2], seed=i, logprobs=5, **extreme) for i in range(3)]
+    rows.append(row(list(range(VOCAB)), [3], logprobs=0, **{**extreme, "temperature": 0.0}))
+    for o in Sampler()(x, rows):
+        assert 0 <= o.token_id < VOCAB
+        lp = o.logprob
+        assert lp is not None
+        values = [lp.logprob, *(v for _, v in lp.top)]
+        assert not any(math.isnan(v) for v in values), values
+        assert all(v <= 0.0 for v in values) and math.isfinite(lp.logprob), values
+
+
 # ---- seeds through the engine (tiny random model, float32) -----------------
 
 
