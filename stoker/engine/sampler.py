@@ -199,9 +199,9 @@ def _sample_random(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> 
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if unseeded:
         u[_index(unseeded, u)] = torch.rand(len(unseeded), device=dev)
-    for j, r in enumerate(rows):
-        if r.generator is not None:
-            u[j] = torch.rand(1, generator=r.generator, device=r.generator.device).to(dev)[0]
+    for j, sample in enumerate(rows):
+        if sample.generator is not None:
+            u[j] = torch.rand(1, generator=sample.generator, device=sample.generator.device).to(dev)[0]
     # Top-p rows are sampled straight from their sorted nucleus (no full-vocab
     # masking pass); the others by inverting their full CDF.
     p_rows = [j for j, r in enumerate(rows) if r.params.top_p < 1.0]
