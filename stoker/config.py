@@ -94,7 +94,10 @@ class EngineConfig(BaseModel):
     device: str = "auto"
     """auto: cuda if available, else cpu."""
     seed: int = 0
-    """Seed for requests that carry none."""
+    """Seed of the engine's seed stream: a request without its own `seed` samples from a
+    generator seeded by the stream's next draw, so the same requests in the same order
+    give the same text on a server started with the same seed (two identical requests
+    still differ). A request's `seed` alone decides its samples, whatever the batch."""
 
     def resolved_model_path(self) -> str:
         return self.model if self.model is not None else default_model_path()

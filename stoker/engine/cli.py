@@ -23,7 +23,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stoker import LLM, SamplingParams
+    from stoker.engine.llm import LLM
+    from stoker.engine.params import SamplingParams
 
     try:
         params = SamplingParams(

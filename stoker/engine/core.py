@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 
 import torch
@@ -100,6 +101,7 @@ class EngineCore:
             self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
         )
         self.sampler = Sampler()
+        self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.prompt_tokens = 0
@@ -159,9 +161,12 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         samples = []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index)
+            # Each sample samples from its own generator, so its tokens never depend on
+            # the batch: seeded by the request's seed (+ index), else by the next draw
+            # of a stream started from EngineConfig.seed (--seed), so the same requests
+            # in the same order on a server with the same --seed give the same text.
+            seed = params.seed + index if params.seed is not None else self.seed_stream.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
             r = Request(
                 req.request_id,
                 index,

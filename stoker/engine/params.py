@@ -67,7 +67,7 @@ class SamplingParams:
             return float(value)
 
         def integer(name: str) -> int:
-            value = getattr(self, name)
+            value: int = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 bad(name, "must be an integer")
             return value
@@ -94,8 +94,8 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= finite("frequency_penalty") <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None:
-            integer("seed")
+        if self.seed is not None and not -(2**63) <= integer("seed") < 2**63:
+            bad("seed", "must be a 64-bit signed integer")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
