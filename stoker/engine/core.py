@@ -29,6 +29,7 @@ from stoker.engine.scheduler import Scheduler
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.llama import LlamaModel
 from stoker.models.loader import load_model
+from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.engine")
@@ -70,7 +71,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
-        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device))
+        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device), config.quantization)
+        quantized = any(isinstance(w, GGMLTensor) for w in loaded.weights.values())
+        log.info("weights: %s; quantized matmul: %s", describe(loaded.weights), quant_isa() if quantized else "none")
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.served_model_name = config.served_model_name or loaded.config.name
