@@ -64,6 +64,7 @@ Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
 StopString = Annotated[str, Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_STOP_STRINGS = 64
 MAX_PRIORITY = 100
 MAX_TIMEOUT_S = 86400.0
@@ -86,6 +87,8 @@ class SamplingFields(_Request):
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]] | None = None
+    """Token id (as a string, as JSON keys are) to a bias added to its logit."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -136,7 +139,6 @@ class ChatCompletionRequest(SamplingFields):
         "tool_choice",
         "functions",
         "function_call",
-        "logit_bias",
         "audio",
         "prediction",
     )
@@ -171,7 +173,7 @@ EmbeddingInput = (
 
 
 class CompletionRequest(SamplingFields):
-    _unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias")
+    _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt
     echo: bool = False
