@@ -30,7 +30,7 @@ IN_RANGE: list[dict[str, Any]] = [
     {"presence_penalty": 2.0, "frequency_penalty": 2.0, "min_tokens": 4},
     {"presence_penalty": -2.0, "frequency_penalty": -2.0},
     {"seed": -(2**63)},
-    {"seed": 2**63 - 1, "n": 3},
+    {"seed": 2**63 - 1024, "n": 3},  # the largest the schema states (exact as a JSON double)
     {"stop_token_ids": [0, 1, 2], "min_tokens": 8, "repetition_penalty": 5e-324},
     {"logit_bias": {"0": -100, "42": 100.0, "43": -100}, "repetition_penalty": 5e-324},
 ]
