@@ -162,6 +162,8 @@ class EngineCore:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         samples = []
         for index in range(params.n):
             # Each sample samples from its own generator, so its tokens never depend on

@@ -44,6 +44,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the chosen token's logprob plus the top k alternatives."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before anything else (OpenAI's logit_bias,
+    each in [-100, 100]: -100 all but bans a token, 100 all but forces it)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -102,6 +105,15 @@ class SamplingParams:
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias)
+            and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0
+                for b in self.logit_bias.values()
+            )
+        ):
+            bad("logit_bias", "must map non-negative token ids to biases in [-100, 100]")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= 20:
             bad("logprobs", "must be between 0 and 20")
 

@@ -2,6 +2,7 @@
 temperature / min-p / top-k / top-p, per-request seeds and logprobs.
 
 Order of operations per row (as vLLM v1):
+  0. logit_bias added to its token ids
   1. repetition penalty (HF/CTRL style, over prompt + output tokens)
   2. presence / frequency penalties (OpenAI style, over output tokens)
   3. min_tokens: stop ids (and eos unless ignore_eos) masked to -inf
@@ -99,14 +100,17 @@ class Sampler:
             or r.params.presence_penalty != 0.0
             or r.params.frequency_penalty != 0.0
         ]
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        if len(greedy) == len(rows) and not penalised and not want_logprobs and not any(suppress):
+        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress)):
             return [SampledToken(t, None) for t in _argmax(x).tolist()]
 
-        if penalised or any(suppress):
+        if penalised or biased or any(suppress):
             # Never modify the caller's tensor (the runner may reuse it).
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+            if biased:
+                _apply_logit_bias(x, rows, biased)
             if penalised:
                 _apply_penalties(x, rows, penalised)
             _apply_suppression(x, suppress)
@@ -183,6 +187,13 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -
         x.index_put_((ri, ti), -freq[ri], accumulate=True)  # once per occurrence
         ri, ti = _unique_pairs(out_rows, out_toks, x)
         x.index_put_((ri, ti), -pres[ri], accumulate=True)  # once per distinct token
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
+    pairs = [(i, t, b) for i in which for t, b in (rows[i].params.logit_bias or {}).items()]
+    ri = _index([i for i, _, _ in pairs], x)
+    ti = _index([t for _, t, _ in pairs], x)
+    x.index_put_((ri, ti), torch.tensor([b for _, _, b in pairs], device=x.device), accumulate=True)
 
 
 def _apply_suppression(x: torch.Tensor, suppress: list[list[int]]) -> None:

@@ -14,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from stoker.errors import APIError
 
 INT32 = 2**31 - 1
-Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
+# 2**63 in a double, so a generator reading the schema as floats would overshoot).
+MAX_SEED = 2**63 - 1024
+Seed = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT32)]
 # Tagged fields get the served model's limits in /openapi.json (server/openapi.py).
 TokenId = Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
@@ -64,6 +67,7 @@ Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
 StopString = Annotated[str, Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_STOP_STRINGS = 64
 MAX_PRIORITY = 100
 MAX_TIMEOUT_S = 86400.0
@@ -82,10 +86,18 @@ class SamplingFields(_Request):
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: UnitOpen | None = None
-    seed: Int | None = None
+    seed: Seed | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: (
+        Annotated[
+            dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+            Field(json_schema_extra={"additionalProperties": False}),
+        ]
+        | None
+    ) = None
+    """Token id (as a string, as JSON keys are) to a bias added to its logit."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -131,12 +143,19 @@ class ResponseFormat(BaseModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    # top_logprobs needs logprobs: true (as OpenAI and vLLM); said in the schema too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
+
     _unsupported: ClassVar[tuple[str, ...]] = (
         "tools",
         "tool_choice",
         "functions",
         "function_call",
-        "logit_bias",
         "audio",
         "prediction",
     )
@@ -157,7 +176,7 @@ class ChatCompletionRequest(SamplingFields):
 
 Prompt = (
     Annotated[str, Field(min_length=1)]
-    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
 )
@@ -171,7 +190,7 @@ EmbeddingInput = (
 
 
 class CompletionRequest(SamplingFields):
-    _unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias")
+    _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt
     echo: bool = False

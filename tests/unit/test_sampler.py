@@ -269,6 +269,22 @@ def test_extreme_parameters_keep_the_math_finite(extreme: dict[str, float]) -> N
         assert all(v <= 0.0 for v in values) and math.isfinite(lp.logprob), values
 
 
+def test_logit_bias_is_added_before_penalties_and_shows_in_logprobs() -> None:
+    x = logits(3)
+    rows = [
+        row(temperature=0.0, logit_bias={7: 100.0}),
+        row(temperature=1.0, seed=3, logit_bias={int(x[1].argmax()): -100.0, 9: 100.0}, logprobs=1),
+        row(temperature=0.0, logit_bias={5: 100.0}, repetition_penalty=1e9, output=[5], logprobs=0),
+    ]
+    out = Sampler()(x, rows)
+    assert out[0].token_id == 7
+    assert out[1].token_id == 9 and out[1].logprob is not None and out[1].logprob.top[0][0] == 9
+    # Bias first, then the penalty: 5 got +100, then was divided by 1e9.
+    assert out[2].token_id != 5
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 100.5})
+
+
 # ---- seeds through the engine (tiny random model, float32) -----------------
 
 

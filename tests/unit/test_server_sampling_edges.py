@@ -30,8 +30,9 @@ IN_RANGE: list[dict[str, Any]] = [
     {"presence_penalty": 2.0, "frequency_penalty": 2.0, "min_tokens": 4},
     {"presence_penalty": -2.0, "frequency_penalty": -2.0},
     {"seed": -(2**63)},
-    {"seed": 2**63 - 1, "n": 3},
+    {"seed": 2**63 - 1024, "n": 3},  # the largest the schema states (exact as a JSON double)
     {"stop_token_ids": [0, 1, 2], "min_tokens": 8, "repetition_penalty": 5e-324},
+    {"logit_bias": {"0": -100, "42": 100.0, "43": -100}, "repetition_penalty": 5e-324},
 ]
 # Out of range: each must be a 400 naming the field.
 OUT_OF_RANGE: list[tuple[dict[str, Any], str]] = [
@@ -52,6 +53,9 @@ OUT_OF_RANGE: list[tuple[dict[str, Any], str]] = [
     ({"stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"priority": 101}, "priority"),
     ({"timeout": 0}, "timeout"),
+    ({"logit_bias": {"5": 100.5}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"999999999": 1}}, "logit_bias"),
 ]
 
 
@@ -151,3 +155,11 @@ def test_non_finite_json_numbers_are_refused(tiny_server: ServerProcess, literal
     )
     assert response.status_code == 400, response.text
     assert "repetition_penalty" in strict_loads(response.text)["error"]["message"]
+
+
+def test_logit_bias_steers_the_real_sampler(tiny_server: ServerProcess) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 5, "temperature": 1.0, "logit_bias": {"42": 100}, "logprobs": 1}
+    response = httpx.post(f"{tiny_server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    text_42 = httpx.post(f"{tiny_server.url}/detokenize", json={"tokens": [42]}).json()["prompt"]
+    assert response.json()["choices"][0]["logprobs"]["tokens"] == [text_42] * 5

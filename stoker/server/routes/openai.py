@@ -62,6 +62,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
