@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stoker.engine.params import EngineStats
@@ -48,7 +49,7 @@ class AdmissionController:
         drain_window: float = 30.0,
         fallback_retry_after: float = 2.0,
         max_retry_after: float = 60.0,
-        clock=time.time,  # type: ignore[no-untyped-def]
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if max_queued_requests < 1 or max_queued_tokens < 1:
             raise ValueError("max_queued_requests and max_queued_tokens must be at least 1")

@@ -13,6 +13,10 @@ import json
 import re
 import sys
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stoker.control.keys import KeyStore
 
 from stoker.control.db import default_db_url
 
@@ -51,7 +55,7 @@ def _limits(k: dict) -> str:
     return " ".join(parts) or "unlimited"
 
 
-def _open(args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _open(args: argparse.Namespace) -> KeyStore:
     from stoker.control.db import open_db
     from stoker.control.keys import KeyStore
 

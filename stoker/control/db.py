@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import (
     Column,
@@ -121,7 +122,7 @@ def make_engine(db: str | None = None) -> Engine:
         engine = create_engine(url, **kwargs)
 
         @event.listens_for(engine, "connect")
-        def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
             # WAL lets the CLI read keys while the server's ledger writer commits.
             cur.execute("PRAGMA journal_mode=WAL")

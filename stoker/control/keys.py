@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal, cast
 
 from sqlalchemy import Engine, func, select
 
@@ -112,7 +112,7 @@ class AuthOutcome(str, Enum):
     EXPIRED = "expired"
 
 
-def _row_to_key(row) -> ApiKey:  # type: ignore[no-untyped-def]
+def _row_to_key(row: Any) -> ApiKey:
     m = row._mapping
     return ApiKey(
         id=m["id"],
@@ -201,9 +201,9 @@ class KeyStore:
             tpm=tpm,
             max_concurrent=max_concurrent,
             budget_tokens=budget_tokens,
-            budget_period=budget_period,
-            priority=priority,
-            created_at=time.time(),  # type: ignore[arg-type]
+            budget_period=cast(BudgetPeriod, budget_period),
+            priority=cast(PriorityClass, priority),
+            created_at=time.time(),
             expires_at=expires_at,
             secret_hash=hash_secret(secret),
         )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from stoker.control.keys import ApiKey
@@ -96,7 +97,7 @@ class Lease:
 
 
 class RateLimiter:
-    def __init__(self, clock=time.monotonic) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._state: dict[str, KeyState] = {}
 
