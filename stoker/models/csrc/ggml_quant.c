@@ -206,8 +206,15 @@ ALWAYS_INLINE isum_t isum_zero(void) { return _mm256_setzero_si256(); }
 ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return _mm256_add_epi32(a, b); }
 ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return _mm256_sub_epi32(a, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0)); }
 ALWAYS_INLINE acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) {
-    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+typedef __m256 scale_t; /* a float broadcast, so a product of scales is one vmulps */
+ALWAYS_INLINE scale_t scale_of(float v) { return _mm256_set1_ps(v); }
+ALWAYS_INLINE scale_t scale_mul(scale_t a, scale_t b) { return _mm256_mul_ps(a, b); }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, scale_t scale, isum_t p) {
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc);
+}
+/* A float term (the min's) goes into lane 0, keeping all of a dot product's state in one register. */
+ALWAYS_INLINE acc_t acc_add_scalar(acc_t acc, float v) {
+    return _mm256_add_ps(acc, _mm256_setr_ps(v, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
 }
 ALWAYS_INLINE float acc_total(acc_t v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -288,7 +295,11 @@ ALWAYS_INLINE isum_t isum_zero(void) { return 0; }
 ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return a + b; }
 ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return a - v; }
 ALWAYS_INLINE acc_t acc_zero(void) { return 0.f; }
-ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) { return acc + scale * (float)p; }
+typedef float scale_t;
+ALWAYS_INLINE scale_t scale_of(float v) { return v; }
+ALWAYS_INLINE scale_t scale_mul(scale_t a, scale_t b) { return a * b; }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, scale_t scale, isum_t p) { return acc + scale * (float)p; }
+ALWAYS_INLINE acc_t acc_add_scalar(acc_t acc, float v) { return acc + v; }
 ALWAYS_INLINE float acc_total(acc_t v) { return v; }
 ALWAYS_INLINE scales_t scales_pair(int lo, int hi) { return (scales_t){lo, hi}; }
 ALWAYS_INLINE scales_t scale_one(int s) { return (scales_t){s, s}; }
@@ -379,48 +390,49 @@ ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
     const int has_min = type == Q4_1 || type == Q5_1;
     acc_t acc[MR_MAX][NR_MAX];
-    float mn[MR_MAX][NR_MAX];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) {
-            acc[i][j] = acc_zero();
-            mn[i][j] = 0.f;
-        }
+        for (int j = 0; j < NR; j++) acc[i][j] = acc_zero();
     for (int b = 0; b < nb; b++) {
         w32_t wb[NR_MAX];
-        for (int j = 0; j < NR; j++) unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        scale_t wd[NR_MAX];
+        for (int j = 0; j < NR; j++) {
+            unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+            wd[j] = scale_of(wb[j].d);
+        }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
             const int8_t *x = xq->qs + row * k + (size_t)b * 32;
-            const float dx = xq->d[row * nb + b];
+            const scale_t dx = scale_of(xq->d[row * nb + b]);
             for (int j = 0; j < NR; j++) {
                 const isum_t p = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
-                acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
-                if (has_min) mn[i][j] += wb[j].m * xq->s[row * nb + b];
+                acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dx), p);
+                if (has_min) acc[i][j] = acc_add_scalar(acc[i][j], wb[j].m * xq->s[row * nb + b]);
             }
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) res[i * NR_MAX + j] = has_min ? acc_total(acc[i][j]) + mn[i][j] : acc_total(acc[i][j]);
+        for (int j = 0; j < NR; j++) res[i * NR_MAX + j] = acc_total(acc[i][j]);
 }
 
 ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
                          const xq_t *xq, size_t i0, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 256;
     acc_t acc[MR_MAX][NR_MAX];
-    float mn[MR_MAX][NR_MAX];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) {
-            acc[i][j] = acc_zero();
-            mn[i][j] = 0.f;
-        }
+        for (int j = 0; j < NR; j++) acc[i][j] = acc_zero();
     for (int b = 0; b < nb; b++) {
         wk_t wb[NR_MAX];
-        for (int j = 0; j < NR; j++) unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        scale_t wd[NR_MAX];
+        for (int j = 0; j < NR; j++) {
+            unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+            wd[j] = scale_of(wb[j].d);
+        }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
             const int8_t *x = xq->qs + row * k + (size_t)b * 256;
             const int16_t *bs = xq->bsums + row * (k / 16) + (size_t)b * 16;
             const float dx = xq->d[row * nb + b];
+            const scale_t dxs = scale_of(dx);
             for (int j = 0; j < NR; j++) {
                 isum_t p = isum_zero();
                 for (int c = 0; c < 8; c++) p = isum_add(p, dot_scaled(wb[j].q[c], x + 32 * c, wb[j].sc[c]));
@@ -428,19 +440,19 @@ ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8
                     int32_t off = 0;
                     for (int g = 0; g < 16; g++) off += wb[j].sc16[g] * bs[g];
                     p = isum_sub_scalar(p, 32 * off);
-                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
+                    acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dxs), p);
                 } else {
                     int32_t summ = 0;
                     for (int s = 0; s < 8; s++) summ += wb[j].mins[s] * (bs[2 * s] + bs[2 * s + 1]);
-                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
-                    mn[i][j] += (wb[j].dmin * dx) * (float)summ;
+                    acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dxs), p);
+                    acc[i][j] = acc_add_scalar(acc[i][j], -((wb[j].dmin * dx) * (float)summ));
                 }
             }
         }
     }
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++)
-            res[i * NR_MAX + j] = type == Q6_K ? acc_total(acc[i][j]) : acc_total(acc[i][j]) - mn[i][j];
+            res[i * NR_MAX + j] = acc_total(acc[i][j]);
 }
 
 /* One function per (type, MR, NR), so every loop bound above is a constant. */
