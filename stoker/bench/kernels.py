@@ -66,13 +66,17 @@ def run(ms: list[int], seconds: float) -> list[dict[str, object]]:
         blocks = random_blocks(qtype, n, k, seed=0)
         w_q = torch.from_numpy(blocks)
         w_f32 = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
-        packed = torch.ops.mkldnn._reorder_linear_weight(w_f32, None) if torch.backends.mkldnn.is_available() else None
+        mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+        packed = torch.ops.mkldnn._reorder_linear_weight(w_f32, None) if mkldnn else None
         for m in ms:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-            t_q = time_call(lambda: ggml_matmul(x, w_q, qtype), seconds)
-            t_lin = time_call(lambda: F.linear(x, w_f32), seconds)
+            t_q = time_call(lambda x=x, w_q=w_q, qtype=qtype: ggml_matmul(x, w_q, qtype), seconds)  # type: ignore[misc]
+            t_lin = time_call(lambda x=x, w_f32=w_f32: F.linear(x, w_f32), seconds)  # type: ignore[misc]
             t_pk = (
-                time_call(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""), seconds)
+                time_call(
+                    lambda x=x, packed=packed: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),  # type: ignore[misc]
+                    seconds,
+                )
                 if packed is not None
                 else float("nan")
             )

@@ -52,8 +52,8 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* Tile: MR rows of x by NR rows of W. */
 #define MR_MAX 4
 #define NR_MAX 2
-/* Rows of quantized x revisited per sweep over a thread's weight rows, so they stay in L2. */
-#define M_CHUNK 128
+/* Bytes of quantized x revisited per sweep over a thread's weight rows: they stay in L1d. */
+#define X_CHUNK_BYTES 16384
 
 int ggml_quant_isa(void) { return QUANT_ISA; }
 
@@ -523,8 +523,9 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
         const int nt = 1, t = 0;
 #endif
         const int lo = (int)((long)pairs * t / nt), hi = (int)((long)pairs * (t + 1) / nt);
-        for (int i_chunk = 0; i_chunk < m; i_chunk += M_CHUNK) {
-            const int i_end = i_chunk + M_CHUNK < m ? i_chunk + M_CHUNK : m;
+        const int m_chunk = X_CHUNK_BYTES / k > MR_MAX ? X_CHUNK_BYTES / k / MR_MAX * MR_MAX : MR_MAX;
+        for (int i_chunk = 0; i_chunk < m; i_chunk += m_chunk) {
+            const int i_end = i_chunk + m_chunk < m ? i_chunk + m_chunk : m;
             for (int p = lo; p < hi; p++) {
                 const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
                 const uint8_t *wp = w + (size_t)j0 * row_bytes;
