@@ -50,12 +50,19 @@ def case(
     return x, random_blocks(qtype, n, k, seed)
 
 
+def mm(x: torch.Tensor, w: torch.Tensor, qtype: GGMLQuantizationType, out: torch.Tensor | None = None) -> torch.Tensor:
+    y = ggml_matmul(x, w, qtype, out)
+    assert y is not None
+    return y
+
+
 def activation_bound(x: np.ndarray, w: np.ndarray, block: int) -> np.ndarray:
     """[m, n] bound on |x @ w.T - xq @ w.T| from rounding x to int8 per block."""
     m, k = x.shape
     amax = np.abs(x).reshape(m, k // block, block).max(-1)
     w_l1 = np.abs(w).reshape(w.shape[0], k // block, block).sum(-1)
-    return (amax / 254.0) @ w_l1.T
+    bound: np.ndarray = (amax / 254.0) @ w_l1.T
+    return bound
 
 
 def emulate_activations(x: np.ndarray, block: int) -> np.ndarray:
@@ -65,7 +72,8 @@ def emulate_activations(x: np.ndarray, block: int) -> np.ndarray:
     d = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
     inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
     q = np.clip(np.rint(xb * inv), -127, 127)
-    return (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k)
+    xq: np.ndarray = (q.astype(np.float64) * d.astype(np.float64)).reshape(m, k)
+    return xq
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -101,7 +109,7 @@ def test_out_as_column_slice_of_wider_tensor(isa: str, qtype: GGMLQuantizationTy
     out = wide[:, 6:15]
     got = ggml_matmul(x, torch.from_numpy(blocks), qtype, out=out)
     assert got is out
-    assert torch.equal(wide[:, 6:15], ggml_matmul(x, torch.from_numpy(blocks), qtype))
+    assert torch.equal(wide[:, 6:15], mm(x, torch.from_numpy(blocks), qtype))
     assert wide[:, :6].isnan().all() and wide[:, 15:].isnan().all()
 
 
@@ -114,14 +122,13 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        full = ggml_matmul(x, w, qtype)
-        assert full is not None
+        full = mm(x, w, qtype)
         for i in (0, 5, 31, 63):
-            assert torch.equal(ggml_matmul(x[i : i + 1], w, qtype), full[i : i + 1])
-        assert torch.equal(ggml_matmul(x[5:22], w, qtype), full[5:22])  # other tile boundaries
-        assert torch.equal(ggml_matmul(x, w[3:20], qtype), full[:, 3:20])  # weight rows in other tiles
+            assert torch.equal(mm(x[i : i + 1], w, qtype), full[i : i + 1])
+        assert torch.equal(mm(x[5:22], w, qtype), full[5:22])  # other tile boundaries
+        assert torch.equal(mm(x, w[3:20], qtype), full[:, 3:20])  # weight rows in other tiles
         torch.set_num_threads(1)
-        assert torch.equal(ggml_matmul(x, w, qtype), full)
+        assert torch.equal(mm(x, w, qtype), full)
     finally:
         torch.set_num_threads(threads)
 
@@ -147,7 +154,7 @@ def test_read_only_memmap_weight(isa: str, tmp_path: object) -> None:
         warnings.simplefilter("ignore", UserWarning)
         w = torch.from_numpy(mapped)
     x = torch.randn(3, 64)
-    assert torch.equal(ggml_matmul(x, w, T.Q4_1), ggml_matmul(x, torch.from_numpy(blocks.copy()), T.Q4_1))
+    assert torch.equal(mm(x, w, T.Q4_1), mm(x, torch.from_numpy(blocks.copy()), T.Q4_1))
 
 
 def test_bad_inputs_raise_value_error(isa: str) -> None:
