@@ -52,8 +52,10 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* Tile: MR rows of x by NR rows of W. */
 #define MR_MAX 4
 #define NR_MAX 2
-/* Rows of quantized x revisited per sweep over a thread's weight rows, so they stay in L2. */
-#define M_CHUNK 128
+/* Bytes of quantized x revisited per sweep over a thread's weight rows: they stay in L1d. */
+#define X_CHUNK_BYTES 16384
+/* Bytes of weights swept by all those x chunks before moving on: they stay in L2. */
+#define W_BLOCK_BYTES (256 * 1024)
 
 int ggml_quant_isa(void) { return QUANT_ISA; }
 
@@ -204,10 +206,21 @@ ALWAYS_INLINE isum_t dot_scaled(vq_t q, const int8_t *x, __m256i scales) {
 }
 ALWAYS_INLINE isum_t isum_zero(void) { return _mm256_setzero_si256(); }
 ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return _mm256_add_epi32(a, b); }
-ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return _mm256_sub_epi32(a, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0)); }
+/* Sixteen int16 products, summed in pairs: the K-quants' per-16 sums of x times a per-16 weight term. */
+ALWAYS_INLINE isum_t dot_i16(const int16_t *a, const int16_t *b) {
+    return _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)a), _mm256_loadu_si256((const __m256i *)b));
+}
+ALWAYS_INLINE isum_t isum_sub_times32(isum_t a, isum_t b) { return _mm256_sub_epi32(a, _mm256_slli_epi32(b, 5)); }
 ALWAYS_INLINE acc_t acc_zero(void) { return _mm256_setzero_ps(); }
-ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) {
-    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+typedef __m256 scale_t; /* a float broadcast, so a product of scales is one vmulps */
+ALWAYS_INLINE scale_t scale_of(float v) { return _mm256_set1_ps(v); }
+ALWAYS_INLINE scale_t scale_mul(scale_t a, scale_t b) { return _mm256_mul_ps(a, b); }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, scale_t scale, isum_t p) {
+    return _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(p), acc);
+}
+/* A float term (the min's) goes into lane 0, keeping all of a dot product's state in one register. */
+ALWAYS_INLINE acc_t acc_add_scalar(acc_t acc, float v) {
+    return _mm256_add_ps(acc, _mm256_setr_ps(v, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f));
 }
 ALWAYS_INLINE float acc_total(acc_t v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -286,9 +299,18 @@ ALWAYS_INLINE isum_t dot_scaled(vq_t q, const int8_t *x, scales_t sc) {
 }
 ALWAYS_INLINE isum_t isum_zero(void) { return 0; }
 ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return a + b; }
-ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return a - v; }
+ALWAYS_INLINE isum_t dot_i16(const int16_t *a, const int16_t *b) {
+    int32_t s = 0;
+    for (int g = 0; g < 16; g++) s += (int32_t)a[g] * b[g];
+    return s;
+}
+ALWAYS_INLINE isum_t isum_sub_times32(isum_t a, isum_t b) { return a - 32 * b; }
 ALWAYS_INLINE acc_t acc_zero(void) { return 0.f; }
-ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) { return acc + scale * (float)p; }
+typedef float scale_t;
+ALWAYS_INLINE scale_t scale_of(float v) { return v; }
+ALWAYS_INLINE scale_t scale_mul(scale_t a, scale_t b) { return a * b; }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, scale_t scale, isum_t p) { return acc + scale * (float)p; }
+ALWAYS_INLINE acc_t acc_add_scalar(acc_t acc, float v) { return acc + v; }
 ALWAYS_INLINE float acc_total(acc_t v) { return v; }
 ALWAYS_INLINE scales_t scales_pair(int lo, int hi) { return (scales_t){lo, hi}; }
 ALWAYS_INLINE scales_t scale_one(int s) { return (scales_t){s, s}; }
@@ -340,7 +362,7 @@ typedef struct {
     vq_t q[8];        /* 256 unsigned quant values, 32 per entry */
     scales_t sc[8];   /* the integer scale(s) of each entry's values */
     int16_t sc16[16]; /* Q6_K: signed scale per 16 values (its -32 offset goes through bsums) */
-    int32_t mins[8];  /* Q4_K, Q5_K: 6-bit min per 32 values */
+    int16_t mins16[16]; /* Q4_K, Q5_K: 6-bit min per 32 values, once per 16 (to pair with x's sums of 16) */
     float d, dmin;
 } wk_t;
 
@@ -368,7 +390,7 @@ ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
         scale_min_k4(scales, j, &sc, &mn);
         w->q[j] = q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
         w->sc[j] = scale_one(sc);
-        w->mins[j] = mn;
+        w->mins16[2 * j] = w->mins16[2 * j + 1] = (int16_t)mn;
     }
 }
 
@@ -379,68 +401,65 @@ ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
     const int has_min = type == Q4_1 || type == Q5_1;
     acc_t acc[MR_MAX][NR_MAX];
-    float mn[MR_MAX][NR_MAX];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) {
-            acc[i][j] = acc_zero();
-            mn[i][j] = 0.f;
-        }
+        for (int j = 0; j < NR; j++) acc[i][j] = acc_zero();
     for (int b = 0; b < nb; b++) {
         w32_t wb[NR_MAX];
-        for (int j = 0; j < NR; j++) unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        scale_t wd[NR_MAX];
+        for (int j = 0; j < NR; j++) {
+            unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+            wd[j] = scale_of(wb[j].d);
+        }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
             const int8_t *x = xq->qs + row * k + (size_t)b * 32;
-            const float dx = xq->d[row * nb + b];
+            const scale_t dx = scale_of(xq->d[row * nb + b]);
             for (int j = 0; j < NR; j++) {
                 const isum_t p = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
-                acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
-                if (has_min) mn[i][j] += wb[j].m * xq->s[row * nb + b];
+                acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dx), p);
+                if (has_min) acc[i][j] = acc_add_scalar(acc[i][j], wb[j].m * xq->s[row * nb + b]);
             }
         }
     }
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) res[i * NR_MAX + j] = has_min ? acc_total(acc[i][j]) + mn[i][j] : acc_total(acc[i][j]);
+        for (int j = 0; j < NR; j++) res[i * NR_MAX + j] = acc_total(acc[i][j]);
 }
 
 ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
                          const xq_t *xq, size_t i0, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 256;
     acc_t acc[MR_MAX][NR_MAX];
-    float mn[MR_MAX][NR_MAX];
     for (int i = 0; i < MR; i++)
-        for (int j = 0; j < NR; j++) {
-            acc[i][j] = acc_zero();
-            mn[i][j] = 0.f;
-        }
+        for (int j = 0; j < NR; j++) acc[i][j] = acc_zero();
     for (int b = 0; b < nb; b++) {
         wk_t wb[NR_MAX];
-        for (int j = 0; j < NR; j++) unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        scale_t wd[NR_MAX], wdmin[NR_MAX];
+        for (int j = 0; j < NR; j++) {
+            unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+            wd[j] = scale_of(wb[j].d);
+            wdmin[j] = scale_of(-wb[j].dmin);
+        }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
             const int8_t *x = xq->qs + row * k + (size_t)b * 256;
             const int16_t *bs = xq->bsums + row * (k / 16) + (size_t)b * 16;
-            const float dx = xq->d[row * nb + b];
+            const scale_t dxs = scale_of(xq->d[row * nb + b]);
             for (int j = 0; j < NR; j++) {
                 isum_t p = isum_zero();
                 for (int c = 0; c < 8; c++) p = isum_add(p, dot_scaled(wb[j].q[c], x + 32 * c, wb[j].sc[c]));
-                if (type == Q6_K) {
-                    int32_t off = 0;
-                    for (int g = 0; g < 16; g++) off += wb[j].sc16[g] * bs[g];
-                    p = isum_sub_scalar(p, 32 * off);
-                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
+                if (type == Q6_K) { /* q - 32: the offset times x's sums of 16, in integers */
+                    p = isum_sub_times32(p, dot_i16(wb[j].sc16, bs));
+                    acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dxs), p);
                 } else {
-                    int32_t summ = 0;
-                    for (int s = 0; s < 8; s++) summ += wb[j].mins[s] * (bs[2 * s] + bs[2 * s + 1]);
-                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
-                    mn[i][j] += (wb[j].dmin * dx) * (float)summ;
+                    acc[i][j] = acc_add(acc[i][j], scale_mul(wd[j], dxs), p);
+                    acc[i][j] = acc_add(acc[i][j], scale_mul(wdmin[j], dxs), dot_i16(wb[j].mins16, bs));
                 }
             }
         }
     }
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++)
-            res[i * NR_MAX + j] = type == Q6_K ? acc_total(acc[i][j]) : acc_total(acc[i][j]) - mn[i][j];
+            res[i * NR_MAX + j] = acc_total(acc[i][j]);
 }
 
 /* One function per (type, MR, NR), so every loop bound above is a constant. */
@@ -503,29 +522,35 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < m; i++) quantize_row(x, x_bf16, (size_t)i, k, be, &xq);
-        /* (implicit barrier) Each thread owns a contiguous range of weight-row pairs and sweeps
-         * the rows of x over it in chunks that stay in L2. */
+        /* (implicit barrier) Each thread owns a contiguous range of weight-row pairs; it takes
+         * them in L2-sized blocks and sweeps the rows of x over each block in L1-sized chunks. */
 #if defined(_OPENMP)
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
 #else
         const int nt = 1, t = 0;
 #endif
         const int lo = (int)((long)pairs * t / nt), hi = (int)((long)pairs * (t + 1) / nt);
-        for (int i_chunk = 0; i_chunk < m; i_chunk += M_CHUNK) {
-            const int i_end = i_chunk + M_CHUNK < m ? i_chunk + M_CHUNK : m;
-            for (int p = lo; p < hi; p++) {
-                const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
-                const uint8_t *wp = w + (size_t)j0 * row_bytes;
-                for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
-                    const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
-                    float res[MR_MAX * NR_MAX];
-                    tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, &xq, (size_t)i0, res);
-                    for (int i = 0; i < mr; i++)
-                        for (int j = 0; j < nr; j++) {
-                            const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
-                            if (x_bf16) ((uint16_t *)y)[at] = float_to_bf16(res[i * NR_MAX + j]);
-                            else ((float *)y)[at] = res[i * NR_MAX + j];
-                        }
+        const int m_chunk = X_CHUNK_BYTES / k > MR_MAX ? X_CHUNK_BYTES / k / MR_MAX * MR_MAX : MR_MAX;
+        const long fit = W_BLOCK_BYTES / (NR_MAX * (long)row_bytes);
+        const int w_pairs = fit > 1 ? (int)fit : 1;
+        for (int p_block = lo; p_block < hi; p_block += w_pairs) {
+            const int p_end = p_block + w_pairs < hi ? p_block + w_pairs : hi;
+            for (int i_chunk = 0; i_chunk < m; i_chunk += m_chunk) {
+                const int i_end = i_chunk + m_chunk < m ? i_chunk + m_chunk : m;
+                for (int p = p_block; p < p_end; p++) {
+                    const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
+                    const uint8_t *wp = w + (size_t)j0 * row_bytes;
+                    for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
+                        const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
+                        float res[MR_MAX * NR_MAX];
+                        tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, &xq, (size_t)i0, res);
+                        for (int i = 0; i < mr; i++)
+                            for (int j = 0; j < nr; j++) {
+                                const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
+                                if (x_bf16) ((uint16_t *)y)[at] = float_to_bf16(res[i * NR_MAX + j]);
+                                else ((float *)y)[at] = res[i * NR_MAX + j];
+                            }
+                    }
                 }
             }
         }
