@@ -35,15 +35,11 @@ from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
+from stoker.models.registry import gguf_architecture
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.models")
 
-_GGUF_ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
 # Bump when the cached layout or its derivation changes, so stale entries are ignored.
 _CACHE_VERSION = "1"
 # Dequantized weights are cached only up to this size: a 7B model in float32 would cost 28 GB of disk.
@@ -145,12 +141,7 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture {arch!r}; supported: "
-            + ", ".join(f"{k} ({v})" for k, v in _GGUF_ARCHITECTURES.items())
-        )
-    hf_arch = _GGUF_ARCHITECTURES[arch]
+    hf_arch = gguf_architecture(arch)
     # llama.cpp files Mistral under "llama"; transformers tells them apart by name, so do we.
     if arch == "llama" and "mistral" in str(field("general.name", "")).lower():
         hf_arch = "MistralForCausalLM"

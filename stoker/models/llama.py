@@ -12,13 +12,7 @@ from stoker.config import ModelConfig
 from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
 from stoker.models.layers import Rotary, gated_mlp, rms_norm
 from stoker.models.quant.weights import Embedding, LinearWeight, WeightLike, dense_weight, make_linear
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
+from stoker.models.registry import architecture
 
 
 @dataclass
@@ -45,11 +39,7 @@ class LlamaModel:
     ) -> None:
         """weights: dense tensors and, for quantized checkpoints, GGMLTensors (linear
         layers and the embedding table); norms and biases are always dense."""
-        if config.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"architecture {config.architecture!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        architecture(config.architecture)  # a ValueError naming the supported ones
         self.config = config
         self.dtype = dtype
         self.device = device

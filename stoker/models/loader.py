@@ -23,16 +23,10 @@ from stoker.config import ModelConfig
 from stoker.models.gguf_loader import cache_root, gguf_tokenizer, load_gguf
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
+from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
 from stoker.models.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "cache_root", "load_model", "load_tokenizer"]
-
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
 
 
 @dataclass
@@ -123,9 +117,7 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
 def _check_architecture(raw: dict[str, Any]) -> str:
     archs = raw.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return arch
+    return architecture(arch).hf_name
 
 
 def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
