@@ -103,14 +103,28 @@ def memory_of(pid: int) -> dict[str, int] | None:
     return {"rss": kb.get("VmRSS", 0), "anon": kb.get("RssAnon", 0), "file": kb.get("RssFile", 0)}
 
 
-def role_of(pid: int, root: int) -> str:
-    if pid == root:
-        return "front end"
+def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
-        cmdline = ""
+        return ""
+
+
+def front_end_of(tree: list[int]) -> int:
+    """The server itself: the first `stoker ... serve` in the tree, so a --pid
+    of a wrapper (a shell, `timeout`) still finds it; else the root."""
+    for pid in tree:
+        cmdline = _cmdline(pid)
+        if "stoker" in cmdline and "serve" in cmdline and "spawn_main" not in cmdline:
+            return pid
+    return tree[0]
+
+
+def role_of(pid: int, front: int) -> str:
+    if pid == front:
+        return "front end"
+    cmdline = _cmdline(pid)
     if "resource_tracker" in cmdline:
         return "resource tracker"
     if "spawn_main" in cmdline or "multiprocessing-fork" in cmdline:
@@ -124,11 +138,13 @@ def role_of(pid: int, root: int) -> str:
 
 def sample_processes(root: int) -> list[dict[str, Any]]:
     """[{pid, role, rss, anon, file}] for the server's process tree now."""
+    tree = process_tree(root)
+    front = front_end_of(tree) if tree else root
     out = []
-    for pid in process_tree(root):
+    for pid in tree:
         mem = memory_of(pid)
         if mem is not None:
-            out.append({"pid": pid, "role": role_of(pid, root), **mem})
+            out.append({"pid": pid, "role": role_of(pid, front), **mem})
     return out
 
 

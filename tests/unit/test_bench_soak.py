@@ -67,6 +67,8 @@ async def test_soak_against_a_server_over_the_fake_core(server: ServerProcess, t
     assert result.seconds >= 3.0 and len(result.samples) >= 5 and seen
     roles = {p["role"]: p for p in result.samples[-1]["procs"]}
     assert roles["front end"]["pid"] == server.proc.pid
+    # A --pid of whatever started the server (here this test) finds the same front end.
+    assert {p["role"]: p["pid"] for p in soak.sample_processes(os.getpid())}["front end"] == server.proc.pid
     assert roles["engine"]["rss"] > 10 * 2**20 and roles["front end"]["rss"] > 10 * 2**20
     engine = s["rss"]["engine"]
     assert engine["start"] > 0 and engine["end"] > 0 and engine["max"] >= engine["end"]
@@ -159,8 +161,9 @@ def test_process_tree_finds_children_and_their_memory() -> None:
         tree = soak.process_tree(os.getpid())
         assert tree[0] == os.getpid() and child.pid in tree
         procs = {p["pid"]: p for p in soak.sample_processes(os.getpid())}
-        assert procs[os.getpid()]["role"] == "front end" and procs[os.getpid()]["rss"] > 0
-        assert procs[child.pid]["role"].startswith("python")
+        assert procs[os.getpid()]["rss"] > 0 and procs[child.pid]["rss"] > 0
+        assert soak.role_of(os.getpid(), front=os.getpid()) == "front end"
+        assert soak.role_of(child.pid, front=os.getpid()).startswith("python")
     finally:
         child.kill()
         child.wait()
