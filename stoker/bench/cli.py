@@ -11,6 +11,7 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from stoker.bench.workload import LengthDist, Tokenizer
 
@@ -59,11 +60,18 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="completions sends exact-length text; chat wraps it in the server's chat template",
     )
     g = p.add_argument_group("load shape (closed loop unless --rate or --burst)")
-    g.add_argument("--concurrency", default="1", help="concurrent clients; a list sweeps: 1,4,16,32")
+    g.add_argument(
+        "--concurrency", default=None, help="concurrent clients; a list sweeps: 1,4,16,32 (default 1; 16 with --soak)"
+    )
     g.add_argument("--rate", default=None, help="open loop: Poisson arrivals at R req/s (a list sweeps)")
     g.add_argument("--burst", action="store_true", help="send all requests at once")
     g.add_argument("--num-requests", type=int, default=100, help="requests per stage and repetition")
-    g.add_argument("--duration", type=float, default=None, help="seconds per stage after which no request starts")
+    g.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="seconds per stage after which no request starts (default: none; 600 with --soak)",
+    )
     g.add_argument("--repeats", type=int, default=None, help="repetitions per stage (default 1; 2 with --compare)")
     g.add_argument("--warmup", type=int, default=1, help="unrecorded requests per server before measuring")
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -79,10 +87,102 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model"
     )
     g.add_argument("--seed", type=int, default=0)
+    add_soak_arguments(p)
     g = p.add_argument_group("output")
     g.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=100ms (e2e too)")
     g.add_argument("--out", default=None, metavar="DIR", help="write results.json, report.md and PNG plots here")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
+
+
+def add_soak_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group(
+        "soak (--soak: a long mixed load while the server's memory is sampled; "
+        "uses --url, --model, --api-key, --endpoint, --concurrency, --duration, --timeout, --seed, --out)"
+    )
+    g.add_argument("--soak", action="store_true", help="run the soak instead of the benchmark")
+    g.add_argument("--pid", type=int, default=None, help="the server's pid: its processes' RSS is sampled")
+    g.add_argument("--prompt-words", default="3:300", help="prompt length in words, A:B uniform")
+    g.add_argument("--max-tokens", default="1:128", help="max_tokens, A:B uniform")
+    g.add_argument("--stream-share", type=float, default=0.5, help="share of requests streamed")
+    g.add_argument("--cancel-share", type=float, default=0.25, help="share of streamed requests the client cuts off")
+    g.add_argument("--bad-share", type=float, default=0.05, help="share of malformed requests (a 4xx expected)")
+    g.add_argument("--rss-interval", type=float, default=5.0, help="seconds between RSS samples")
+    g.add_argument("--soak-warmup", type=float, default=60.0, help="seconds after which 'after warm-up' RSS is read")
+    g.add_argument("--growth-window", type=float, default=5.0, help="minutes at the end over which growth is measured")
+
+
+def _range(spec: str, name: str) -> tuple[int, int]:
+    dist = LengthDist.parse(spec)
+    if dist.kind == "normal":
+        raise ValueError(f"--{name}: use N or A:B")
+    return (int(dist.a), int(dist.a)) if dist.kind == "fixed" else (int(dist.a), int(dist.b))
+
+
+def _share(x: float, name: str) -> float:
+    if not 0.0 <= x <= 1.0:
+        raise ValueError(f"--{name} must be between 0 and 1, got {x}")
+    return x
+
+
+async def soak_main(args: argparse.Namespace) -> int:
+    """`stoker bench serve --soak`: exits 1 on any error or if /health fails after the load."""
+    from rich.console import Console
+
+    from stoker.bench import report, soak
+    from stoker.bench.workload import parse_int_list
+
+    console = Console(stderr=False)
+    (concurrency,) = parse_int_list(args.concurrency or "16")
+    url = args.url.rstrip("/").removesuffix("/v1")
+    cfg = soak.SoakConfig(
+        url=url,
+        model=args.model,
+        endpoint=args.endpoint,
+        duration=args.duration if args.duration is not None else 600.0,
+        concurrency=concurrency,
+        prompt_words=_range(args.prompt_words, "prompt-words"),
+        max_tokens=_range(args.max_tokens, "max-tokens"),
+        stream_share=_share(args.stream_share, "stream-share"),
+        cancel_share=_share(args.cancel_share, "cancel-share"),
+        bad_share=_share(args.bad_share, "bad-share"),
+        pid=args.pid,
+        rss_interval=args.rss_interval,
+        warmup=args.soak_warmup,
+        growth_window=args.growth_window,
+        api_key=args.api_key,
+        timeout=args.timeout,
+        seed=args.seed,
+    )
+    if args.pid is not None and not soak.process_tree(args.pid):
+        console.print(f"[red]no process {args.pid}[/red]")
+        return 2
+    console.print(
+        f"soak: {cfg.concurrency} clients for {cfg.duration:g}s against {url}"
+        + (
+            f", sampling pid {cfg.pid} and its children every {cfg.rss_interval:g}s"
+            if cfg.pid
+            else ", no --pid: no RSS"
+        )
+    )
+    last = {"t": -1e9}
+
+    def on_sample(sample: dict[str, Any], result: soak.SoakResult) -> None:
+        if args.no_progress or sample["t"] - last["t"] < 30:
+            return
+        last["t"] = sample["t"]
+        errors = sum(not o.ok for o in result.outcomes)
+        rss = ", ".join(f"{p['role']} {p['rss'] / 2**20:.0f} MiB" for p in sample["procs"])
+        console.print(f"{sample['t']:6.0f}s  {sample['done']} requests, {errors} errors  {rss}")
+
+    result = await soak.run_soak(cfg, on_sample)
+    data = result.to_dict()
+    data["command"] = _command()
+    report.print_soak(console, data)
+    if args.out:
+        for path in report.write_soak_outputs(args.out, data):
+            console.print(f"wrote {path}")
+    summary = data["summary"]
+    return 0 if summary["errors"] == 0 and summary["health_after"] == 200 else 1
 
 
 def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Callable[[int], list]:
@@ -121,7 +221,7 @@ def build_stages(args: argparse.Namespace) -> list:
         return [Stage("poisson", float(r)) for r in args.rate.split(",")]
     from stoker.bench.workload import parse_int_list
 
-    return [Stage("closed", c) for c in parse_int_list(args.concurrency)]
+    return [Stage("closed", c) for c in parse_int_list(args.concurrency or "1")]
 
 
 async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> int:
@@ -196,4 +296,4 @@ def _command() -> str:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    return asyncio.run(serve_main(args))
+    return asyncio.run(soak_main(args) if args.soak else serve_main(args))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -251,3 +252,131 @@ def _latencies(requests: Sequence[dict], name: str) -> list[float]:
     if name == "itl":
         return [x for q in ok for x in q["itls"]]
     return [q[name] for q in ok if q.get(name) is not None]
+
+
+# ------------------------------------------------------------------- soak
+
+
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def soak_rss_rows(summary: dict[str, Any]) -> Rows:
+    header = [
+        "process",
+        "start MiB",
+        "after warm-up MiB",
+        "end MiB",
+        "max MiB",
+        "last min",
+        "growth MiB",
+        "growth",
+        "slope MiB/min",
+    ]
+    rows = []
+    for role, r in summary["rss"].items():
+        slope = r["slope_bytes_per_min"]
+        rows.append(
+            [
+                role,
+                _mib(r["start"]),
+                _mib(r["after_warmup"]),
+                _mib(r["end"]),
+                _mib(r["max"]),
+                f"{r['window_minutes']:.1f}",
+                f"{r['growth'] / 2**20:+.1f}",
+                "-" if r["growth_pct"] is None else f"{r['growth_pct']:+.2f}%",
+                "-" if slope is None else f"{slope / 2**20:+.2f}",
+            ]
+        )
+    return header, rows
+
+
+def soak_request_rows(summary: dict[str, Any]) -> Rows:
+    header = ["kind", "sent", "as expected", "not"]
+    rows = [
+        [kind, str(n), str(summary["ok_by_kind"].get(kind, 0)), str(n - summary["ok_by_kind"].get(kind, 0))]
+        for kind, n in sorted(summary["by_kind"].items())
+    ]
+    return header, rows
+
+
+def soak_error_rows(summary: dict[str, Any]) -> Rows:
+    return ["status or error", "count"], [[k, str(v)] for k, v in sorted(summary["errors_by_status"].items())]
+
+
+def _soak_headline(summary: dict[str, Any]) -> str:
+    return (
+        f"{summary['requests']} requests in {summary['seconds']:.0f}s, {summary['errors']} errors; "
+        f"statuses {summary['statuses']}; GET /health after: {summary['health_after']}"
+    )
+
+
+def print_soak(console: Console, data: dict[str, Any]) -> None:
+    s = data["summary"]
+    render_rich(
+        console, "Requests (json / stream / cancel: completed or cut off as planned; bad: a 4xx)", soak_request_rows(s)
+    )
+    if s["errors_by_status"]:
+        render_rich(console, "Errors", soak_error_rows(s))
+        for example in s["error_examples"]:
+            console.print(f"  e.g. {escape(example)}")
+    if s["rss"]:
+        render_rich(console, "RSS of the server's processes", soak_rss_rows(s))
+    console.print(_soak_headline(s))
+
+
+def write_soak_outputs(out_dir: str, data: dict[str, Any]) -> list[str]:
+    """results.json (config, summary, every RSS sample and request), report.md, rss.png."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
+    with open(paths[0], "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    s = data["summary"]
+    md = [
+        "# stoker bench serve --soak\n",
+        f"```\n{data.get('command', '')}\n```\n",
+        _soak_headline(s) + "\n",
+        render_markdown("Requests", soak_request_rows(s)),
+    ]
+    if s["errors_by_status"]:
+        md.append(render_markdown("Errors", soak_error_rows(s)))
+    if s["rss"]:
+        md.append(render_markdown("RSS of the server's processes", soak_rss_rows(s)))
+    if data["rss_samples"]:
+        paths.append(plot_rss(out_dir, data))
+        md.append("![rss.png](rss.png)\n")
+    with open(paths[1], "w", encoding="utf-8") as f:
+        f.write("\n".join(md))
+    return paths
+
+
+def plot_rss(out_dir: str, data: dict[str, Any]) -> str:
+    """RSS of each process over time, and requests finished, on a shared time axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = data["rss_samples"]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 7), sharex=True, height_ratios=(3, 1))
+    roles = dict.fromkeys(p["role"] for s in samples for p in s["procs"])
+    for role in roles:
+        pts = [(s["t"] / 60, p["rss"] / 2**20) for s in samples for p in s["procs"] if p["role"] == role]
+        a1.plot([p[0] for p in pts], [p[1] for p in pts], label=role)
+    cfg = data["config"]
+    end = samples[-1]["t"] / 60
+    a1.axvspan(max(0.0, end - cfg["growth_window"]), end, color="grey", alpha=0.12, label="growth window")
+    a1.set_ylabel("RSS (MiB)")
+    a1.set_title("RSS of the server's processes")
+    a1.grid(alpha=0.3)
+    a1.legend(fontsize="small")
+    a2.plot([s["t"] / 60 for s in samples], [s["done"] for s in samples])
+    a2.set_ylabel("requests done")
+    a2.set_xlabel("minutes")
+    a2.grid(alpha=0.3)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "rss.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

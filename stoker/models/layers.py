@@ -96,6 +96,19 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     return packed if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol) else None
 
 
+def onednn_rows(m: int) -> int:
+    """The row count a packed matmul of m rows is run at: m up to 16, else m
+    rounded up to an eighth of its power of two (at most 12.5% padding). oneDNN
+    builds and keeps a primitive (and its JIT code) per input shape, so a
+    server fed every row count from 1 to max_num_batched_tokens grew by
+    hundreds of MB and never stopped (docs/perf/soak); this bounds the shapes
+    to 8 per octave."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
+
+
 class Linear:
     """y = x W^T + b. On CPU the weight is packed once for oneDNN instead of
     F.linear re-packing it on every call: decode-sized matmuls run 1.3x (bf16)
@@ -112,7 +125,12 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            m = x.shape[0] if x.dim() == 2 else 0
+            rows = onednn_rows(m)
+            if rows != m:  # zero rows are computed and dropped (see onednn_rows)
+                x = F.pad(x, (0, 0, 0, rows - m))
+            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return y[:m] if rows != m else y
         return F.linear(x, self.weight, self.bias)
 
     def dequantize(self) -> torch.Tensor:

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stoker.models.layers import Linear
+from stoker.models.layers import Linear, onednn_rows
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
@@ -48,3 +48,21 @@ def test_packing_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(1)
     Linear(torch.randn(32, 16, generator=torch.Generator().manual_seed(2)))
     assert torch.equal(torch.rand(4), expected)
+
+
+def test_row_counts_are_bucketed_to_few_shapes() -> None:
+    rows = [onednn_rows(m) for m in range(1, 2049)]
+    assert rows[:16] == list(range(1, 17))  # decode batches run unpadded
+    assert all(m <= r <= m * 1.125 for m, r in zip(range(1, 2049), rows))
+    assert len(set(rows)) == 16 + 8 * 7  # 8 shapes per octave from 17 to 2048
+
+
+@pytest.mark.parametrize("m", [1, 16, 17, 100, 511])
+def test_padded_rows_do_not_change_the_result(m: int) -> None:
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(48, 32), torch.randn(48), torch.randn(m, 32)
+    linear = Linear(weight, bias)
+    assert linear.packed is not None
+    y = linear(x)
+    assert y.shape == (m, 48)
+    torch.testing.assert_close(y, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
