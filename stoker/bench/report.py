@@ -218,9 +218,9 @@ def plot_all(out_dir: str, result: dict) -> list[str]:
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
         for target in dict.fromkeys(m["target"] for m in sweep):
             pts = sorted((m["stage_value"], m["summary"]) for m in sweep if m["target"] == target)
-            xs = [p[0] for p in pts]
-            a1.plot(xs, [p[1]["output_tok_s"] for p in pts], marker="o", label=target)
-            a2.plot(xs, [(p[1]["ttft"]["p99"] or float("nan")) * 1000 for p in pts], marker="o", label=target)
+            stages = [p[0] for p in pts]
+            a1.plot(stages, [p[1]["output_tok_s"] for p in pts], marker="o", label=target)
+            a2.plot(stages, [(p[1]["ttft"]["p99"] or float("nan")) * 1000 for p in pts], marker="o", label=target)
         for ax, title, ylabel in ((a1, "output throughput", "tok/s"), (a2, "p99 TTFT", "ms")):
             ax.set_xscale("log", base=2)
             ax.set_xticks(

@@ -66,7 +66,7 @@ class BenchConfig:
 
 
 def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
-    targets = []
+    targets: list[Target] = []
     for i, url in enumerate(urls):
         base = url.rstrip("/")
         base = base.removesuffix("/v1")

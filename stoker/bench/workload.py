@@ -50,8 +50,8 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
     try:
         from stoker.models.loader import load_tokenizer as stoker_tokenizer
     except ImportError:
-        stoker_tokenizer = None
-    if stoker_tokenizer is not None:
+        pass
+    else:
         return HFTokenizer(stoker_tokenizer(path).hf)
     from transformers import AutoTokenizer
 
@@ -200,7 +200,7 @@ def synthetic(
     for i in range(num):
         n = max(1, in_lens[i] - chat_overhead)
         group = i % num_prefixes if prefixes else None
-        if prefixes:
+        if prefixes and group is not None:
             text = fit_text(tok, rng, shared_prefix_len + n, prefix=prefixes[group])
         else:
             text = fit_text(tok, rng, n)

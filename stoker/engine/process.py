@@ -85,7 +85,8 @@ rejection_decoder = msgspec.msgpack.Decoder(Rejection)
 def load_core_factory(spec: str) -> Callable[[EngineConfig], Any]:
     """'package.module:Name' -> the callable; tests swap in a fake core this way."""
     module_name, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    factory: Callable[[EngineConfig], Any] = getattr(importlib.import_module(module_name), attr)
+    return factory
 
 
 def warm_up(core: Any) -> None:
@@ -146,7 +147,7 @@ def run_engine(config: EngineConfig, core_spec: str, input_addr: str, output_add
         ctx.destroy(linger=1000)
 
 
-def _loop(core: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int) -> None:
+def _loop(core: Any, inp: zmq.Socket[bytes], out: zmq.Socket[bytes], parent_pid: int) -> None:
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     last_stats = 0.0

@@ -24,13 +24,16 @@ import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 # transformers converts the tokenizer; it must never try to reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
@@ -157,7 +160,7 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         }
         for t in reader.tensors
     ]
-    rows = {t["gguf"]: t["shape"][0] for t in tensors}
+    rows: dict[str, int] = {str(t["gguf"]): int(t["shape"][0]) for t in tensors}  # type: ignore[index]
     heads = int(field(f"{arch}.attention.head_count"))
     hidden = int(field(f"{arch}.embedding_length"))
     scaling_type = field(f"{arch}.rope.scaling.type")
@@ -340,12 +343,13 @@ def gguf_tokenizer(path: str) -> Tokenizer:
 
     folder = _cached(_gguf_cache_dir(path) / "tokenizer", convert)
     hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return Tokenizer(hf, eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
+    return Tokenizer(cast("PreTrainedTokenizerFast", hf), eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     with open(path) as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)
+    return data
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
-def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
     """Llama 3's frequency-dependent rope scaling (rope_type "llama3")."""
     factor = float(scaling["factor"])
     low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
@@ -48,7 +49,7 @@ class Rotary:
         head_dim: int,
         max_positions: int,
         theta: float,
-        scaling: dict | None,
+        scaling: dict[str, Any] | None,
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
@@ -82,7 +83,7 @@ def _pack_for_onednn(weight: torch.Tensor) -> torch.Tensor | None:
     the op, STOKER_DISABLE_PACKED_LINEAR=1)."""
     if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
         return None
-    if os.environ.get("STOKER_DISABLE_PACKED_LINEAR") == "1" or not torch.backends.mkldnn.is_available():
+    if os.environ.get("STOKER_DISABLE_PACKED_LINEAR") == "1" or not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -129,8 +130,9 @@ class Linear:
             rows = onednn_rows(m)
             if rows != m:  # zero rows are computed and dropped (see onednn_rows)
                 x = F.pad(x, (0, 0, 0, rows - m))
-            y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
             return y[:m] if rows != m else y
+        assert self.weight is not None  # kept whenever there is no packed copy
         return F.linear(x, self.weight, self.bias)
 
     def dequantize(self) -> torch.Tensor:

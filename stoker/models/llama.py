@@ -110,11 +110,11 @@ class LlamaModel:
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(x)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, cfg.num_heads, cfg.head_dim)
             k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
             v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
-            if layer.q_norm is not None:
+            if layer.q_norm is not None and layer.k_norm is not None:
                 q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
                 k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
             q = self.rotary(q, positions)

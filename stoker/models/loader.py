@@ -12,12 +12,15 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 # Set before transformers/huggingface_hub are imported anywhere below: nothing may reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
 from stoker.models.gguf_loader import cache_root, gguf_tokenizer, load_gguf
@@ -151,7 +154,11 @@ def _folder_tokenizer(path: str, raw: dict[str, Any]) -> Tokenizer:
             template = _read_json(folder / "tokenizer_config.json", {}).get("chat_template")
     eos = _as_list(raw.get("eos_token_id"))
     eos += _as_list(_read_json(folder / "generation_config.json", {}).get("eos_token_id"))
-    return Tokenizer(hf, eos_token_ids=eos, chat_template=template if isinstance(template, str) else None)
+    return Tokenizer(
+        cast("PreTrainedTokenizerFast", hf),
+        eos_token_ids=eos,
+        chat_template=template if isinstance(template, str) else None,
+    )
 
 
 def _read_safetensors(folder: Path, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -187,4 +194,5 @@ def _read_json(path: Path, default: dict[str, Any] | None = None) -> dict[str, A
     if default is not None and not path.exists():
         return default
     with open(path) as f:
-        return json.load(f)
+        data: dict[str, Any] = json.load(f)
+    return data
