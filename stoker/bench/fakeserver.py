@@ -61,7 +61,13 @@ class FakeServer:
             method, path, _ = lines[0].split(" ", 2)
             headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
             length = int(headers.get("content-length", "0"))
-            body = json.loads(await reader.readexactly(length)) if length else {}
+            raw = await reader.readexactly(length) if length else b"{}"
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                # A malformed body gets the scripted failure if there is one, else a 400: never a dropped connection.
+                status = int(self.fail) if self.fail in ("500", "429", "503") else 400
+                return await self._json(writer, status, {"error": {"message": "malformed JSON body", "code": status}})
             self.requests.append({"method": method, "path": path, "headers": headers, "body": body})
             await self._respond(writer, method, path, body, len(self.requests))
         except (ConnectionError, asyncio.IncompleteReadError):
