@@ -18,7 +18,7 @@ from stoker.bench.workload import LengthDist, Tokenizer
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline}")
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality}")
     serve = sub.add_parser(
         "serve",
         help="load test an OpenAI-compatible server (streaming)",
@@ -35,6 +35,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     offline.add_arguments(off)
     off.set_defaults(func=offline.run)
+    from stoker.bench import kernels
+
+    kern = sub.add_parser(
+        "kernels",
+        help="the quantized (GGUF block) matmul kernels vs torch, on the default model's shapes",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    kernels.add_arguments(kern)
+    kern.set_defaults(func=kernels.run)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 

@@ -60,7 +60,7 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
-def run(ms: list[int], seconds: float) -> list[dict[str, object]]:
+def measure(ms: list[int], seconds: float) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, n, k, qtype in SHAPES:
         blocks = random_blocks(qtype, n, k, seed=0)
@@ -116,13 +116,15 @@ def markdown(rows: list[dict[str, object]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 32, 512], help="rows of x (tokens)")
     parser.add_argument("--seconds", type=float, default=0.3, help="time budget per measurement")
     parser.add_argument("--threads", type=int, default=None, help="torch (and kernel) threads; default torch's")
     parser.add_argument("--markdown", action="store_true", help="also print the table as markdown")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`stoker bench kernels`: the quantized matmul against torch on the default model's shapes."""
     if args.threads:
         torch.set_num_threads(args.threads)
     flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni") if f in cpu_flags())
@@ -132,11 +134,18 @@ def main(argv: list[str] | None = None) -> None:
             ["tensor", "type", "n x k", "m", "ggml ms", "GB/s", "F.linear ms", "GB/s", "packed ms", "GB/s", "speedup"]
         )
     )
-    rows = run(args.m, args.seconds)
+    rows = measure(args.m, args.seconds)
     if args.markdown:
         print()
         print(markdown(rows))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
