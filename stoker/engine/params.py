@@ -44,6 +44,10 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the chosen token's logprob plus the top k alternatives."""
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """None: none. k >= 0: each prompt token's logprob plus the top k alternatives
+    (the first token's entry is None). Such a prompt is always computed in full,
+    never served from the prefix cache."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +108,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be a list of non-negative integers")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= 20:
             bad("logprobs", "must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= 20:
+            bad("prompt_logprobs", "must be between 0 and 20")
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +137,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     """The top-k alternatives as (token_id, logprob), best first."""
+    rank: int | None = None
+    """1 + the number of tokens more likely than token_id (prompt logprobs set it)."""
 
 
 @dataclass
@@ -163,6 +171,8 @@ class EngineCoreOutput:
     """Set when the engine rejects or fails the request (finish_reason is ABORT)."""
     times: RequestTimes | None = None
     """Attached when the sample finishes."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With SamplingParams.prompt_logprobs, once, on the first delta that has a token."""
 
     @property
     def finished(self) -> bool:
@@ -193,6 +203,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -212,6 +223,8 @@ class RequestOutput:
             out.stop_reason = delta.stop_reason
             out.times = delta.times
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         return out
 
 
