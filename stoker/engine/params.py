@@ -22,7 +22,8 @@ class SamplingParams:
     n: int = 1
     """Number of independent samples of the prompt; they share its KV blocks."""
     max_tokens: int | None = 16
-    """Upper bound on generated tokens; None means "up to the model's context"."""
+    """Upper bound on generated tokens; None means "up to the model's context";
+    0 only processes the prompt (with prompt_logprobs: score it)."""
     min_tokens: int = 0
     """eos and stop token ids are suppressed until this many tokens exist."""
     temperature: float = 1.0
@@ -78,8 +79,8 @@ class SamplingParams:
 
         if integer("n") < 1:
             bad("n", "must be at least 1")
-        if self.max_tokens is not None and integer("max_tokens") < 1:
-            bad("max_tokens", "must be at least 1")
+        if self.max_tokens is not None and integer("max_tokens") < 0:
+            bad("max_tokens", "must be non-negative")
         if integer("min_tokens") < 0:
             bad("min_tokens", "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

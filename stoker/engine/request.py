@@ -147,7 +147,7 @@ class Request:
             self.index == 0
             and self.params.prompt_logprobs is not None
             and not self.prompt_logprobs_sent
-            and self.num_output_tokens
+            and (self.num_output_tokens or self.is_finished)
         ):
             prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
         out = EngineCoreOutput(

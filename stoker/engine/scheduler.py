@@ -246,6 +246,9 @@ class Scheduler:
             r = self.requests[key]
             if r.num_output_tokens == 0:
                 self.num_prompt_tokens += r.num_prompt_tokens
+            if r.max_tokens == 0:  # the prompt only (scored for prompt_logprobs): nothing to keep
+                r.finish(FinishReason.LENGTH)
+                token_ids = []
             for i, token in enumerate(token_ids):
                 r.append_token(token, now)
                 if logprobs is not None:

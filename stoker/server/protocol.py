@@ -143,6 +143,9 @@ class ChatCompletionRequest(SamplingFields):
         "logit_bias",
         "audio",
         "prediction",
+        # Prompt scoring is a /v1/completions feature (echo + logprobs there).
+        "echo",
+        "prompt_logprobs",
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -173,16 +176,21 @@ class CompletionRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias")
 
     prompt: Prompt
+    max_tokens: NonNegInt | None = None
+    """0 (with echo) returns the prompt alone, e.g. to score it with logprobs."""
     echo: bool = False
+    """Prepend the prompt to the text; with logprobs, the prompt tokens' logprobs too."""
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1, le=64)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """vLLM extension: each prompt token's logprob, rank and this many top alternatives."""
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 needs echo: true (the answer is then the prompt alone)")
         return self
 
 
