@@ -171,3 +171,23 @@ def test_http_bad_prompt_logprob_requests_are_400(tiny_server: ServerProcess, pa
     r = httpx.post(f"{tiny_server.url}{path}", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"]
+
+
+def test_bench_quality_perplexity_matches_transformers(tiny, tiny_server: ServerProcess, tmp_path, capsys) -> None:
+    """`stoker bench quality` through the server equals transformers' own perplexity over the same windows."""
+    from stoker.bench import quality
+
+    _folder, hf = tiny
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 12, encoding="utf-8")
+    assert quality.main(["--url", tiny_server.url, "--text", str(text), "--window", "40", "--json"]) == 0
+    (score,) = json.loads(capsys.readouterr().out)
+    ids = httpx.post(f"{tiny_server.url}/tokenize", json={"prompt": text.read_text()}).json()["tokens"]
+    nll, count = 0.0, 0
+    for w in quality.windows(ids, 40):
+        ref = _reference(hf, w)
+        nll -= sum(ref[i - 1, w[i]].item() for i in range(1, len(w)))
+        count += len(w) - 1
+    assert score["tokens"] == count
+    assert score["mean_nll"] == pytest.approx(nll / count, abs=1e-4)
+    assert quality.main(["--url", tiny_server.url, "--text", str(tmp_path / "missing.txt")]) == 1
