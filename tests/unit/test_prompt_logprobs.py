@@ -76,13 +76,14 @@ def test_prompt_logprobs_match_transformers(tiny, engine_args: dict) -> None:
     llm = LLM(str(folder), dtype="float32", **{"num_kv_blocks": 64, **engine_args})
     # Fill the prefix cache first: the scoring run must not take those blocks (it would skip positions).
     llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    preemptions = llm.engine.stats().num_preemptions
     params = SamplingParams(max_tokens=4, min_tokens=4, temperature=0, prompt_logprobs=TOP)
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         _check(out.prompt_logprobs, _reference(hf, prompt), prompt)
         assert len(out.outputs[0].token_ids) == 4
-    if engine_args.get("num_kv_blocks") == 16:
-        assert llm.engine.stats().num_preemptions > 0
+    if engine_args.get("num_kv_blocks") == 16:  # preempted while scoring, not only while filling the cache
+        assert llm.engine.stats().num_preemptions > preemptions
 
 
 def test_max_tokens_zero_scores_the_prompt_only_and_n_samples_share_it(tiny) -> None:

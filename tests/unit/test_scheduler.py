@@ -490,3 +490,58 @@ def test_running_decodes_are_not_stalled_by_a_higher_ranked_chunked_prefill() ->
         assert ("low", 1) in st.plan
         assert st.plan[0] == ("low", 1)  # the decode goes first, the chunk takes the rest
         assert st.out.num_tokens == 8
+
+
+# ------------------------------------------------------- the step's messages
+
+
+def test_schedule_moves_no_progress_update_from_output_does() -> None:
+    s = make(budget=64)
+    a = req("a", 12)
+    s.add(a)
+    step(s)  # a's 3 full blocks are now cached
+    b = req("b", list(a.prompt_token_ids) + [5, 6])
+    s.add(b)
+    out = s.schedule()
+    (x,) = [x for x in out.scheduled if x.key == b.key]
+    # The 12-token prefix is a hit: the chunk starts at 12, but b has computed nothing yet.
+    assert x.num_computed_tokens == 12 and x.token_ids == [5, 6] and x.samples
+    assert b.num_computed_tokens == 0 and b.num_output_tokens == 0
+    sampled = [x.key for x in out.scheduled if x.samples]
+    s.update_from_output(out, ModelRunnerOutput(sampled, [[9] for _ in sampled], [None for _ in sampled]))
+    assert b.num_computed_tokens == 14 and b.output_token_ids == [9]
+
+
+def test_update_takes_several_tokens_per_sequence_and_stops_at_max_tokens() -> None:
+    s = make()
+    a = req("a", 5, max_tokens=3)
+    s.add(a)
+    out = s.schedule()
+    (delta,) = s.update_from_output(out, ModelRunnerOutput([a.key], [[11, 12, 13, 14]], [None]))
+    # Room for speculative decoding: all accepted tokens land, up to max_tokens.
+    assert a.output_token_ids == [11, 12, 13] and delta.new_token_ids == [11, 12, 13]
+    assert delta.finish_reason is not None and delta.finish_reason.value == "length"
+    assert not s.has_unfinished() and s.kv.num_used_blocks == 0
+
+
+def test_prompt_logprob_request_computes_its_whole_prompt_in_chunks() -> None:
+    s = make(budget=6)
+    a = req("a", 12)
+    s.add(a)
+    for _ in range(2):
+        step(s)  # 12 prompt tokens in two chunks; blocks cached
+    prompt = list(a.prompt_token_ids)
+    scored = Request("p", 0, prompt, SamplingParams(max_tokens=0, prompt_logprobs=2), 0.0, max_tokens=0)
+    s.add(scored)
+    seen = []
+    while scored.key in s.requests:
+        out = s.schedule()
+        for x in out.scheduled:
+            if x.key == scored.key:
+                seen.append((x.num_computed_tokens, x.prompt_logprob_targets, x.num_prompt_logprobs))
+        sampled = [x.key for x in out.scheduled if x.samples]
+        s.update_from_output(out, ModelRunnerOutput(sampled, [[9] for _ in sampled], [None for _ in sampled]))
+    # No prefix-cache hit (it would skip positions); each chunk predicts the next prompt tokens.
+    # (a still decodes one token a step, so the chunks are 5, 5 and 2 tokens.)
+    assert seen == [(0, prompt[1:6], 2), (5, prompt[6:11], 2), (10, prompt[11:12], 2)]
+    assert scored.output_token_ids == [] and scored.finish_reason is not None
