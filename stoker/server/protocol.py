@@ -189,8 +189,6 @@ class CompletionRequest(SamplingFields):
     def _check(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported by this server")
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens 0 needs echo: true (the answer is then the prompt alone)")
         return self
 
 

@@ -343,6 +343,8 @@ def vllm_prompt_logprobs(
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     model = state.check_model(body.model)
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 needs echo: true (the answer is then the prompt alone)", param="max_tokens")
     tokenizer = state.engine.tokenizer
     prompts: list[list[int]] = []
     texts: list[str | None] = []
