@@ -41,6 +41,7 @@ class ModelConfig:
 
 
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
+QuantizationName = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 
 def default_model_path() -> str:
@@ -69,6 +70,11 @@ class EngineConfig(BaseModel):
     """Name clients use for the model; default derived from the file or folder name."""
     dtype: DTypeName = "auto"
     """Compute dtype for weights and activations. auto: bfloat16 on CPUs with AMX/AVX512-BF16, else float32."""
+    quantization: QuantizationName = "auto"
+    """Weight format. auto: a GGUF keeps its own quantization where the CPU int8 kernels serve it (else it is
+    dequantized to dtype), a Hugging Face folder stays dense; none: every weight dequantized to dtype;
+    q8_0/q4_0/q4_1/q5_0/q5_1: linear layers quantized to that format at load (embeddings and LM head Q8_0,
+    norms dense; CPU only). See docs/quantization.md."""
     kv_cache_dtype: DTypeName = "auto"
     """auto: same as dtype."""
     block_size: int = Field(16, ge=1, le=1024)
@@ -94,7 +100,10 @@ class EngineConfig(BaseModel):
     device: str = "auto"
     """auto: cuda if available, else cpu."""
     seed: int = 0
-    """Seed for requests that carry none."""
+    """Seed of the engine's seed stream: a request without its own `seed` samples from a
+    generator seeded by the stream's next draw, so the same requests in the same order
+    give the same text on a server started with the same seed (two identical requests
+    still differ). A request's `seed` alone decides its samples, whatever the batch."""
 
     def resolved_model_path(self) -> str:
         return self.model if self.model is not None else default_model_path()

@@ -13,6 +13,7 @@ import os
 import random
 import sys
 import time
+from typing import Any
 
 from stoker.bench.workload import parse_int_list
 
@@ -23,6 +24,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", default="100:1000", help="A:B: prompt lengths evenly spread over [A, B] tokens")
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+        help="stoker's weight format (docs/quantization.md)",
+    )
     p.add_argument("--batch-sizes", default="1,8,16,32", help="transformers static batch sizes")
     p.add_argument("--stoker-batch-sizes", default=None, help="stoker max_num_seqs values (default: --batch-sizes)")
     p.add_argument("--skip-hf", action="store_true", help="only stoker")
@@ -109,10 +116,17 @@ def stoker_available() -> str | None:
     return None
 
 
-def run_stoker(model_path: str | None, dtype: str, max_num_seqs: int, prompts: list[list[int]], out_len: int) -> dict:
+def run_stoker(
+    model_path: str | None,
+    dtype: str,
+    max_num_seqs: int,
+    prompts: list[list[int]],
+    out_len: int,
+    quantization: str = "auto",
+) -> dict:
     from stoker import LLM, SamplingParams
 
-    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs)
+    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs, quantization=quantization)
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)
     # Warm up on reversed tokens so the measured prompts find nothing in the prefix cache.
     llm.generate([prompts[0][::-1][:32]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
@@ -140,7 +154,13 @@ def _figures(engine: str, batch: int, elapsed: float, prompts: list[list[int]], 
 
 
 def profile_stoker(
-    model_path: str | None, dtype: str, max_num_seqs: int, prompts: list[list[int]], out_len: int, steps: int
+    model_path: str | None,
+    dtype: str,
+    max_num_seqs: int,
+    prompts: list[list[int]],
+    out_len: int,
+    steps: int,
+    quantization: str = "auto",
 ) -> str:
     """Where a step's time goes: torch ops (torch.profiler) for `steps` steps in
     the middle of the workload, then Python functions (cProfile) for as many more."""
@@ -153,7 +173,7 @@ def profile_stoker(
     from stoker import LLM, SamplingParams
     from stoker.engine.params import EngineCoreRequest
 
-    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs)
+    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs, quantization=quantization)
     core = llm.engine
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)
     for i, p in enumerate(prompts):
@@ -220,11 +240,15 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     hf_sizes = parse_int_list(args.batch_sizes)
     stoker_sizes = parse_int_list(args.stoker_batch_sizes or args.batch_sizes)
-    pad_id = tok.hf.pad_token_id if tok.hf.pad_token_id is not None else tok.hf.eos_token_id
+    # The transformers baseline pads with the underlying Hugging Face tokenizer's ids.
+    hf_tok: Any = getattr(tok, "hf", tok)
+    pad_id = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else hf_tok.eos_token_id
     for dtype in args.dtype.split(","):
         if not args.skip_stoker and not why_not:
             for b in stoker_sizes:
-                rows.append({**run_stoker(args.model, dtype, b, prompts, args.output_len), "dtype": dtype})
+                rows.append(
+                    {**run_stoker(args.model, dtype, b, prompts, args.output_len, args.quantization), "dtype": dtype}
+                )
                 console.print(_line(rows[-1]))
         if not args.skip_hf:
             model = load_hf(model_path, dtype)
@@ -276,7 +300,13 @@ def run(args: argparse.Namespace) -> int:
     profile = None
     if args.profile and not why_not and not args.skip_stoker:
         profile = profile_stoker(
-            args.model, args.dtype.split(",")[0], max(stoker_sizes), prompts, args.output_len, args.profile_steps
+            args.model,
+            args.dtype.split(",")[0],
+            max(stoker_sizes),
+            prompts,
+            args.output_len,
+            args.profile_steps,
+            args.quantization,
         )
         print(profile)  # plain: rich would re-wrap the profiler's wide tables
     if args.out:

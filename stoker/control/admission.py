@@ -20,8 +20,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from stoker.control.errors import ControlError
 from stoker.engine.params import EngineStats
+from stoker.errors import APIError
 
 
 @dataclass
@@ -64,7 +64,6 @@ class AdmissionController:
         self._clock = clock
         self._started = clock()
         self._stats = EngineStats()
-        self._stats_time: float | None = None
         self._transit: deque[Ticket] = deque()
         self._transit_requests = 0
         self._transit_tokens = 0
@@ -79,7 +78,6 @@ class AdmissionController:
         (default now). Requests admitted before that are in its numbers."""
         taken_at = taken_at if taken_at is not None else self._clock()
         self._stats = stats
-        self._stats_time = taken_at
         while self._transit and self._transit[0].admitted_at <= taken_at:
             self._forget(self._transit.popleft())
 
@@ -142,10 +140,10 @@ class AdmissionController:
     # -- decision ------------------------------------------------------------
 
     def admit(self, prompt_tokens: int, priority: int = 0) -> Ticket:
-        """Admit a request of prompt_tokens or raise ControlError(503)."""
+        """Admit a request of prompt_tokens or raise APIError(503)."""
         now = self._clock()
         if self.draining:
-            raise ControlError(
+            raise APIError(
                 503,
                 "The server is shutting down and accepts no new requests.",
                 "overloaded",
@@ -164,7 +162,7 @@ class AdmissionController:
         if excess_requests > 0 or excess_tokens > 0:
             reason = "queue_requests" if excess_requests > 0 else "queue_tokens"
             wait = self.retry_after(excess_requests, excess_tokens, now)
-            raise ControlError(
+            raise APIError(
                 503,
                 f"The server is overloaded ({q.requests} requests, {q.tokens} prompt tokens waiting); "
                 f"retry after {math.ceil(wait)}s.",

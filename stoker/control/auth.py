@@ -3,9 +3,9 @@
     @router.post("/v1/chat/completions")
     async def chat(..., key: ApiKey | None = Depends(require_key)): ...
 
-They find the ControlPlane at request.app.state.control. Every failure is a
-ControlError in OpenAI's error shape (install stoker.control.errors.
-install_error_handler on the app): 401 for a missing, malformed, unknown,
+They find the ControlPlane at request.app.state.control. Every failure is an
+APIError in OpenAI's error shape (the server renders it; a bare app needs
+stoker.control.errors.install_error_handler): 401 for a missing, malformed, unknown,
 wrong, revoked or expired key; 403 for a key without the needed scope (and,
 at admission, for a model the key may not use). In open mode (no key
 exists) inference routes pass with key None, but the admin API stays shut:
@@ -19,7 +19,6 @@ import time
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from stoker.control.errors import ControlError
 from stoker.control.keys import (
     SCOPE_ADMIN,
     SCOPE_INFERENCE,
@@ -29,7 +28,8 @@ from stoker.control.keys import (
     parse_key_id,
 )
 from stoker.control.plane import ControlPlane
-from stoker.observe.logs import request_id_from
+from stoker.errors import APIError
+from stoker.observe.logs import request_id_of
 
 _MESSAGES = {
     AuthOutcome.MALFORMED: ("Incorrect API key provided.", "invalid_api_key"),
@@ -41,19 +41,10 @@ _MESSAGES = {
 
 
 def get_plane(request: Request) -> ControlPlane:
-    plane = getattr(request.app.state, "control", None)
+    plane: ControlPlane | None = getattr(request.app.state, "control", None)
     if plane is None:
         raise RuntimeError("app.state.control is not set: create a ControlPlane in the app's lifespan")
     return plane
-
-
-def request_id_of(request: Request) -> str:
-    """The id set by RequestIdMiddleware, else the client's header, else a new one (remembered)."""
-    rid = getattr(request.state, "request_id", None)
-    if rid is None:
-        rid = request_id_from(request.headers.get("x-request-id"))
-        request.state.request_id = rid
-    return rid
 
 
 def _fail(
@@ -65,9 +56,9 @@ def _fail(
     reason: str,
     type: str = "invalid_request_error",
     key: ApiKey | None = None,
-) -> ControlError:
+) -> APIError:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    exc = ControlError(status, message, type, code=code, headers=headers, reason=reason)
+    exc = APIError(status, message, type, code=code, headers=headers, reason=reason)
     plane.metrics.auth_failures.labels(reason).inc()
     plane.metrics.observe_error(status)
     request.state.logged = True  # the refusal's log line is written here
@@ -83,7 +74,7 @@ def _fail(
 
 
 async def authenticate(request: Request, scope: str = SCOPE_INFERENCE) -> ApiKey | None:
-    """The caller's key, None in open mode, or raise ControlError (401/403)."""
+    """The caller's key, None in open mode, or raise APIError (401/403)."""
     plane = get_plane(request)
     if not plane.auth_enabled():
         request.state.api_key = None

@@ -18,11 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stoker.control.admission import AdmissionController, Ticket
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end
 from stoker.control.limits import Lease, RateLimiter
 from stoker.engine.params import RequestTimes
+from stoker.errors import APIError
 from stoker.observe.logs import RequestLogger, RequestLogRecord
 from stoker.observe.metrics import Metrics
 from stoker.observe.tracing import RequestTracer
@@ -87,7 +87,7 @@ class RequestGate:
         headers: Mapping[str, str] | None = None,
         capacity: bool = True,
     ) -> Admission:
-        """Admit or raise ControlError (403/429/503); a refusal is counted,
+        """Admit or raise APIError (403/429/503); a refusal is counted,
         logged and traced here. priority/deadline come from stoker.control.policy.
         capacity=False skips the engine-queue check (work that never enters the
         engine's queue, such as embeddings) but keeps the key's quotas."""
@@ -97,7 +97,7 @@ class RequestGate:
         try:
             if key is not None:
                 if not key.allows_model(model):
-                    raise ControlError(
+                    raise APIError(
                         403,
                         f"This API key may not use the model '{model}'.",
                         "permission_error",
@@ -109,10 +109,10 @@ class RequestGate:
             lease = self.limiter.acquire(key, estimate)
             try:
                 ticket = self.admission.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
-            except ControlError:
+            except APIError:
                 self.limiter.release(lease, None)
                 raise
-        except ControlError as exc:
+        except APIError as exc:
             self._count_refusal(exc)
             self.refused(
                 exc,
@@ -163,7 +163,7 @@ class RequestGate:
             end = period_end(key.budget_period, now)
             self._exhausted[key.id] = end
             self._update_exhausted(now)
-            raise ControlError(
+            raise APIError(
                 429,
                 f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
                 f"({used} used, {reserved} reserved by requests in flight).",
@@ -181,7 +181,7 @@ class RequestGate:
         if self.metrics:
             self.metrics.budget_exhausted_keys.set(len(self._exhausted))
 
-    def _count_refusal(self, exc: ControlError) -> None:
+    def _count_refusal(self, exc: APIError) -> None:
         if self.metrics is None:
             return
         if exc.status == 503:
@@ -333,7 +333,7 @@ class RequestGate:
 
     def refused(
         self,
-        exc: ControlError,
+        exc: APIError,
         *,
         request_id: str,
         key: ApiKey | None = None,

@@ -18,8 +18,8 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
+from stoker.errors import APIError
 
 
 class TokenBucket:
@@ -130,13 +130,13 @@ class RateLimiter:
 
     def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
         """Take one request and estimated_tokens from the key's buckets, or
-        raise ControlError(429) saying how long to wait."""
+        raise APIError(429) saying how long to wait."""
         if key is None:
             return Lease(None, estimated_tokens)
         now = self._clock()
         state = self._get(key, now)
         if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
-            raise ControlError(
+            raise APIError(
                 429,
                 f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
                 "rate_limit_exceeded",
@@ -155,7 +155,7 @@ class RateLimiter:
         if blocking:
             kind, wait, limit = max(blocking, key=lambda w: w[1])
             unit = "requests" if kind == "requests" else "tokens"
-            raise ControlError(
+            raise APIError(
                 429,
                 f"Rate limit reached for {unit} per minute (limit {limit}); "
                 f"this request needs {1 if kind == 'requests' else estimated_tokens}. "

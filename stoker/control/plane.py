@@ -15,10 +15,8 @@ switches it off again.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from stoker.control.admission import AdmissionController
@@ -30,10 +28,10 @@ from stoker.control.limits import RateLimiter
 from stoker.control.policy import DEADLINE_HEADER, resolve_deadline, resolve_priority
 from stoker.control.settings import ControlSettings
 from stoker.engine.params import EngineStats
-from stoker.observe.logs import RequestLogger
+from stoker.errors import StartupRefused
+from stoker.observe.logs import RequestLogger, request_id_of
 from stoker.observe.metrics import Metrics
 from stoker.observe.tracing import RequestTracer
-from stoker.server.hooks import StartupRefused
 
 log = logging.getLogger("stoker.control")
 
@@ -124,9 +122,6 @@ class ControlPlane:
                 log.warning("an API key now exists: authentication is on")
         return self._auth_on
 
-    def enable_auth(self) -> None:
-        self._auth_on = True
-
     # -- request path ---------------------------------------------------------------
 
     async def admit_http(
@@ -145,9 +140,7 @@ class ControlPlane:
     ) -> Admission:
         """gate.admit for an HTTP request: resolves the request id (request.state.request_id,
         set by RequestIdMiddleware), priority (body field), deadline (x-stoker-deadline-ms
-        header or body `timeout`) and trace headers. Raises ControlError (400/403/429/503)."""
-        from stoker.control.auth import request_id_of
-
+        header or body `timeout`) and trace headers. Raises APIError (400/403/429/503)."""
         return await self.gate.admit(
             request_id=request_id_of(request),
             key=key,
@@ -163,21 +156,6 @@ class ControlPlane:
         )
 
     # -- engine and lifecycle ---------------------------------------------------------
-
-    async def poll_engine_stats(self, fetch: Callable[[], Awaitable[EngineStats]], interval: float = 0.25) -> None:
-        """Run as a task for the server's lifetime: feeds update_engine_stats every
-        `interval` seconds. A failing fetch (engine restarting) is skipped, not fatal."""
-        while True:
-            taken_at = time.time()
-            try:
-                stats = await fetch()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                log.debug("engine stats unavailable: %s", exc)
-            else:
-                self.update_engine_stats(stats, taken_at)
-            await asyncio.sleep(interval)
 
     def update_engine_stats(self, stats: EngineStats, taken_at: float | None = None) -> None:
         """Feed every fresh EngineStats snapshot here (admission + metrics)."""

@@ -19,16 +19,16 @@ from __future__ import annotations
 import math
 import time
 
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
+from stoker.errors import APIError
 
 PRIORITY_VALUES: dict[str, int] = {"interactive": 0, "batch": 1}
 MAX_PRIORITY_VALUE = 100
 DEADLINE_HEADER = "x-stoker-deadline-ms"
 
 
-def _bad(param: str, message: str) -> ControlError:
-    return ControlError(400, message, "invalid_request_error", code="invalid_value", param=param)
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, "invalid_request_error", code="invalid_value", param=param)
 
 
 def key_priority(key: ApiKey | None) -> int:
@@ -93,11 +93,11 @@ def resolve_deadline(
     return now + budget
 
 
-def deadline_exceeded_error(request_id: str | None = None) -> ControlError:
+def deadline_exceeded_error(request_id: str | None = None) -> APIError:
     """What the server answers (504) when the engine dropped a waiting request
     at its deadline (EngineCoreOutput.error == "deadline")."""
     suffix = f" (request {request_id})" if request_id else ""
-    return ControlError(
+    return APIError(
         504,
         f"The request's deadline passed before it could be scheduled{suffix}.",
         "timeout",

@@ -28,10 +28,12 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from stoker.control.admin import router as admin_router
 from stoker.control.auth import authenticate, get_plane, require_metrics_access
-from stoker.control.errors import ControlError, install_error_handler
+from stoker.control.errors import install_error_handler
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
+from stoker.errors import APIError
 from stoker.observe.logs import RequestLogRecord, assign_request_id, with_request_id
 
 log = logging.getLogger("stoker.control")
@@ -117,14 +119,6 @@ async def _before(request: Request) -> None:
 
 async def _admit(request: Request, info: Any) -> None:
     plane = get_plane(request)
-    priority = getattr(info, "priority", None)
-    timeout = getattr(info, "timeout", None)
-    if priority is None and timeout is None:
-        # Not (yet) in AdmissionInfo: read them from the body FastAPI already parsed (cached on the request).
-        with contextlib.suppress(Exception):
-            body = await request.json()
-            if isinstance(body, dict):
-                priority, timeout = body.get("priority"), body.get("timeout")
     try:
         adm = await plane.admit_http(
             request,
@@ -133,12 +127,12 @@ async def _admit(request: Request, info: Any) -> None:
             prompt_tokens=info.prompt_tokens,
             max_tokens=info.max_tokens,
             n=info.n,
-            priority=priority,
-            timeout=timeout,
+            priority=info.priority,
+            timeout=info.timeout,
             arrival=getattr(request.state, "arrival", None),
             capacity=info.endpoint != "embedding",
         )
-    except ControlError as exc:
+    except APIError as exc:
         if exc.status != 400:  # gate.admit logged its own refusals; a bad priority/deadline is left to the middleware
             request.state.logged = True
         raise
@@ -209,9 +203,6 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     app.state.control = plane
     state.extras["control"] = plane
     install_error_handler(app)
-
-    from stoker.server.routes.admin import router as admin_router
-
     app.include_router(admin_router)
     app.add_api_route(
         "/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)], include_in_schema=False

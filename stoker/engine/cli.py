@@ -15,6 +15,12 @@ def add_parser(subparsers: Any) -> None:
         p.add_argument("prompt", help="the prompt text (or the user message for chat)")
         p.add_argument("--model", default=None, help="GGUF file or Hugging Face folder; default SmolLM2-135M-Instruct")
         p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+        p.add_argument(
+            "--quantization",
+            default="auto",
+            choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+            help="weight format (docs/quantization.md); default auto: a GGUF keeps its own",
+        )
         p.add_argument("--max-tokens", type=int, default=128)
         p.add_argument("--temperature", type=float, default=0.0)
         p.add_argument("--top-p", type=float, default=1.0)
@@ -23,7 +29,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stoker import LLM, SamplingParams
+    from stoker.engine.llm import LLM
+    from stoker.engine.params import SamplingParams
 
     try:
         params = SamplingParams(
@@ -31,7 +38,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise SystemExit(f"stoker: {exc}") from None
-    llm = LLM(args.model, dtype=args.dtype, num_kv_blocks=256)
+    try:
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization, num_kv_blocks=256)
+    except ValueError as exc:
+        raise SystemExit(f"stoker: {exc}") from None
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
     else:

@@ -58,7 +58,7 @@ class _Incarnation:
     queued for a dead engine can leak into its successor."""
 
     process: Any
-    inp: zmq.Socket
+    inp: zmq.Socket[bytes]
     out: zmq.asyncio.Socket
     ready: asyncio.Future[proto.EngineInfo] = field(default_factory=asyncio.Future)
     reader: asyncio.Task[None] | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import time
 
 import torch
@@ -31,6 +32,7 @@ from stoker.engine.scheduler import Scheduler
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.llama import LlamaModel
 from stoker.models.loader import load_model
+from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.engine")
@@ -74,7 +76,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
-        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device))
+        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device), config.quantization)
+        quantized = any(isinstance(w, GGMLTensor) for w in loaded.weights.values())
+        log.info("weights: %s; quantized matmul: %s", describe(loaded.weights), quant_isa() if quantized else "none")
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.served_model_name = config.served_model_name or loaded.config.name
@@ -109,6 +113,7 @@ class EngineCore:
             self.eos_token_ids,
             self.max_model_len,
         )
+        self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.last_step_tokens = 0
@@ -164,11 +169,16 @@ class EngineCore:
             )
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
         samples = []
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index)
+            # Each sample samples from its own generator, so its tokens never depend on
+            # the batch: seeded by the request's seed (+ index), else by the next draw
+            # of a stream started from EngineConfig.seed (--seed), so the same requests
+            # in the same order on a server with the same --seed give the same text.
+            seed = params.seed + index if params.seed is not None else self.seed_stream.getrandbits(63)
+            generator = torch.Generator().manual_seed(seed)
             r = Request(
                 req.request_id,
                 index,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -93,12 +93,16 @@ class LLM:
 
     def chat(
         self,
-        messages: list[dict] | Sequence[list[dict]],
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        conversations: list[list[dict[str, Any]]] = (
+            [cast(list[dict[str, Any]], messages)]
+            if messages and isinstance(messages[0], dict)
+            else list(cast(Sequence[list[dict[str, Any]]], messages))
+        )
         prompts = [
             self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
         ]

@@ -45,6 +45,9 @@ class SamplingParams:
     logprobs: int | None = None
     """None: no logprobs. k >= 0: the chosen token's logprob plus the top k alternatives."""
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
+    """Added to these token ids' logits before anything else (OpenAI's logit_bias,
+    each in [-100, 100]: -100 all but bans a token, 100 all but forces it)."""
     prompt_logprobs: int | None = None
     """None: none. k >= 0: each prompt token's logprob plus the top k alternatives
     (the first token's entry is None). Such a prompt is always computed in full,
@@ -72,7 +75,7 @@ class SamplingParams:
             return float(value)
 
         def integer(name: str) -> int:
-            value = getattr(self, name)
+            value: int = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 bad(name, "must be an integer")
             return value
@@ -99,14 +102,23 @@ class SamplingParams:
             bad("presence_penalty", "must be in [-2, 2]")
         if not -2.0 <= finite("frequency_penalty") <= 2.0:
             bad("frequency_penalty", "must be in [-2, 2]")
-        if self.seed is not None:
-            integer("seed")
+        if self.seed is not None and not -(2**63) <= integer("seed") < 2**63:
+            bad("seed", "must be a 64-bit signed integer")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids
         ):
             bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logit_bias is not None and not (
+            isinstance(self.logit_bias, dict)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.logit_bias)
+            and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) and -100.0 <= b <= 100.0
+                for b in self.logit_bias.values()
+            )
+        ):
+            bad("logit_bias", "must map non-negative token ids to biases in [-100, 100]")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= 20:
             bad("logprobs", "must be between 0 and 20")
         if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= 20:

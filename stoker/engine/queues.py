@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from stoker.engine.request import Request
 
-SortKey = Callable[[Request], tuple]
+# Keys mix floats, ints and priorities; they only need to compare with each other.
+SortKey = Callable[[Request], tuple[Any, ...]]
 
 
-def fcfs_key(request: Request) -> tuple:
+def fcfs_key(request: Request) -> tuple[Any, ...]:
     return (request.arrival_time, request.arrival_seq)
 
 
-def priority_key(request: Request) -> tuple:
+def priority_key(request: Request) -> tuple[Any, ...]:
     return request.sort_key()
 
 
-def fcfs_victim_key(request: Request) -> tuple:
+def fcfs_victim_key(request: Request) -> tuple[Any, ...]:
     return fcfs_key(request)
 
 
-def priority_victim_key(request: Request) -> tuple:
+def priority_victim_key(request: Request) -> tuple[Any, ...]:
     """Preemption picks the lowest class, then the latest arrival (deadlines order
     the queue but do not make a running request a victim)."""
     return (request.priority, request.arrival_time, request.arrival_seq)
@@ -34,7 +36,7 @@ class RequestQueue:
 
     def __init__(self, key: SortKey) -> None:
         self._key = key
-        self._keys: list[tuple] = []
+        self._keys: list[tuple[Any, ...]] = []
         self._items: list[Request] = []
 
     def add(self, request: Request) -> None:

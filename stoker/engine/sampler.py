@@ -2,6 +2,7 @@
 temperature / min-p / top-k / top-p, per-request seeds and logprobs.
 
 Order of operations per row (as vLLM v1):
+  0. logit_bias added to its token ids
   1. repetition penalty (HF/CTRL style, over prompt + output tokens)
   2. presence / frequency penalties (OpenAI style, over output tokens)
   3. min_tokens: stop ids (and eos unless ignore_eos) masked to -inf
@@ -37,6 +38,9 @@ _MIN_TEMPERATURE = 1e-5
 # Top-p candidate nets, as a fraction of the best token's probability; the
 # last (0) is every token, so every row ends up covered.
 _TOP_P_FLOORS = (1e-4, 1e-8, 0.0)
+# Penalised logits are kept within this bound: divided by the smallest
+# temperature (1e-5) it is still finite in float32, so softmax never sees inf.
+_LOGIT_BOUND = 1e30
 # Tokens per block in the two-level inverse CDF.
 _CDF_BLOCK = 256
 
@@ -96,14 +100,17 @@ class Sampler:
             or r.params.presence_penalty != 0.0
             or r.params.frequency_penalty != 0.0
         ]
+        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        if len(greedy) == len(rows) and not penalised and not want_logprobs and not any(suppress):
+        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress)):
             return [SampledToken(t, None) for t in _argmax(x).tolist()]
 
-        if penalised or any(suppress):
+        if penalised or biased or any(suppress):
             # Never modify the caller's tensor (the runner may reuse it).
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+            if biased:
+                _apply_logit_bias(x, rows, biased)
             if penalised:
                 _apply_penalties(x, rows, penalised)
             _apply_suppression(x, suppress)
@@ -167,10 +174,12 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -
             out_toks.extend(r.output_token_ids)
     if rep_rows:
         ri, ti = _unique_pairs(rep_rows, rep_toks, x)
-        pen = torch.tensor([r.params.repetition_penalty for r in rows], device=x.device)[ri]
-        v = x[ri, ti]
-        # CTRL/HF: push a seen token towards "less likely" whatever its sign.
-        x[ri, ti] = torch.where(v > 0, v / pen, v * pen)
+        # float64: a penalty such as 5e-324 is 0 in float32 (and -inf * 0 is NaN).
+        pen = torch.tensor([r.params.repetition_penalty for r in rows], device=x.device, dtype=torch.float64)[ri]
+        v = x[ri, ti].double()
+        # CTRL/HF: push a seen token towards "less likely" whatever its sign;
+        # bounded so an extreme penalty saturates instead of reaching inf.
+        x[ri, ti] = torch.where(v > 0, v / pen, v * pen).clamp_(-_LOGIT_BOUND, _LOGIT_BOUND).float()
     if out_rows:
         freq = torch.tensor([r.params.frequency_penalty for r in rows], device=x.device)
         pres = torch.tensor([r.params.presence_penalty for r in rows], device=x.device)
@@ -178,6 +187,13 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -
         x.index_put_((ri, ti), -freq[ri], accumulate=True)  # once per occurrence
         ri, ti = _unique_pairs(out_rows, out_toks, x)
         x.index_put_((ri, ti), -pres[ri], accumulate=True)  # once per distinct token
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
+    pairs = [(i, t, b) for i in which for t, b in (rows[i].params.logit_bias or {}).items()]
+    ri = _index([i for i, _, _ in pairs], x)
+    ti = _index([t for _, t, _ in pairs], x)
+    x.index_put_((ri, ti), torch.tensor([b for _, _, b in pairs], device=x.device), accumulate=True)
 
 
 def _apply_suppression(x: torch.Tensor, suppress: list[list[int]]) -> None:
@@ -194,9 +210,9 @@ def _sample_random(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> 
     unseeded = [j for j, r in enumerate(rows) if r.generator is None]
     if unseeded:
         u[_index(unseeded, u)] = torch.rand(len(unseeded), device=dev)
-    for j, r in enumerate(rows):
-        if r.generator is not None:
-            u[j] = torch.rand(1, generator=r.generator, device=r.generator.device).to(dev)[0]
+    for j, sample in enumerate(rows):
+        if sample.generator is not None:
+            u[j] = torch.rand(1, generator=sample.generator, device=sample.generator.device).to(dev)[0]
     # Top-p rows are sampled straight from their sorted nucleus (no full-vocab
     # masking pass); the others by inverting their full CDF.
     p_rows = [j for j, r in enumerate(rows) if r.params.top_p < 1.0]
@@ -270,6 +286,9 @@ def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> _Nucleus:
     are prefixes of the sorted order), so only the net is sorted; the net is
     widened only for rows whose net holds too little."""
     n = probs.shape[0]
+    # top_p is a fraction of the row's float32 mass, which may miss 1 by ~1e-6
+    # over a large vocabulary: enough to move the cut by a token in a flat tail.
+    top_p = top_p * probs.sum(dim=-1, dtype=torch.float64)
     todo = torch.arange(n, device=probs.device)
     p_max = probs.amax(dim=-1, keepdim=True)
     parts: list[_Nucleus] = []

@@ -77,16 +77,19 @@ def paged_attention(
     gqa = heads != k.shape[1]
     out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     nd = meta.num_decodes
+    tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
+    if nd and (tables is None or context_lens is None):
+        raise ValueError("decode rows without block tables or context lengths in the attention metadata")
     if nd and meta.decode_mask is None:
+        assert tables is not None and context_lens is not None
         # The kernel writes straight into the first rows of `out` (contiguous).
-        served = paged_decode_attention(
-            q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, out=out[:nd]
-        )
+        served = paged_decode_attention(q[:nd], k_cache, v_cache, tables, context_lens, scale, out=out[:nd])
         if served is None:
             raise RuntimeError("the C decode kernel failed and no mask was prepared for the torch path")
     elif nd:
-        keys = _gather(k_cache, meta.decode_block_tables)
-        values = _gather(v_cache, meta.decode_block_tables)
+        assert tables is not None
+        keys = _gather(k_cache, tables)
+        values = _gather(v_cache, tables)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )

@@ -58,16 +58,19 @@ def _cpu_signature() -> str:
 
 
 @cache
-def _build(name: str) -> ctypes.CDLL | None:
-    """csrc/{name}.c compiled for this CPU (cached by source, flags and CPU) and loaded."""
+def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -> ctypes.CDLL | None:
+    """csrc/{name}.c compiled for this CPU (cached by source, flags and CPU) and loaded.
+    `flags` replaces the default flags (and -march=native) where given; `variant`
+    names the build, so several builds of one source can be loaded side by side."""
     if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     path = _CSRC / f"{name}.c"
     # The headers count too: a changed header must not load a library built without it.
     source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{name}-{key}.so"
+    cflags = list(_FLAGS if flags is None else flags)
+    key = hashlib.sha256(source + " ".join(cflags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{name}{'-' + variant if variant else ''}-{key}.so"
     if not target.exists():
         if compiler is None:
             log.warning("no C compiler found: %s runs on the slower pure-torch path", name)
@@ -76,7 +79,7 @@ def _build(name: str) -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
             result = subprocess.run(
-                [compiler, *_FLAGS, str(path), "-o", str(built), "-lm"], capture_output=True, text=True
+                [compiler, *cflags, str(path), "-o", str(built), "-lm"], capture_output=True, text=True
             )
             if result.returncode != 0:
                 log.warning("building the C kernel %s failed, using pure torch:\n%s", name, result.stderr[-2000:])
@@ -202,7 +205,7 @@ def paged_prefill_attention(
     )
     if rc == 1:
         raise MemoryError("the C prefill kernel could not allocate its scratch memory")
-    return rc == 0
+    return bool(rc == 0)
 
 
 def _cpu_float(*tensors: torch.Tensor) -> bool:

@@ -62,8 +62,11 @@ class EmbeddingModel:
         self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self.cls_id = self.tokenizer.token_to_id("[CLS]")
-        self.sep_id = self.tokenizer.token_to_id("[SEP]")
+        cls_id, sep_id = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
+        if cls_id is None or sep_id is None:
+            raise ValueError(f"the tokenizer in {path} has no [CLS]/[SEP] tokens: not a BERT-style embedding model")
+        self.cls_id: int = cls_id
+        self.sep_id: int = sep_id
         weights = load_file(os.path.join(path, "model.safetensors"))
         self.w = {k.removeprefix("bert."): v.float() for k, v in weights.items()}
         self.dimensions = self.config.hidden_size

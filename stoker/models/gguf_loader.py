@@ -1,8 +1,10 @@
 """GGUF files: header to ModelConfig, tensors dequantized into Hugging Face
 names and layouts, tokenizer converted by transformers (the reference).
 
-The slow parts (parsing the header with its vocabulary, converting the
-tokenizer, numpy dequantization) are cached under ~/.cache/stoker
+Quantized tensors the int8 kernels serve can stay raw blocks viewing the
+memory-mapped file (quantization "auto"; see quant/weights.py). The slow parts
+(parsing the header with its vocabulary, converting the tokenizer, numpy
+dequantization for quantization "none") are cached under ~/.cache/stoker
 (STOKER_CACHE_DIR overrides), so a second load reads back a small JSON file,
 a tokenizer folder and a safetensors file.
 """
@@ -10,11 +12,14 @@ a tokenizer folder and a safetensors file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from importlib.metadata import version
@@ -26,9 +31,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
+from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
 from stoker.models.tokenizer import Tokenizer
+
+log = logging.getLogger("stoker.models")
 
 _GGUF_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -125,7 +134,11 @@ def _gguf_meta(path: str) -> dict[str, Any]:
 def _read_gguf_header(path: str) -> dict[str, Any]:
     from gguf import GGUFReader
 
-    reader = GGUFReader(path)
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, IndexError, KeyError, struct.error) as exc:
+        # numpy's reshape/view errors say nothing about which file or why.
+        raise ValueError(f"{path}: not a readable GGUF file (truncated or corrupt?): {exc}") from exc
 
     def field(key: str, default: Any = None) -> Any:
         f = reader.fields.get(key)
@@ -198,23 +211,82 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def load_gguf(path: str, dtype: torch.dtype, device: str) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    from safetensors.torch import load_file, save_file
-
+def load_gguf(
+    path: str, dtype: torch.dtype, device: str, quantization: str = "none"
+) -> tuple[ModelConfig, dict[str, WeightLike], Tokenizer]:
+    """quantization "auto": quantized tensors of a type the int8 kernels serve come back
+    as GGMLTensors over the memory-mapped file (CPU only); "none" (or anything else):
+    every tensor dequantized to dtype, cached on disk for small models."""
     meta = _gguf_meta(path)
     config = ModelConfig(**meta["config"])
-    if _dequantized_bytes(meta, dtype) <= _WEIGHT_CACHE_MAX_BYTES:
+    _check_tensors(path, meta)
+    keep = served_types() if quantization == "auto" and torch.device(device).type == "cpu" else frozenset()
+    quantized = {GGMLQuantizationType(t["type"]) for t in meta["tensors"] if t["hf"]} - _DENSE_TYPES
+    if quantization == "auto" and quantized - keep:
+        where = "the int8 kernels do not serve them" if keep or not served_types() else f"device is {device}"
+        log.info(
+            "%s: %s tensors dequantized to %s at load (%s)",
+            os.path.basename(path),
+            "/".join(sorted(q.name for q in quantized - keep)),
+            str(dtype).removeprefix("torch."),
+            where,
+        )
+    if quantized & keep:
+        # Raw blocks read straight from the mapping: nothing is dequantized, so nothing is cached.
+        weights = {k: _to_device(v, device) for k, v in _gguf_weights(path, meta, config, dtype, keep).items()}
+    elif _dequantized_bytes(meta, dtype) <= _WEIGHT_CACHE_MAX_BYTES:
+        from safetensors.torch import load_file, save_file
+
         # numpy dequantization of a Q4 file costs seconds on a busy CPU; reading it back is ~free.
         def build(tmp: Path) -> None:
-            save_file(_dequantize_gguf(path, meta, config, dtype), str(tmp / "model.safetensors"))
+            dense = _gguf_weights(path, meta, config, dtype, frozenset())
+            save_file({k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}, str(tmp / "model.safetensors"))
 
         folder = _cached(_gguf_cache_dir(path) / f"weights-{str(dtype).removeprefix('torch.')}", build)
-        weights = load_file(str(folder / "model.safetensors"), device=device)
+        weights = dict(load_file(str(folder / "model.safetensors"), device=device))
     else:
-        weights = {k: v.to(device) for k, v in _dequantize_gguf(path, meta, config, dtype).items()}
+        weights = {k: _to_device(v, device) for k, v in _gguf_weights(path, meta, config, dtype, frozenset()).items()}
     tokenizer = gguf_tokenizer(path)
     config.eos_token_ids = tokenizer.eos_token_ids
     return config, weights, tokenizer
+
+
+def _to_device(w: WeightLike, device: str) -> WeightLike:
+    return w if isinstance(w, GGMLTensor) else w.to(device)
+
+
+_DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
+
+
+@functools.cache
+def loadable_types() -> frozenset[GGMLQuantizationType]:
+    """Types stoker can load: served by the kernels, or dequantized by gguf's numpy code."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    ok = set(served_types())
+    for qtype, (_, type_size) in GGML_QUANT_SIZES.items():
+        try:
+            dequantize(np.zeros((1, type_size), dtype=np.uint8), qtype)
+        except (NotImplementedError, ValueError, TypeError):
+            continue
+        ok.add(qtype)
+    return frozenset(ok)
+
+
+def _check_tensors(path: str, meta: dict[str, Any]) -> None:
+    """Every tensor of a known type and inside the file, before anything is read."""
+    size = os.path.getsize(path)
+    for t in meta["tensors"]:
+        qtype = GGMLQuantizationType(t["type"])
+        if t["hf"] is not None and qtype not in loadable_types():
+            names = ", ".join(sorted(q.name for q in loadable_types()))
+            raise ValueError(
+                f"{path}: tensor {t['gguf']} has type {qtype.name}, which stoker cannot load; supported: {names}"
+            )
+        end = t["offset"] + int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize
+        if end > size:
+            raise ValueError(f"{path}: truncated GGUF: tensor {t['gguf']} ends at byte {end}, the file has {size}")
 
 
 def _dequantized_bytes(meta: dict[str, Any], dtype: torch.dtype) -> int:
@@ -223,35 +295,45 @@ def _dequantized_bytes(meta: dict[str, Any], dtype: torch.dtype) -> int:
 
 
 def _row_elements(t: dict[str, Any]) -> int:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES
 
     block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(t["type"])]
-    return t["shape"][-1] * np.dtype(t["dtype"]).itemsize // type_size * block
+    return int(t["shape"][-1] * np.dtype(t["dtype"]).itemsize // type_size * block)
 
 
-def _dequantize_gguf(
-    path: str, meta: dict[str, Any], config: ModelConfig, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """Every tensor in HF name and layout, as transformers' GGUF loading produces it."""
-    from gguf import GGMLQuantizationType
+def _gguf_weights(
+    path: str, meta: dict[str, Any], config: ModelConfig, dtype: torch.dtype, keep: frozenset[GGMLQuantizationType]
+) -> dict[str, WeightLike]:
+    """Every tensor under its HF name and layout (as transformers' GGUF loading
+    produces it). Types in keep stay raw blocks viewing the mapping (no copy);
+    the rest is dequantized to dtype."""
     from gguf.quants import dequantize
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, WeightLike] = {}
     for t in meta["tensors"]:
         if t["hf"] is None:
             continue
+        qtype = GGMLQuantizationType(t["type"])
         item = np.dtype(t["dtype"])
         count = int(np.prod(t["shape"]))
         data = raw[t["offset"] : t["offset"] + count * item.itemsize].view(item).reshape(t["shape"])
-        array = dequantize(data, GGMLQuantizationType(t["type"]))
+        heads = None
+        if meta["permute_qk"] and ".self_attn.q_proj." in t["hf"]:
+            heads = config.num_heads
+        elif meta["permute_qk"] and ".self_attn.k_proj." in t["hf"]:
+            heads = config.num_kv_heads
+        if qtype in keep and data.ndim == 2:
+            q = GGMLTensor(from_numpy_readonly(data), qtype, _row_elements(t))
+            # The permutation moves whole rows, so it applies to blocks as to floats (one copy of q and k).
+            weights[t["hf"]] = q if heads is None else q.take_rows(_unpermute(torch.arange(q.rows), heads))
+            continue
+        array = dequantize(data, qtype)
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only mapping
             array = array.copy()
         w = torch.from_numpy(array)
-        if meta["permute_qk"] and ".self_attn.q_proj." in t["hf"]:
-            w = _unpermute(w, config.num_heads)
-        elif meta["permute_qk"] and ".self_attn.k_proj." in t["hf"]:
-            w = _unpermute(w, config.num_kv_heads)
+        if heads is not None:
+            w = _unpermute(w, heads)
         weights[t["hf"]] = w.to(dtype=dtype).contiguous()
     return weights
 

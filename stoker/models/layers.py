@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +103,9 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.bias = bias
+        self.out_features, self.in_features = (int(n) for n in weight.shape)
+        self.nbytes = weight.numel() * weight.element_size()
+        self.dtype = weight.dtype
         self.packed = _pack_for_onednn(weight)
         # The packed copy replaces the original; keep the original only to fall back on.
         self.weight = weight if self.packed is None else None
@@ -111,8 +115,22 @@ class Linear:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
+    def dequantize(self) -> torch.Tensor:
+        """W [out, in] in float32 (the reference the quantized formats are checked against).
+        The packed layout is opaque, so W^T is read back by multiplying the identity."""
+        if self.weight is not None:
+            return self.weight.float()
+        assert self.packed is not None
+        eye = torch.eye(self.in_features, dtype=self.dtype)
+        wt: torch.Tensor = torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "")
+        return wt.t().float().contiguous()
 
-def gated_mlp(x: torch.Tensor, gate_up: Linear, down: Linear) -> torch.Tensor:
+
+def gated_mlp(
+    x: torch.Tensor,
+    gate_up: Callable[[torch.Tensor], torch.Tensor],
+    down: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """SwiGLU with gate and up fused into one matmul."""
     gu = gate_up(x)
     fused = fused_silu_mul(gu)

@@ -3,14 +3,15 @@ Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from stoker.config import ModelConfig
 from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
-from stoker.models.layers import Linear, Rotary, gated_mlp, rms_norm
+from stoker.models.layers import Rotary, gated_mlp, rms_norm
+from stoker.models.quant.weights import Embedding, LinearWeight, WeightLike, dense_weight, make_linear
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -23,25 +24,27 @@ SUPPORTED_ARCHITECTURES = (
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
-    qkv: Linear
+    qkv: LinearWeight
     """q, k and v projections stacked into one matmul (with Qwen2's bias)."""
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o_proj: Linear
+    o_proj: LinearWeight
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: LinearWeight
+    down: LinearWeight
 
 
 class LlamaModel:
     def __init__(
         self,
         config: ModelConfig,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, WeightLike],
         dtype: torch.dtype,
         device: torch.device,
         max_positions: int | None = None,
     ) -> None:
+        """weights: dense tensors and, for quantized checkpoints, GGMLTensors (linear
+        layers and the embedding table); norms and biases are always dense."""
         if config.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture {config.architecture!r} is not supported; "
@@ -51,40 +54,44 @@ class LlamaModel:
         self.dtype = dtype
         self.device = device
 
-        def w(name: str) -> torch.Tensor:
+        def raw(name: str) -> WeightLike:
             if name not in weights:
                 raise ValueError(f"weight {name!r} missing from the checkpoint")
-            return weights[name].to(device=device, dtype=dtype).contiguous()
+            return weights[name]
+
+        def w(name: str) -> torch.Tensor:
+            return dense_weight(raw(name), dtype, device)
 
         def maybe(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
-        self.embed = w("model.embed_tokens.weight")
+        def linear(names: list[str], bias: list[str] | None = None) -> LinearWeight:
+            biases = [maybe(b) for b in bias or []]
+            present = [b for b in biases if b is not None]
+            stacked = torch.cat(present) if biases and len(present) == len(biases) else None
+            return make_linear([raw(n) for n in names], stacked, dtype, device)
+
+        self.embed = Embedding(raw("model.embed_tokens.weight"), dtype, device)
         self.layers: list[DecoderLayer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            biases = [maybe(a + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(
                 DecoderLayer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(
-                        torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]).contiguous(),
-                        torch.cat(biases).contiguous() if all(b is not None for b in biases) else None,
-                    ),
+                    qkv=linear([a + f"{x}_proj.weight" for x in "qkv"], [a + f"{x}_proj.bias" for x in "qkv"]),
                     q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
-                    o_proj=Linear(w(a + "o_proj.weight")),
+                    o_proj=linear([a + "o_proj.weight"]),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
-                    ),
-                    down=Linear(w(p + "mlp.down_proj.weight")),
+                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                    down=linear([p + "mlp.down_proj.weight"]),
                 )
             )
         self.norm = w("model.norm.weight")
         tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
+        # Tied: the embedding's own table (quantized or dense), never a second copy.
+        self.lm_head = make_linear([self.embed.table if tied else raw("lm_head.weight")], None, dtype, device)
         self.rotary = Rotary(
             config.head_dim,
             max_positions or config.max_position_embeddings,
@@ -107,7 +114,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs the flattened batch; returns float32 logits for logits_indices only."""
         cfg = self.config
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = self.embed(input_ids)
         n = hidden.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = hidden

@@ -21,6 +21,8 @@ import torch
 
 from stoker.config import ModelConfig
 from stoker.models.gguf_loader import cache_root, gguf_tokenizer, load_gguf
+from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
+from stoker.models.quant.weights import WeightLike
 from stoker.models.tokenizer import Tokenizer
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "cache_root", "load_model", "load_tokenizer"]
@@ -36,16 +38,26 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor]
+    weights: dict[str, WeightLike]
+    """Dense tensors in dtype on device, and GGMLTensors for quantized linear/embedding weights."""
     tokenizer: Tokenizer
 
 
-def load_model(path: str, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
-    """Load a GGUF file or a Hugging Face folder; weights in dtype on device."""
+def load_model(path: str, dtype: torch.dtype, device: str = "cpu", quantization: str = "none") -> LoadedModel:
+    """Load a GGUF file or a Hugging Face folder; dense weights in dtype on device.
+
+    quantization is EngineConfig.quantization; this function defaults to "none"
+    (every weight a dense tensor) so callers that compare tensors keep doing so.
+    """
+    check_quantization(quantization, device)
     if _is_gguf(path):
-        config, weights, tokenizer = load_gguf(path, dtype, device)
-        return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
-    return _load_folder(path, dtype, device)
+        config, weights, tokenizer = load_gguf(path, dtype, device, "auto" if quantization == "auto" else "none")
+        loaded = LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
+    else:
+        loaded = _load_folder(path, dtype, device)
+    if quantization in QUANTIZE_AT_LOAD:
+        loaded.weights = quantize_weights(loaded.weights, quantization)
+    return loaded
 
 
 def load_tokenizer(path: str) -> Tokenizer:
@@ -100,7 +112,7 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
         eos_token_ids=tokenizer.eos_token_ids,
         name=folder.resolve().name.lower(),
     )
-    weights = _read_safetensors(folder, dtype, device)
+    weights: dict[str, WeightLike] = dict(_read_safetensors(folder, dtype, device))
     if config.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # one rule for model code: tied means embed_tokens
     elif "lm_head.weight" not in weights:

@@ -43,16 +43,17 @@ class Tokenizer:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return str(self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | list[str]:
         if isinstance(ids, int):
-            return self.hf.convert_ids_to_tokens(ids)
-        return self.hf.convert_ids_to_tokens(list(ids))
+            return str(self.hf.convert_ids_to_tokens(ids))
+        return [str(t) for t in self.hf.convert_ids_to_tokens(list(ids))]
 
     @property
     def bos_token_id(self) -> int | None:
-        return self.hf.bos_token_id
+        bos = self.hf.bos_token_id
+        return None if bos is None else int(bos)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -36,6 +36,16 @@ def request_id_from(header_value: str | None) -> str:
     return new_request_id()
 
 
+def request_id_of(request: Any) -> str:
+    """A request's id: the one RequestIdMiddleware set on request.state, else
+    the client's X-Request-Id if safe, else a new one (remembered on the request)."""
+    rid = getattr(request.state, "request_id", None)
+    if rid is None:
+        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
+        request.state.request_id = rid
+    return str(rid)
+
+
 @dataclass
 class RequestLogRecord:
     request_id: str

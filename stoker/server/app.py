@@ -13,22 +13,25 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
+from stoker.errors import APIError
+from stoker.server import openapi
 from stoker.server.config import ServerConfig
-from stoker.server.protocol import APIError
 from stoker.server.routes import embeddings, health, openai, tokens
 from stoker.server.state import ServerState
+from stoker.server.strict_json import StrictJSONResponse
 
 logger = logging.getLogger("stoker.server")
 
-# Optional modules of other areas; each may define install(app, state) to add
-# hooks, routes (/metrics) and exception handlers. Missing ones are skipped.
-EXTENSIONS = ["stoker.control.server", "stoker.observe.server"]
+# Optional modules of other areas; each defines install(app, state) to add
+# hooks, routes (/admin, /metrics), middleware and exception handlers. One
+# that is not installed is skipped. (observe has no extension of its own:
+# control's wires metrics, logs and traces into the request path.)
+EXTENSIONS = ["stoker.control.server"]
 
 
 class BodyLimitMiddleware:
@@ -57,8 +60,8 @@ class BodyLimitMiddleware:
         await self.app(scope, limited, send)
 
 
-def _too_large(limit: int) -> JSONResponse:
-    return JSONResponse(APIError(413, f"request body exceeds {limit} bytes").body(), status_code=413)
+def _too_large(limit: int) -> StrictJSONResponse:
+    return StrictJSONResponse(APIError(413, f"request body exceeds {limit} bytes").body(), status_code=413)
 
 
 def _is_type_tag(part: str) -> bool:
@@ -80,27 +83,34 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+    async def api_error(_: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, APIError)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return StrictJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    async def validation(_: Request, exc: Exception) -> JSONResponse:
+    async def validation(_: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, RequestValidationError)
         message, param = _validation_message(exc)
-        return JSONResponse(APIError(400, message, param=param).body(), status_code=400)
+        return StrictJSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(_: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, HTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = APIError(exc.status_code, str(exc.detail), type=kind).body()
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(_: Request, exc: Exception) -> StrictJSONResponse:
         logger.exception("unhandled error", exc_info=exc)
         body = APIError(500, "internal server error", type="server_error").body()
-        return JSONResponse(body, status_code=500)
+        return StrictJSONResponse(body, status_code=500)
+
+    async def bad_text(_: Request, exc: Exception) -> StrictJSONResponse:
+        # JSON escapes can carry lone surrogates ("\ud800"), which no encoder
+        # (tokenizer, database) accepts: the client's text, so a 400.
+        body = APIError(400, "strings must be valid Unicode text (no lone surrogates)", code="invalid_text").body()
+        return StrictJSONResponse(body, status_code=400)
 
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(UnicodeEncodeError, bad_text)
     app.add_exception_handler(RequestValidationError, validation)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)
@@ -112,7 +122,7 @@ async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callab
     try:
         info = await state.engine.start()
         if state.config.embedding_model:
-            state.embedder = await asyncio.to_thread(_load_embedder, state.config)
+            state.embedder = await asyncio.to_thread(_load_embedder, state)
     except (EngineStartupError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))
@@ -129,7 +139,11 @@ async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callab
     )
 
 
-def _load_embedder(config: ServerConfig) -> Any:
+def _load_embedder(state: ServerState) -> Any:
+    """The embedding model, or None when the bundled one's package is not
+    installed: embeddings are an optional part, so the server starts without
+    them (one log line; /v1/embeddings answers 404 saying why). A model the
+    user named by path must load, or startup fails."""
     from stoker.models.embedding import (
         BUNDLED_NAME,
         EmbeddingBatcher,
@@ -137,8 +151,17 @@ def _load_embedder(config: ServerConfig) -> Any:
         bundled_model_path,
     )
 
+    config = state.config
     name = config.embedding_model
-    path = bundled_model_path() if name == BUNDLED_NAME else name
+    if name == BUNDLED_NAME:
+        try:
+            path = bundled_model_path()
+        except FileNotFoundError as exc:
+            state.embeddings_disabled = f"embeddings are disabled: {exc}"
+            logger.warning("%s", state.embeddings_disabled)
+            return None
+    else:
+        path = str(name)
     return EmbeddingBatcher(EmbeddingModel(path), max_batch=config.embedding_batch_size)
 
 
@@ -183,7 +206,7 @@ def create_app(
             state.embedder.close()
         await engine.shutdown()
 
-    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.stoker = state
     install_error_handlers(app)
     for router in (health.router, openai.router, embeddings.router, tokens.router):
@@ -197,4 +220,5 @@ def create_app(
             raise
         module.install(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    openapi.install(app, state)
     return app

@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from stoker.config import EngineConfig
+from stoker.errors import StartupRefused
 from stoker.server.config import (
     EXTENSION_SKIP,
     ServerConfig,
@@ -27,13 +28,12 @@ from stoker.server.config import (
     extension_settings,
     load_yaml,
 )
-from stoker.server.hooks import StartupRefused
 
 logger = logging.getLogger("stoker.server")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
+    parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve",
         help="serve a model over an OpenAI-compatible HTTP API",
         description=__doc__,

@@ -10,8 +10,7 @@ request path, without the server knowing what they do.
   finished(record)           once per generation request, however it ended:
                              usage ledger, metrics, log line, trace.
 
-Anything raised that has .status and .body() (stoker.control.errors.ControlError,
-stoker.server.protocol.APIError) becomes that HTTP response.
+A stoker.errors.APIError raised by a hook becomes that HTTP response.
 """
 
 from __future__ import annotations
@@ -39,6 +38,10 @@ class AdmissionInfo:
     """Upper bound on generated tokens per sample."""
     n: int
     stream: bool
+    priority: int | str | None = None
+    """The body's `priority` as given (validated by the request model); None if absent."""
+    timeout: float | None = None
+    """The body's `timeout` in seconds; None if absent."""
 
 
 @dataclass
@@ -65,12 +68,6 @@ class FinishedRecord:
     engine_request_id: str | None = None
     """The engine's id for the request: request_id, suffixed if a client reused
     an id still in flight; "-<i>" is appended per prompt when there are several."""
-
-
-class StartupRefused(Exception):
-    """Raised by an extension's install() when its settings make serving
-    impossible (e.g. --require-auth without keys): `stoker serve` prints the
-    message and exits 2, as for a bad option, instead of a traceback."""
 
 
 BeforeHook = Callable[[Request], Awaitable[None]]

@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies (pydantic) and the error shape.
+"""OpenAI-compatible request bodies (pydantic) and helpers that build the one error type (stoker.errors.APIError).
 
 Request models ignore unknown fields, as OpenAI's own SDKs may send newer
 ones, but fields stoker knows and does not support are rejected by name.
@@ -11,36 +11,19 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from stoker.errors import APIError
+
 INT32 = 2**31 - 1
-Int = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-PosInt = Annotated[int, Field(ge=1, le=INT32)]
+# The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
+# 2**63 in a double, so a generator reading the schema as floats would overshoot).
+MAX_SEED = 2**63 - 1024
+Seed = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]
 NonNegInt = Annotated[int, Field(ge=0, le=INT32)]
-TokenId = Annotated[int, Field(ge=0, le=INT32)]
+# Tagged fields get the served model's limits in /openapi.json (server/openapi.py).
+TokenId = Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
+MaxTokens = Annotated[int, Field(ge=1, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})]
+ModelName = Annotated[str, Field(json_schema_extra={"x-stoker": "model"})]
 Float = Annotated[float, Field(allow_inf_nan=False)]
-
-
-class APIError(Exception):
-    """An error rendered as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -48,29 +31,17 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def unavailable(message: str) -> APIError:
-    return APIError(503, message, type="service_unavailable", code="engine_unavailable", headers={"Retry-After": "1"})
+    return APIError(503, message, type="service_unavailable", code="engine_unavailable", retry_after=1)
 
 
 def deadline_exceeded(request_id: str) -> APIError:
-    """504 for a request the engine dropped at its deadline before any token
-    was sent (same shape as stoker.control.policy.deadline_exceeded_error)."""
+    """504 for a request the engine dropped at its deadline before any token was sent."""
     return APIError(
         504,
         f"The request's deadline passed before it could be served (request {request_id}).",
         type="timeout",
         code="deadline_exceeded",
     )
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
 
 
 class _Request(BaseModel):
@@ -89,30 +60,61 @@ class _Request(BaseModel):
         return self
 
 
-class SamplingFields(_Request):
-    """Sampling fields shared by chat and completions (OpenAI names, then vLLM's extras)."""
+# Finite floats with OpenAI's and vLLM's ranges; the bounds appear in the OpenAPI schema.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+UnitOpen = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
+StopString = Annotated[str, Field(min_length=1)]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
+MAX_STOP_STRINGS = 64
+MAX_PRIORITY = 100
+MAX_TIMEOUT_S = 86400.0
 
-    model: str | None = None
+
+class SamplingFields(_Request):
+    """Sampling fields shared by chat and completions (OpenAI names, then vLLM's
+    extras), with the ranges OpenAI and vLLM accept. Everything the server
+    checks without knowing the model is declared here, so the OpenAPI schema
+    says what is accepted; what depends on the model (context length, vocabulary)
+    is checked when the request is built and answered 400 naming the field."""
+
+    model: ModelName | None = None
     """Model name; may be omitted when one model is served."""
     n: Annotated[int, Field(ge=1, le=64)] = 1
-    max_tokens: PosInt | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    seed: Int | None = None
-    stop: str | list[str] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: UnitOpen | None = None
+    seed: Seed | None = None
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: (
+        Annotated[
+            dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+            Field(json_schema_extra={"additionalProperties": False}),
+        ]
+        | None
+    ) = None
+    """Token id (as a string, as JSON keys are) to a bias added to its logit."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
     top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)] | None = None
-    min_tokens: NonNegInt = 0
+    """-1 or 0 disables top-k."""
+    min_p: Unit | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] = 0
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    # stoker's scheduling fields
+    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | Literal["interactive", "batch"] | None = None
+    """Lower is served first (0 interactive, 1 batch); a key's class caps how high a request may go."""
+    timeout: Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    """Seconds the request may take; the engine drops or aborts it after that (504 if nothing was sent)."""
 
 
 class StreamOptions(BaseModel):
@@ -134,13 +136,26 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
+class ResponseFormat(BaseModel):
+    """Only plain text: json_object and json_schema are not supported yet."""
+
+    type: Literal["text"]
+
+
 class ChatCompletionRequest(SamplingFields):
+    # top_logprobs needs logprobs: true (as OpenAI and vLLM); said in the schema too.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
+            "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+        }
+    )
+
     _unsupported: ClassVar[tuple[str, ...]] = (
         "tools",
         "tool_choice",
         "functions",
         "function_call",
-        "logit_bias",
         "audio",
         "prediction",
         # Prompt scoring is a /v1/completions feature (echo + logprobs there).
@@ -149,34 +164,39 @@ class ChatCompletionRequest(SamplingFields):
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: PosInt | None = None
+    max_completion_tokens: MaxTokens | None = None
     """Newer OpenAI name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported by this server")
         return self
 
 
 Prompt = (
-    str
-    | Annotated[list[str], Field(min_length=1)]
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
     | Annotated[list[TokenId], Field(min_length=1)]
     | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+)
+# The embedding model has a vocabulary of its own: its ids are not tagged.
+EmbeddingInput = (
+    str
+    | Annotated[list[str], Field(min_length=1)]
+    | Annotated[list[NonNegInt], Field(min_length=1)]
+    | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
 )
 
 
 class CompletionRequest(SamplingFields):
-    _unsupported: ClassVar[tuple[str, ...]] = ("suffix", "logit_bias")
+    _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt
-    max_tokens: NonNegInt | None = None
+    max_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] | None = None
     """0 (with echo) returns the prompt alone, e.g. to score it with logprobs."""
     echo: bool = False
     """Prepend the prompt to the text; with logprobs, the prompt tokens' logprobs too."""
@@ -196,27 +216,29 @@ class EmbeddingRequest(_Request):
     _unsupported: ClassVar[tuple[str, ...]] = ("dimensions",)
 
     model: str | None = None
-    input: Prompt
+    input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
     user: str | None = None
 
 
-class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+class TokenizeCompletionRequest(_Request):
+    model: ModelName | None = None
+    prompt: str
     add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Request):
+    model: ModelName | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
 
-    @model_validator(mode="after")
-    def _one_of(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self
+
+# vLLM's shape: a prompt or chat messages (the schema's anyOf says exactly that).
+TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
 class DetokenizeRequest(_Request):
-    model: str | None = None
+    model: ModelName | None = None
     tokens: list[TokenId]
 
 

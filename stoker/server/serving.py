@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -29,8 +28,10 @@ from stoker.engine.params import (
     RequestOutput,
     SamplingParams,
 )
+from stoker.errors import APIError
 from stoker.server.hooks import FinishedRecord
-from stoker.server.protocol import APIError, bad_request, unavailable
+from stoker.server.protocol import bad_request, unavailable
+from stoker.server.strict_json import dumps
 
 T = TypeVar("T")
 
@@ -111,7 +112,9 @@ class Job:
         )
 
 
-async def run_job(engine: AsyncEngineClient, job: Job, in_use: set[str]) -> AsyncIterator[tuple[int, EngineCoreOutput]]:
+async def run_job(
+    engine: AsyncEngineClient, job: Job, in_use: set[str]
+) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
     """Yield (prompt index, delta) for every prompt of the job, folding each
     delta into job.outputs. Several prompts run concurrently in the engine.
 
@@ -213,7 +216,8 @@ async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
 
 
 def sse(data: dict[str, Any] | str) -> str:
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    """One SSE event; raises APIError (500) for a value strict JSON cannot hold."""
+    payload = data if isinstance(data, str) else dumps(data)
     return f"data: {payload}\n\n"
 
 

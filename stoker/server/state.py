@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from stoker.engine.client import AsyncEngineClient
+from stoker.errors import APIError
 from stoker.server.config import ServerConfig
 from stoker.server.hooks import ServerHooks
-from stoker.server.protocol import APIError, unavailable
+from stoker.server.protocol import unavailable
 
 if TYPE_CHECKING:
     from stoker.models.embedding import EmbeddingBatcher
@@ -24,6 +25,8 @@ class ServerState:
     served_model_name: str | None = None
     """Set once the engine is loaded (the default comes from the model's file name)."""
     embedder: EmbeddingBatcher | None = None
+    embeddings_disabled: str | None = None
+    """Why no embedding model is served although one was configured (its package is missing)."""
     hooks: ServerHooks = field(default_factory=ServerHooks)
     loaded: bool = False
     """Engine loaded and warmed up once, embedding model loaded."""
@@ -67,7 +70,8 @@ class ServerState:
 
 
 def get_state(request: Request) -> ServerState:
-    return request.app.state.stoker
+    state: ServerState = request.app.state.stoker
+    return state
 
 
 async def run_before_hooks(request: Request) -> None:

@@ -94,7 +94,7 @@ def _assert_same(got: list[list[int]], want: list[list[int]]) -> None:
 
 def test_alone_and_together_and_cached(reference) -> None:
     prompts, want = reference
-    llm = LLM(dtype="float32", num_kv_blocks=512)
+    llm = LLM(dtype="float32", quantization="none", num_kv_blocks=512)
     _assert_same([_generate(llm, [p])[0] for p in prompts], want)
     llm.engine.reset_prefix_cache()
     _assert_same(_generate(llm, prompts), want)
@@ -105,7 +105,9 @@ def test_alone_and_together_and_cached(reference) -> None:
 
 def test_tiny_token_budget_chunks_prefill(reference) -> None:
     prompts, want = reference
-    llm = LLM(dtype="float32", num_kv_blocks=512, max_num_batched_tokens=24, enable_prefix_caching=False)
+    llm = LLM(
+        dtype="float32", quantization="none", num_kv_blocks=512, max_num_batched_tokens=24, enable_prefix_caching=False
+    )
     _assert_same(_generate(llm, prompts), want)
     assert llm.engine.stats().steps > len(prompts) * NEW_TOKENS // 8
 
@@ -113,6 +115,6 @@ def test_tiny_token_budget_chunks_prefill(reference) -> None:
 def test_tiny_kv_cache_preempts(reference) -> None:
     prompts, want = reference
     longest = max(len(p) for p in prompts) + NEW_TOKENS
-    llm = LLM(dtype="float32", num_kv_blocks=-(-longest // 16) + 8, enable_prefix_caching=False)
+    llm = LLM(dtype="float32", quantization="none", num_kv_blocks=-(-longest // 16) + 8, enable_prefix_caching=False)
     _assert_same(_generate(llm, prompts), want)
     assert llm.engine.stats().num_preemptions > 0

@@ -19,6 +19,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from sqlalchemy import func, select
 
+from stoker.control.admin import router as admin_router
 from stoker.control.auth import require_key, require_metrics_access
 from stoker.control.db import usage
 from stoker.control.errors import install_error_handler
@@ -27,7 +28,6 @@ from stoker.control.plane import AuthRequiredButNoKeys, ControlPlane, ControlSet
 from stoker.engine.params import EngineStats, RequestTimes
 from stoker.observe.logs import RequestIdMiddleware, RequestLogger
 from stoker.observe.tracing import RequestTracer
-from stoker.server.routes.admin import router as admin_router
 
 
 def make_app(plane: ControlPlane) -> FastAPI:

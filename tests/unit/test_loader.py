@@ -246,3 +246,21 @@ def test_tiny_gguf(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert (tmp_path / "cache" / "gguf").is_dir()
     bf16 = load_model(str(path), torch.bfloat16)
     assert bf16.weights["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_tiny_gguf_auto_keeps_quantized_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """quantization="auto": the Q8_0 token_embd stays raw blocks equal to its round trip; F32 tensors as before."""
+    from gguf import GGMLQuantizationType
+
+    from stoker.models.quant.weights import GGMLTensor
+
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "Tiny-llama-Q8_0.gguf"
+    expected = write_tiny_gguf(path, "llama")
+    loaded = load_model(str(path), torch.float32, "cpu", "auto")
+    embed = loaded.weights["model.embed_tokens.weight"]
+    assert isinstance(embed, GGMLTensor) and embed.qtype == GGMLQuantizationType.Q8_0
+    assert torch.equal(embed.dequantize(), expected["model.embed_tokens.weight"])
+    for name, tensor in expected.items():
+        if name != "model.embed_tokens.weight":
+            assert torch.equal(loaded.weights[name], tensor), name  # type: ignore[arg-type]

@@ -118,7 +118,9 @@ def test_min_tokens_masked_ids_never_sampled() -> None:
 def hf_mask(x: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
-    z = x.unsqueeze(0) / temperature
+    # float64: transformers' float32 cumsum over a large vocabulary rounds
+    # by ~1e-6, which moves its cut by a token in a flat tail (5.x does).
+    z = x.double().unsqueeze(0) / temperature
     if top_k > 0:
         z = TopKLogitsWarper(top_k)(None, z)
     if top_p < 1.0:
@@ -148,7 +150,17 @@ def test_top_p_widens_its_net_for_a_long_tail() -> None:
     rows = [row(top_p=0.9), row(top_p=0.9)]
     z = _shaped_probs(x.clone(), rows, [0, 1])
     for i in range(2):
+        assert torch.equal(z[i] > 0, exact_top_p_mask(x[i], 0.9))
         assert torch.equal(z[i] > 0, hf_mask(x[i], 1.0, 0, 0.9))
+
+
+def exact_top_p_mask(x: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, in float64: a token stays while the mass strictly before it is below top_p."""
+    p = torch.softmax(x.double(), -1)
+    s, idx = p.sort(descending=True, stable=True)
+    keep = torch.zeros_like(p, dtype=torch.bool)
+    keep[idx[s.cumsum(0) - s < top_p]] = True
+    return keep
 
 
 def test_invert_cdf_edges() -> None:
@@ -229,3 +241,99 @@ def test_mixed_batch_greedy_rows_stay_exact() -> None:
     out = Sampler()(x, rows)
     for i in range(1, 6, 2):
         assert out[i].token_id == int(x[i].argmax())
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"repetition_penalty": 5e-324},
+        {"repetition_penalty": 1e308},
+        {"repetition_penalty": 5e-324, "temperature": 1e-5},
+        {"repetition_penalty": 1e308, "temperature": 1e300, "top_p": 5e-324},
+        {"min_p": 5e-324, "presence_penalty": 2.0, "frequency_penalty": -2.0},
+        {"min_p": 1.0, "top_k": 1, "temperature": 2.0},
+    ],
+)
+def test_extreme_parameters_keep_the_math_finite(extreme: dict[str, float]) -> None:
+    # Every token of the prompt seen, some with negative logits: a tiny penalty
+    # divides positive logits by 5e-324, a huge one multiplies negative ones by 1e308.
+    x = logits(4, scale=50.0)
+    rows = [row(list(range(VOCAB)), [1, 1, 2], seed=i, logprobs=5, **extreme) for i in range(3)]
+    rows.append(row(list(range(VOCAB)), [3], logprobs=0, **{**extreme, "temperature": 0.0}))
+    for o in Sampler()(x, rows):
+        assert 0 <= o.token_id < VOCAB
+        lp = o.logprob
+        assert lp is not None
+        values = [lp.logprob, *(v for _, v in lp.top)]
+        assert not any(math.isnan(v) for v in values), values
+        assert all(v <= 0.0 for v in values) and math.isfinite(lp.logprob), values
+
+
+def test_logit_bias_is_added_before_penalties_and_shows_in_logprobs() -> None:
+    x = logits(3)
+    rows = [
+        row(temperature=0.0, logit_bias={7: 100.0}),
+        row(temperature=1.0, seed=3, logit_bias={int(x[1].argmax()): -100.0, 9: 100.0}, logprobs=1),
+        row(temperature=0.0, logit_bias={5: 100.0}, repetition_penalty=1e9, output=[5], logprobs=0),
+    ]
+    out = Sampler()(x, rows)
+    assert out[0].token_id == 7
+    assert out[1].token_id == 9 and out[1].logprob is not None and out[1].logprob.top[0][0] == 9
+    # Bias first, then the penalty: 5 got +100, then was divided by 1e9.
+    assert out[2].token_id != 5
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 100.5})
+
+
+# ---- seeds through the engine (tiny random model, float32) -----------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from tiny_models import make_tiny_hf_model
+
+    return str(make_tiny_hf_model("llama", tmp_path_factory.mktemp("sampler-seed")))
+
+
+def _tokens(outputs: list, i: int = 0) -> list[int]:
+    return list(outputs[i].outputs[0].token_ids)
+
+
+def test_seeded_request_gives_the_same_tokens_alone_and_in_any_batch(tiny_model: str) -> None:
+    from stoker.engine.llm import LLM
+
+    llm = LLM(tiny_model, dtype="float32", num_kv_blocks=256)
+    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=24, ignore_eos=True)
+    prompt = "The quick brown fox"
+    alone = _tokens(llm.generate(prompt, seeded))
+    others = [
+        ("Once upon a time in a land far away", SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)),
+        ("1 2 3", SamplingParams(temperature=0.0, max_tokens=5)),
+        ("Hello", SamplingParams(temperature=0.7, top_p=0.8, seed=5, max_tokens=12, ignore_eos=True)),
+    ]
+    batch = llm.generate(
+        [others[0][0], prompt, others[1][0], others[2][0]], [others[0][1], seeded, *[p for _, p in others[1:]]]
+    )
+    assert _tokens(batch, 1) == alone
+    assert len(set(alone)) > 1  # really sampled, not a constant
+    # n samples of one seeded request differ from each other but are each reproducible.
+    two = llm.generate(prompt, SamplingParams(temperature=1.0, seed=1234, n=2, max_tokens=24, ignore_eos=True))[0]
+    assert list(two.outputs[0].token_ids) == alone and list(two.outputs[1].token_ids) != alone
+
+
+def test_server_seed_makes_unseeded_requests_reproducible(tiny_model: str) -> None:
+    from stoker.engine.llm import LLM
+
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    prompts = ["The quick brown fox", "The quick brown fox", "Once upon a time"]
+
+    def run(seed: int) -> list[list[int]]:
+        llm = LLM(tiny_model, dtype="float32", num_kv_blocks=256, seed=seed)
+        first = llm.generate(prompts, params)
+        second = llm.generate(prompts[0], params)  # later requests draw later seeds
+        return [_tokens(first, i) for i in range(3)] + [_tokens(second)]
+
+    a, b, c = run(7), run(7), run(8)
+    assert a == b
+    assert a != c
+    assert a[0] != a[1] != a[3]  # identical unseeded requests still differ

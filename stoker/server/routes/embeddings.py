@@ -9,9 +9,9 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from stoker.errors import APIError
 from stoker.server.hooks import AdmissionInfo, FinishedRecord
 from stoker.server.protocol import (
-    APIError,
     EmbeddingRequest,
     bad_request,
     flatten_prompts,
@@ -31,7 +31,9 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     if embedder is None:
         if not state.loaded:
             raise unavailable("the model is still loading")
-        raise APIError(404, "no embedding model is served", param="model", code="model_not_found")
+        raise APIError(
+            404, state.embeddings_disabled or "no embedding model is served", param="model", code="model_not_found"
+        )
     if body.model is not None and body.model != embedder.name:
         raise APIError(
             404,

@@ -6,10 +6,10 @@ import dataclasses
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 
 import stoker
 from stoker.server.state import get_state
+from stoker.server.strict_json import StrictJSONResponse
 
 router = APIRouter()
 
@@ -21,7 +21,7 @@ async def health() -> dict[str, str]:
 
 
 @router.get("/ready")
-async def ready(request: Request) -> JSONResponse:
+async def ready(request: Request) -> StrictJSONResponse:
     """Ready: model loaded, warm-up done, engine alive, not draining. 503 otherwise.
     The body tells why, with the engine's latest load snapshot."""
     state = get_state(request)
@@ -38,7 +38,7 @@ async def ready(request: Request) -> JSONResponse:
     }
     if state.startup_error:
         body["error"] = state.startup_error
-    return JSONResponse(body, status_code=200 if state.ready else 503)
+    return StrictJSONResponse(body, status_code=200 if state.ready else 503)
 
 
 @router.get("/version")

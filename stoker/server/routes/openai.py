@@ -8,7 +8,7 @@ from typing import Any
 
 import jinja2
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from stoker.engine.client import EngineUnavailableError
 from stoker.engine.params import (
@@ -17,15 +17,16 @@ from stoker.engine.params import (
     SamplingParams,
     TokenLogprob,
 )
+from stoker.errors import APIError
 from stoker.server.hooks import AdmissionInfo
 from stoker.server.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     bad_request,
     deadline_exceeded,
     flatten_prompts,
+    unavailable,
 )
 from stoker.server.serving import (
     ClientDisconnected,
@@ -37,6 +38,7 @@ from stoker.server.serving import (
     until_disconnect,
 )
 from stoker.server.state import ServerState, get_state, run_before_hooks
+from stoker.server.strict_json import StrictJSONResponse
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
@@ -58,11 +60,12 @@ def sampling_params(
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             seed=body.seed,
-            stop=body.stop or [],
+            stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
             stop_token_ids=body.stop_token_ids or [],
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
+            logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
             prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
@@ -115,12 +118,20 @@ async def run(
     render_delta: Any,
     render_final: Any,
     obj: str,
+    fields: SamplingFields,
 ) -> Response:
     job.request_id = request_id_for(request) or job.request_id
     await state.hooks.run_admit(
         request,
         AdmissionInfo(
-            job.endpoint, job.model, sum(map(len, job.prompts)), job.params.max_tokens or 0, job.params.n, stream
+            job.endpoint,
+            job.model,
+            sum(map(len, job.prompts)),
+            job.params.max_tokens or 0,
+            job.params.n,
+            stream,
+            priority=fields.priority,
+            timeout=fields.timeout,
         ),
     )
     job.priority = getattr(request.state, "priority", job.priority)
@@ -155,8 +166,13 @@ async def run(
     if not stream:
         # A deadline that passed during generation ends the samples with
         # finish_reason "abort"; the answer keeps what was generated.
+        try:
+            response = StrictJSONResponse(render_final(job))
+        except APIError as exc:
+            state.hooks.run_finished(job.record(exc.status, exc.message, False, request))
+            raise
         state.hooks.run_finished(job.record(200, "deadline" if job.deadline_missed else None, False, request))
-        return JSONResponse(render_final(job))
+        return response
     prefix = "chatcmpl" if job.endpoint == "chat" else "cmpl"
     head = {"id": f"{prefix}-{job.request_id}", "object": obj, "created": job.created, "model": job.model}
     outcome: dict[str, Any] = {"status": 200, "error": None}
@@ -172,16 +188,10 @@ async def run(
                 yield sse({**head, "choices": [], "usage": job.usage()})
         except EngineUnavailableError as exc:
             outcome["error"] = str(exc)
-            yield sse(
-                {
-                    "error": {
-                        "message": str(exc),
-                        "type": "service_unavailable",
-                        "param": None,
-                        "code": "engine_unavailable",
-                    }
-                }
-            )
+            yield sse(unavailable(str(exc)).body())
+        except APIError as exc:  # an event strict JSON could not encode: end the stream with the error
+            outcome["error"] = exc.message
+            yield sse(exc.body())
         finally:
             await events.aclose()
         yield "data: [DONE]\n\n"
@@ -199,13 +209,23 @@ async def run(
 # ---- chat ------------------------------------------------------------------
 
 
+LOGPROB_FLOOR = -9999.0
+"""What a token the request could not sample (logprob -inf) reads as: JSON has
+no infinity, and vLLM writes the same number."""
+
+
+def finite_logprob(value: float) -> float:
+    """-inf as LOGPROB_FLOOR; NaN is left to the strict encoder to refuse loudly."""
+    return LOGPROB_FLOOR if value < LOGPROB_FLOOR else value
+
+
 def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if items is None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = state.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode())}
 
     return {
         "content": [{**entry(i.token_id, i.logprob), "top_logprobs": [entry(t, lp) for t, lp in i.top]} for i in items]
@@ -270,6 +290,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         render_delta,
         render_final,
         "chat.completion.chunk" if body.stream else "chat.completion",
+        body,
     )
 
 
@@ -290,8 +311,8 @@ def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, of
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [i.logprob for i in items],
-        "top_logprobs": [{state.token_text(t): lp for t, lp in i.top} for i in items],
+        "token_logprobs": [finite_logprob(i.logprob) for i in items],
+        "top_logprobs": [{state.token_text(t): finite_logprob(lp) for t, lp in i.top} for i in items],
         "text_offset": offsets,
     }
 
@@ -417,7 +438,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             "usage": job.usage(),
         }
 
-    return await run(request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion")
+    return await run(
+        request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion", body
+    )
 
 
 __all__ = ["APIError", "router"]

@@ -7,7 +7,7 @@ from typing import Any
 import jinja2
 from fastapi import APIRouter, Depends, Request
 
-from stoker.server.protocol import DetokenizeRequest, TokenizeRequest, bad_request
+from stoker.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, bad_request
 from stoker.server.state import get_state, run_before_hooks
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
@@ -45,7 +45,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state = get_state(request)
     state.check_model(body.model)
     tokenizer = state.engine.tokenizer
-    if body.messages is not None:
+    if isinstance(body, TokenizeChatRequest):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             tokens = tokenizer.apply_chat_template(
@@ -54,7 +54,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         except (ValueError, jinja2.TemplateError) as exc:
             raise bad_request(str(exc), param="messages") from None
     else:
-        tokens = tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
 
 

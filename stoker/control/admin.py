@@ -9,33 +9,37 @@ DELETE /admin/keys/{id}     revoke (effective at once in this server)
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.concurrency import run_in_threadpool
 
 from stoker.control.auth import get_plane, require_admin
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
 from stoker.control.plane import ControlPlane
+from stoker.errors import APIError
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 AdminKey = Annotated[ApiKey, Depends(require_admin)]
+MAX_LIMIT = 2**53
 
 
 class CreateKey(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    rpm: int | None = Field(None, ge=1)
-    tpm: int | None = Field(None, ge=1)
-    max_concurrent: int | None = Field(None, ge=1)
-    budget_tokens: int | None = Field(None, ge=1)
+    # Bounded so every value fits the database's 64-bit integers.
+    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    budget_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
     budget_period: Literal["day", "month"] = "month"
     priority: Literal["interactive", "batch"] = "interactive"
     models: list[str] | None = None
-    expires_at: float | None = Field(None, description="Unix time (seconds) after which the key stops working.")
+    expires_at: float | None = Field(
+        None, gt=0, le=1e11, allow_inf_nan=False, description="Unix time (seconds) after which the key stops working."
+    )
     admin: bool = False
 
 
@@ -43,32 +47,32 @@ async def _existing_key(plane: ControlPlane, key_id: str) -> ApiKey:
     """The key with this id, or a 404 naming it."""
     key = await run_in_threadpool(plane.keys.get, key_id)
     if key is None:
-        raise ControlError(404, f"No API key with id '{key_id}'.", "invalid_request_error", code="key_not_found")
+        raise APIError(404, f"No API key with id '{key_id}'.", "invalid_request_error", code="key_not_found")
     return key
 
 
 @router.post("/keys", status_code=201)
-async def create_key(body: CreateKey, request: Request, _admin: AdminKey) -> dict:
+async def create_key(body: CreateKey, request: Request, _admin: AdminKey) -> dict[str, Any]:
     plane = get_plane(request)
     if body.expires_at is not None and body.expires_at <= time.time():
-        raise ControlError(
+        raise APIError(
             400, "expires_at is in the past.", "invalid_request_error", code="invalid_value", param="expires_at"
         )
     try:
         key, secret = await run_in_threadpool(lambda: plane.keys.create(**body.model_dump()))
     except ValueError as exc:
-        raise ControlError(400, str(exc), "invalid_request_error", code="invalid_value") from None
+        raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
     return {**key.public(), "secret": secret}
 
 
 @router.get("/keys")
-async def list_keys(request: Request, _admin: AdminKey) -> dict:
+async def list_keys(request: Request, _admin: AdminKey) -> dict[str, Any]:
     keys = await run_in_threadpool(get_plane(request).keys.list_keys)
     return {"object": "list", "data": [k.public() for k in keys]}
 
 
 @router.get("/keys/{key_id}")
-async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
+async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict[str, Any]:
     plane = get_plane(request)
     key = await _existing_key(plane, key_id)
     usage = await run_in_threadpool(plane.ledger.key_report, key.id, key.budget_period, key.budget_tokens)
@@ -76,7 +80,7 @@ async def show_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
 
 
 @router.delete("/keys/{key_id}")
-async def revoke_key(key_id: str, request: Request, _admin: AdminKey) -> dict:
+async def revoke_key(key_id: str, request: Request, _admin: AdminKey) -> dict[str, Any]:
     plane = get_plane(request)
     await _existing_key(plane, key_id)
     revoked = await run_in_threadpool(plane.keys.revoke, key_id)

@@ -1,0 +1,631 @@
+/* Matrix products straight from GGUF (ggml) quantized weight blocks, for CPUs.
+ *
+ * The weights stay in their GGUF block layout; each row of x is quantized on
+ * the fly, as llama.cpp's CPU backend does: per 32 elements to int8 with an
+ * fp32 scale (plus the scaled block sum for the types with a min term), or per
+ * 256 elements to Q8_K (int8, fp32 scale, int16 sums of 16) for the K-quants.
+ * Within a block the products are integers (exact); across blocks they are
+ * summed in fp32 in block order.
+ *
+ * Batch invariance: output (i, j) is always computed by one call of the tile
+ * kernel, whose instruction sequence for one (i, j) pair does not depend on the
+ * tile's shape (MR rows of x by NR rows of W just interleave MR * NR such
+ * sequences sharing loads) nor on where the tile sits or which thread runs it.
+ * So y[i, j] is bit-identical whatever m, the tiling and the thread count. This
+ * needs the compiler to keep float operations as written: the library is built
+ * with -ffp-contract=off and without -fassociative-math.
+ *
+ * One source, built once per ISA level with explicit -m flags by
+ * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
+ * trick), AVX-VNNI and AVX-512 VNNI (vpdpbusd on 256-bit vectors).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "bf16.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_ISA 3
+#elif defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_ISA 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define QUANT_ISA 1
+#else
+#define QUANT_ISA 0
+#endif
+#define QUANT_SIMD (QUANT_ISA > 0)
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* GGMLQuantizationType values. */
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+/* Tile: MR rows of x by NR rows of W. */
+#define MR_MAX 4
+#define NR_MAX 2
+/* Rows of quantized x revisited per sweep over a thread's weight rows, so they stay in L2. */
+#define M_CHUNK 128
+
+int ggml_quant_isa(void) { return QUANT_ISA; }
+
+ALWAYS_INLINE int block_elems(int type) { return type >= Q4_K ? 256 : 32; }
+
+int ggml_quant_type_size(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q5_1: return 24;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+ALWAYS_INLINE float fp16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+#if QUANT_SIMD
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t u;
+    if (exp == 0) {
+        const float f = (float)man * 5.9604644775390625e-08f; /* man * 2^-24: exact */
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (exp == 31) {
+        u = sign | 0x7F800000u | (man << 13);
+    } else {
+        u = sign | ((exp + 112u) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+#endif
+}
+
+/* The K-quants' 6-bit sub-block scale and min j (0..7), packed in 12 bytes. */
+ALWAYS_INLINE void scale_min_k4(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* ---- quantized activations ------------------------------------------------ */
+
+typedef struct {
+    int8_t *qs;     /* [m, k] */
+    float *d;       /* [m, k / block] scales */
+    float *s;       /* [m, k / 32] d * sum(qs) per block (types with a min term) */
+    int16_t *bsums; /* [m, k / 16] sums of 16 (K-quants) */
+    int k;
+} xq_t;
+
+/* Round half to even for |v| < 2^22, without libm: the same result as
+ * vroundps/rint in the default rounding mode. */
+ALWAYS_INLINE float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
+
+static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, const xq_t *xq) {
+    const int nb = k / be;
+    int8_t *qs = xq->qs + row * (size_t)k;
+    for (int b = 0; b < nb; b++) {
+        float v[256];
+        float amax = 0.f;
+        for (int e = 0; e < be; e++) {
+            const size_t idx = row * (size_t)k + (size_t)b * be + e;
+            v[e] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[idx]) : ((const float *)x)[idx];
+            const float a = v[e] < 0.f ? -v[e] : v[e];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int e = 0; e < be; e++) {
+            float r = round_even(v[e] * id);
+            r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+            qs[b * be + e] = (int8_t)r;
+            sum += (int8_t)r;
+        }
+        xq->d[row * (size_t)nb + b] = d;
+        if (be == 32) {
+            xq->s[row * (size_t)nb + b] = d * (float)sum;
+        } else {
+            for (int g = 0; g < 16; g++) {
+                int gs = 0;
+                for (int e = 0; e < 16; e++) gs += qs[b * be + g * 16 + e];
+                xq->bsums[row * (size_t)(k / 16) + b * 16 + g] = (int16_t)gs;
+            }
+        }
+    }
+}
+
+/* ---- ISA primitives: 32 quant values, their integer dot with 32 int8 of x,
+ *      and the fp32 accumulator ------------------------------------------- */
+
+#if QUANT_SIMD
+typedef __m256i vq_t;
+typedef __m256i isum_t;
+typedef __m256 acc_t;
+
+ALWAYS_INLINE vq_t nibbles32(const uint8_t *qs) { /* 16 bytes: low nibbles are 0..15, high 16..31 */
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+ALWAYS_INLINE vq_t with_high_bits(vq_t q, const uint8_t *qh) { /* bit j of the u32 -> 0x10 in byte j */
+    uint32_t h;
+    memcpy(&h, qh, sizeof h);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                            3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_or_si256(q, _mm256_and_si256(v, _mm256_set1_epi8(0x10)));
+}
+ALWAYS_INLINE vq_t minus(vq_t q, int c) { return _mm256_sub_epi8(q, _mm256_set1_epi8((char)c)); }
+ALWAYS_INLINE vq_t load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+ALWAYS_INLINE vq_t abs32(vq_t q) { return _mm256_sign_epi8(q, q); }
+
+/* Sum of u8 * s8 products, four adjacent pairs per int32 lane. */
+ALWAYS_INLINE isum_t dot_u8s8(__m256i u, __m256i s) {
+#if QUANT_ISA == 3
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif QUANT_ISA == 2
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+/* Signed weights: |w| as the unsigned operand, x takes w's sign. */
+ALWAYS_INLINE isum_t dot_signed(vq_t q, vq_t aq, const int8_t *x) {
+    return dot_u8s8(aq, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)x), q));
+}
+ALWAYS_INLINE isum_t dot_unsigned(vq_t q, const int8_t *x) {
+    return dot_u8s8(q, _mm256_loadu_si256((const __m256i *)x));
+}
+/* Unsigned weights times x, each 16-bit pair sum weighted by the int16 in `scales`. */
+ALWAYS_INLINE isum_t dot_scaled(vq_t q, const int8_t *x, __m256i scales) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)x)), scales);
+}
+ALWAYS_INLINE isum_t isum_zero(void) { return _mm256_setzero_si256(); }
+ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return _mm256_add_epi32(a, b); }
+ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return _mm256_sub_epi32(a, _mm256_setr_epi32(v, 0, 0, 0, 0, 0, 0, 0)); }
+ALWAYS_INLINE acc_t acc_zero(void) { return _mm256_setzero_ps(); }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(p), acc);
+}
+ALWAYS_INLINE float acc_total(acc_t v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+/* Q6_K's two int16 scales per 32 values: lower 16 take lo, upper 16 take hi. */
+ALWAYS_INLINE __m256i scales_pair(int lo, int hi) {
+    return _mm256_set_m128i(_mm_set1_epi16((short)hi), _mm_set1_epi16((short)lo));
+}
+ALWAYS_INLINE __m256i scale_one(int s) { return _mm256_set1_epi16((short)s); }
+ALWAYS_INLINE vq_t q6_chunk(const uint8_t *ql, const uint8_t *qh, int hi_nibble, int shift) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+    __m256i lo = _mm256_loadu_si256((const __m256i *)ql);
+    if (hi_nibble) lo = _mm256_srli_epi16(lo, 4);
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), shift), m2);
+    return _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(h, 4));
+}
+ALWAYS_INLINE vq_t q5k_chunk(const uint8_t *qs, const uint8_t *qh, int hi_nibble, int bit) {
+    __m256i lo = _mm256_loadu_si256((const __m256i *)qs);
+    if (hi_nibble) lo = _mm256_srli_epi16(lo, 4);
+    lo = _mm256_and_si256(lo, _mm256_set1_epi8(0x0F));
+    if (!qh) return lo;
+    const __m256i h = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)qh), bit),
+                                       _mm256_set1_epi8(0x01));
+    return _mm256_or_si256(lo, _mm256_slli_epi16(h, 4));
+}
+
+#else /* portable */
+typedef struct {
+    int8_t v[32];
+} vq_t;
+typedef int32_t isum_t;
+typedef float acc_t;
+
+ALWAYS_INLINE vq_t nibbles32(const uint8_t *qs) {
+    vq_t q;
+    for (int j = 0; j < 16; j++) {
+        q.v[j] = (int8_t)(qs[j] & 0x0F);
+        q.v[j + 16] = (int8_t)(qs[j] >> 4);
+    }
+    return q;
+}
+ALWAYS_INLINE vq_t with_high_bits(vq_t q, const uint8_t *qh) {
+    uint32_t h;
+    memcpy(&h, qh, sizeof h);
+    for (int j = 0; j < 32; j++) q.v[j] = (int8_t)(q.v[j] | (((h >> j) & 1u) << 4));
+    return q;
+}
+ALWAYS_INLINE vq_t minus(vq_t q, int c) {
+    for (int j = 0; j < 32; j++) q.v[j] = (int8_t)(q.v[j] - c);
+    return q;
+}
+ALWAYS_INLINE vq_t load32(const uint8_t *p) {
+    vq_t q;
+    memcpy(q.v, p, 32);
+    return q;
+}
+ALWAYS_INLINE vq_t abs32(vq_t q) { return q; }
+ALWAYS_INLINE isum_t dot_plain(const vq_t *q, const int8_t *x, int from, int to) {
+    int32_t s = 0;
+    for (int j = from; j < to; j++) s += (int32_t)q->v[j] * x[j];
+    return s;
+}
+ALWAYS_INLINE isum_t dot_signed(vq_t q, vq_t aq, const int8_t *x) {
+    (void)aq;
+    return dot_plain(&q, x, 0, 32);
+}
+ALWAYS_INLINE isum_t dot_unsigned(vq_t q, const int8_t *x) { return dot_plain(&q, x, 0, 32); }
+typedef struct {
+    int lo, hi;
+} scales_t;
+ALWAYS_INLINE isum_t dot_scaled(vq_t q, const int8_t *x, scales_t sc) {
+    return sc.lo * dot_plain(&q, x, 0, 16) + sc.hi * dot_plain(&q, x, 16, 32);
+}
+ALWAYS_INLINE isum_t isum_zero(void) { return 0; }
+ALWAYS_INLINE isum_t isum_add(isum_t a, isum_t b) { return a + b; }
+ALWAYS_INLINE isum_t isum_sub_scalar(isum_t a, int32_t v) { return a - v; }
+ALWAYS_INLINE acc_t acc_zero(void) { return 0.f; }
+ALWAYS_INLINE acc_t acc_add(acc_t acc, float scale, isum_t p) { return acc + scale * (float)p; }
+ALWAYS_INLINE float acc_total(acc_t v) { return v; }
+ALWAYS_INLINE scales_t scales_pair(int lo, int hi) { return (scales_t){lo, hi}; }
+ALWAYS_INLINE scales_t scale_one(int s) { return (scales_t){s, s}; }
+ALWAYS_INLINE vq_t q6_chunk(const uint8_t *ql, const uint8_t *qh, int hi_nibble, int shift) {
+    vq_t q;
+    for (int l = 0; l < 32; l++) {
+        const int lo = hi_nibble ? ql[l] >> 4 : ql[l] & 0x0F;
+        q.v[l] = (int8_t)(lo | (((qh[l] >> shift) & 3) << 4));
+    }
+    return q;
+}
+ALWAYS_INLINE vq_t q5k_chunk(const uint8_t *qs, const uint8_t *qh, int hi_nibble, int bit) {
+    vq_t q;
+    for (int l = 0; l < 32; l++) {
+        const int lo = hi_nibble ? qs[l] >> 4 : qs[l] & 0x0F;
+        q.v[l] = (int8_t)(lo | (qh ? ((qh[l] >> bit) & 1) << 4 : 0));
+    }
+    return q;
+}
+#endif
+
+#if QUANT_SIMD
+typedef __m256i scales_t;
+#endif
+
+/* ---- one weight block, unpacked once per tile and reused for its MR rows of x */
+
+typedef struct {
+    vq_t q, aq; /* quant values (signed types: centred), |q| for the sign trick */
+    float d, m;
+} w32_t;
+
+ALWAYS_INLINE int is_signed32(int type) { return type == Q4_0 || type == Q5_0 || type == Q8_0; }
+
+ALWAYS_INLINE void unpack32(const int type, const uint8_t *b, w32_t *w) {
+    w->d = fp16_at(b);
+    w->m = 0.f;
+    switch (type) {
+    case Q4_0: w->q = minus(nibbles32(b + 2), 8); break;
+    case Q4_1: w->m = fp16_at(b + 2); w->q = nibbles32(b + 4); break;
+    case Q5_0: w->q = minus(with_high_bits(nibbles32(b + 6), b + 2), 16); break;
+    case Q5_1: w->m = fp16_at(b + 2); w->q = with_high_bits(nibbles32(b + 8), b + 4); break;
+    default: w->q = load32(b + 2); break; /* Q8_0 */
+    }
+    if (is_signed32(type)) w->aq = abs32(w->q);
+}
+
+typedef struct {
+    vq_t q[8];        /* 256 unsigned quant values, 32 per entry */
+    scales_t sc[8];   /* the integer scale(s) of each entry's values */
+    int16_t sc16[16]; /* Q6_K: signed scale per 16 values (its -32 offset goes through bsums) */
+    int32_t mins[8];  /* Q4_K, Q5_K: 6-bit min per 32 values */
+    float d, dmin;
+} wk_t;
+
+ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
+    if (type == Q6_K) {
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        w->d = fp16_at(b + 208);
+        w->dmin = 0.f;
+        for (int h = 0; h < 2; h++) {
+            for (int c = 0; c < 4; c++) {
+                w->q[4 * h + c] = q6_chunk(ql + 64 * h + 32 * (c & 1), qh + 32 * h, c >> 1, 2 * c);
+                w->sc[4 * h + c] = scales_pair(sc[8 * h + 2 * c], sc[8 * h + 2 * c + 1]);
+            }
+        }
+        for (int g = 0; g < 16; g++) w->sc16[g] = sc[g];
+        return;
+    }
+    /* Q4_K, Q5_K */
+    const uint8_t *scales = b + 4, *qh = type == Q5_K ? b + 16 : NULL, *qs = type == Q5_K ? b + 48 : b + 16;
+    w->d = fp16_at(b);
+    w->dmin = fp16_at(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int sc, mn;
+        scale_min_k4(scales, j, &sc, &mn);
+        w->q[j] = q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
+        w->sc[j] = scale_one(sc);
+        w->mins[j] = mn;
+    }
+}
+
+/* ---- tile kernels ---------------------------------------------------------- */
+
+ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
+                          const xq_t *xq, size_t i0, float *res) {
+    const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
+    const int has_min = type == Q4_1 || type == Q5_1;
+    acc_t acc[MR_MAX][NR_MAX];
+    float mn[MR_MAX][NR_MAX];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            acc[i][j] = acc_zero();
+            mn[i][j] = 0.f;
+        }
+    for (int b = 0; b < nb; b++) {
+        w32_t wb[NR_MAX];
+        for (int j = 0; j < NR; j++) unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        for (int i = 0; i < MR; i++) {
+            const size_t row = i0 + i;
+            const int8_t *x = xq->qs + row * k + (size_t)b * 32;
+            const float dx = xq->d[row * nb + b];
+            for (int j = 0; j < NR; j++) {
+                const isum_t p = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
+                acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
+                if (has_min) mn[i][j] += wb[j].m * xq->s[row * nb + b];
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) res[i * NR_MAX + j] = has_min ? acc_total(acc[i][j]) + mn[i][j] : acc_total(acc[i][j]);
+}
+
+ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
+                         const xq_t *xq, size_t i0, float *res) {
+    const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 256;
+    acc_t acc[MR_MAX][NR_MAX];
+    float mn[MR_MAX][NR_MAX];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) {
+            acc[i][j] = acc_zero();
+            mn[i][j] = 0.f;
+        }
+    for (int b = 0; b < nb; b++) {
+        wk_t wb[NR_MAX];
+        for (int j = 0; j < NR; j++) unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
+        for (int i = 0; i < MR; i++) {
+            const size_t row = i0 + i;
+            const int8_t *x = xq->qs + row * k + (size_t)b * 256;
+            const int16_t *bs = xq->bsums + row * (k / 16) + (size_t)b * 16;
+            const float dx = xq->d[row * nb + b];
+            for (int j = 0; j < NR; j++) {
+                isum_t p = isum_zero();
+                for (int c = 0; c < 8; c++) p = isum_add(p, dot_scaled(wb[j].q[c], x + 32 * c, wb[j].sc[c]));
+                if (type == Q6_K) {
+                    int32_t off = 0;
+                    for (int g = 0; g < 16; g++) off += wb[j].sc16[g] * bs[g];
+                    p = isum_sub_scalar(p, 32 * off);
+                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
+                } else {
+                    int32_t summ = 0;
+                    for (int s = 0; s < 8; s++) summ += wb[j].mins[s] * (bs[2 * s] + bs[2 * s + 1]);
+                    acc[i][j] = acc_add(acc[i][j], wb[j].d * dx, p);
+                    mn[i][j] += (wb[j].dmin * dx) * (float)summ;
+                }
+            }
+        }
+    }
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++)
+            res[i * NR_MAX + j] = type == Q6_K ? acc_total(acc[i][j]) : acc_total(acc[i][j]) - mn[i][j];
+}
+
+/* One function per (type, MR, NR), so every loop bound above is a constant. */
+#define TILE_FN(T, MR, NR)                                                                                   \
+    static void tile_##T##_##MR##_##NR(const uint8_t *w, size_t rb, const xq_t *xq, size_t i0, float *res) { \
+        if (block_elems(T) == 32) tile32(T, MR, NR, w, rb, xq, i0, res);                                     \
+        else tilek(T, MR, NR, w, rb, xq, i0, res);                                                           \
+    }
+#define TILES_OF(T) \
+    TILE_FN(T, 1, 1) TILE_FN(T, 2, 1) TILE_FN(T, 3, 1) TILE_FN(T, 4, 1) TILE_FN(T, 1, 2) TILE_FN(T, 2, 2) TILE_FN(T, 3, 2) TILE_FN(T, 4, 2)
+TILES_OF(Q4_0)
+TILES_OF(Q4_1)
+TILES_OF(Q5_0)
+TILES_OF(Q5_1)
+TILES_OF(Q8_0)
+TILES_OF(Q4_K)
+TILES_OF(Q5_K)
+TILES_OF(Q6_K)
+
+typedef void (*tile_fn)(const uint8_t *, size_t, const xq_t *, size_t, float *);
+#define TABLE_OF(T)                                                                                          \
+    {tile_##T##_1_1, tile_##T##_1_2, tile_##T##_2_1, tile_##T##_2_2, tile_##T##_3_1, tile_##T##_3_2, tile_##T##_4_1, \
+     tile_##T##_4_2}
+
+static const tile_fn *tiles_for(int type) {
+    static const tile_fn t40[] = TABLE_OF(Q4_0), t41[] = TABLE_OF(Q4_1), t50[] = TABLE_OF(Q5_0),
+                         t51[] = TABLE_OF(Q5_1), t80[] = TABLE_OF(Q8_0), t4k[] = TABLE_OF(Q4_K),
+                         t5k[] = TABLE_OF(Q5_K), t6k[] = TABLE_OF(Q6_K);
+    switch (type) {
+    case Q4_0: return t40;
+    case Q4_1: return t41;
+    case Q5_0: return t50;
+    case Q5_1: return t51;
+    case Q8_0: return t80;
+    case Q4_K: return t4k;
+    case Q5_K: return t5k;
+    case Q6_K: return t6k;
+    default: return NULL;
+    }
+}
+
+/* y[m, n] (row stride y_stride elements, x's dtype) = x[m, k] @ W^T, W [n, row_bytes] in ggml blocks.
+ * Returns 0, 1 when scratch memory could not be allocated, 2 for an unsupported type or shape. */
+int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int n, void *y,
+                      long y_stride, int num_threads) {
+    const tile_fn *tiles = tiles_for(type);
+    const int be = block_elems(type);
+    if (tiles == NULL || k <= 0 || k % be || m < 0 || n < 0) return 2;
+    if (m == 0 || n == 0) return 0;
+    const size_t row_bytes = (size_t)(k / be) * ggml_quant_type_size(type);
+    xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
+               malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k};
+    int rc = 0;
+    if (!xq.qs || !xq.d || !xq.s || !xq.bsums) {
+        rc = 1;
+        goto done;
+    }
+    const int pairs = (n + NR_MAX - 1) / NR_MAX;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int i = 0; i < m; i++) quantize_row(x, x_bf16, (size_t)i, k, be, &xq);
+        /* (implicit barrier) Each thread owns a contiguous range of weight-row pairs and sweeps
+         * the rows of x over it in chunks that stay in L2. */
+#if defined(_OPENMP)
+        const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+        const int nt = 1, t = 0;
+#endif
+        const int lo = (int)((long)pairs * t / nt), hi = (int)((long)pairs * (t + 1) / nt);
+        for (int i_chunk = 0; i_chunk < m; i_chunk += M_CHUNK) {
+            const int i_end = i_chunk + M_CHUNK < m ? i_chunk + M_CHUNK : m;
+            for (int p = lo; p < hi; p++) {
+                const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
+                const uint8_t *wp = w + (size_t)j0 * row_bytes;
+                for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
+                    const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
+                    float res[MR_MAX * NR_MAX];
+                    tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, &xq, (size_t)i0, res);
+                    for (int i = 0; i < mr; i++)
+                        for (int j = 0; j < nr; j++) {
+                            const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
+                            if (x_bf16) ((uint16_t *)y)[at] = float_to_bf16(res[i * NR_MAX + j]);
+                            else ((float *)y)[at] = res[i * NR_MAX + j];
+                        }
+                }
+            }
+        }
+    }
+done:
+    free(xq.qs);
+    free(xq.d);
+    free(xq.s);
+    free(xq.bsums);
+    return rc;
+}
+
+/* ---- dequantization, in gguf-py's operation order so results match it bit for bit */
+
+static void dequantize_block(int type, const uint8_t *b, float *out) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const float d = fp16_at(b), m = type == Q4_1 ? fp16_at(b + 2) : 0.f;
+        const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 0x0F, hi = qs[j] >> 4;
+            if (type == Q4_0) {
+                out[j] = d * (float)(lo - 8);
+                out[j + 16] = d * (float)(hi - 8);
+            } else {
+                out[j] = d * (float)lo + m;
+                out[j + 16] = d * (float)hi + m;
+            }
+        }
+        break;
+    }
+    case Q5_0:
+    case Q5_1: {
+        const float d = fp16_at(b), m = type == Q5_1 ? fp16_at(b + 2) : 0.f;
+        const uint8_t *qhp = b + (type == Q5_1 ? 4 : 2), *qs = qhp + 4;
+        uint32_t qh;
+        memcpy(&qh, qhp, sizeof qh);
+        for (int j = 0; j < 32; j++) {
+            const int q = (j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4) | (int)(((qh >> j) & 1u) << 4);
+            out[j] = type == Q5_0 ? d * (float)(q - 16) : d * (float)q + m;
+        }
+        break;
+    }
+    case Q8_0: {
+        const float d = fp16_at(b);
+        for (int j = 0; j < 32; j++) out[j] = (float)((const int8_t *)(b + 2))[j] * d;
+        break;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = fp16_at(b), dmin = fp16_at(b + 2);
+        const uint8_t *qh = type == Q5_K ? b + 16 : NULL, *qs = type == Q5_K ? b + 48 : b + 16;
+        for (int s = 0; s < 8; s++) {
+            int sc, mn;
+            scale_min_k4(b + 4, s, &sc, &mn);
+            const float dl = d * (float)sc, ml = dmin * (float)mn;
+            for (int l = 0; l < 32; l++) {
+                const uint8_t byte = qs[32 * (s >> 1) + l];
+                const int q = ((s & 1) ? byte >> 4 : byte & 0x0F) | (qh ? ((qh[l] >> s) & 1) << 4 : 0);
+                out[32 * s + l] = dl * (float)q - ml;
+            }
+        }
+        break;
+    }
+    default: { /* Q6_K */
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = fp16_at(b + 208);
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 4; c++)
+                for (int l = 0; l < 32; l++) {
+                    const uint8_t lb = ql[64 * h + 32 * (c & 1) + l];
+                    const int q = ((c >> 1) ? lb >> 4 : lb & 0x0F) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4);
+                    const int e = 128 * h + 32 * c + l;
+                    out[e] = (d * (float)sc[e / 16]) * (float)(q - 32);
+                }
+        break;
+    }
+    }
+}
+
+/* out[r, k] (fp32 or bf16) = the rows `rows` of W dequantized. Returns 2 for an unsupported type or shape. */
+int ggml_quant_dequantize_rows(int type, const uint8_t *w, int k, const int64_t *rows, int r, void *out,
+                               int out_bf16, int num_threads) {
+    const int be = block_elems(type), ts = ggml_quant_type_size(type);
+    if (ts == 0 || k <= 0 || k % be) return 2;
+    const size_t row_bytes = (size_t)(k / be) * ts;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (r > 1)
+    for (int i = 0; i < r; i++) {
+        const uint8_t *src = w + (size_t)rows[i] * row_bytes;
+        for (int b = 0; b < k / be; b++) {
+            float block[256];
+            dequantize_block(type, src + (size_t)b * ts, block);
+            const size_t at = (size_t)i * k + (size_t)b * be;
+            for (int e = 0; e < be; e++) {
+                if (out_bf16) ((uint16_t *)out)[at + e] = float_to_bf16(block[e]);
+                else ((float *)out)[at + e] = block[e];
+            }
+        }
+    }
+    return 0;
+}

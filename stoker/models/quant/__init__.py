@@ -1,0 +1,1 @@
+"""Matrix products and embedding lookups straight from GGUF (ggml) quantized weight blocks."""

@@ -1,0 +1,213 @@
+"""Quantized matmul over GGUF weight blocks: y = x @ W^T with W kept in its ggml
+block layout (Q4_0 ... Q6_K) and x quantized to int8 per row on the fly, as
+llama.cpp's CPU backend does. The C source (csrc/ggml_quant.c) is built once per
+ISA level with explicit -m flags, so a lower path really runs the lower code;
+the best one this CPU can run is used unless STOKER_QUANT_ISA names another.
+
+Output (i, j) is bit-identical whatever m, the tiling and the thread count
+(see the C file), so batching never changes a sequence's result."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import platform
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from stoker.models.cpu_kernels import _build, cpu_flags
+
+log = logging.getLogger("stoker.kernels")
+
+SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(
+    {
+        GGMLQuantizationType.Q4_0,
+        GGMLQuantizationType.Q4_1,
+        GGMLQuantizationType.Q5_0,
+        GGMLQuantizationType.Q5_1,
+        GGMLQuantizationType.Q8_0,
+        GGMLQuantizationType.Q4_K,
+        GGMLQuantizationType.Q5_K,
+        GGMLQuantizationType.Q6_K,
+    }
+)
+
+# Not -march=native and not -fassociative-math: the build must be the named ISA
+# level and nothing more, and float operations must stay in source order (batch
+# invariance). -ffp-contract=off keeps the compiler from fusing a*b+c on its own.
+_BASE_FLAGS = ("-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared", "-fopenmp")
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+
+
+@dataclass(frozen=True)
+class _Isa:
+    name: str
+    cpu_needs: frozenset[str]  # /proc/cpuinfo flags
+    cflags: tuple[str, ...]
+    code: int  # what ggml_quant_isa() in the built library reports
+
+
+# Best first.
+_X86_ISAS = (
+    _Isa(
+        "avx512_vnni",
+        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+        ("-march=x86-64", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
+        3,
+    ),
+    _Isa("avx_vnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-march=x86-64", *_AVX2, "-mavxvnni"), 2),
+    _Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-march=x86-64", *_AVX2), 1),
+    _Isa("portable", frozenset(), ("-march=x86-64",), 0),
+)
+_GENERIC_ISAS = (_Isa("portable", frozenset(), (), 0),)
+
+
+def _isas() -> tuple[_Isa, ...]:
+    return _X86_ISAS if platform.machine() in ("x86_64", "AMD64") else _GENERIC_ISAS
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU can run, best first (the last is always "portable")."""
+    flags = cpu_flags()
+    return [isa.name for isa in _isas() if isa.cpu_needs <= flags]
+
+
+_logged: set[str] = set()
+
+
+def quant_isa() -> str:
+    """The path in use: STOKER_QUANT_ISA if set (ValueError if this CPU cannot run
+    it), else the best available. Re-read on every call, so tests can switch it."""
+    available = available_isas()
+    forced = os.environ.get("STOKER_QUANT_ISA", "").strip()
+    if forced and forced not in available:
+        known = [isa.name for isa in _X86_ISAS]
+        why = "unknown" if forced not in known else "not supported by this CPU"
+        raise ValueError(f"STOKER_QUANT_ISA={forced!r} is {why}; available here: {', '.join(available)}")
+    chosen = forced or available[0]
+    if chosen not in _logged:
+        _logged.add(chosen)
+        log.info("quantized matmul: %s path", chosen)
+    return chosen
+
+
+@cache
+def _library(name: str) -> ctypes.CDLL | None:
+    isa = next(isa for isa in _isas() if isa.name == name)
+    lib = _build("ggml_quant", _BASE_FLAGS + isa.cflags, name)
+    if lib is None:
+        return None
+    if lib.ggml_quant_isa() != isa.code:
+        raise RuntimeError(f"the {name} build of ggml_quant.c compiled as path {lib.ggml_quant_isa()}, not {isa.code}")
+    i, p = ctypes.c_int, ctypes.c_void_p
+    lib.ggml_quant_matmul.restype = i
+    lib.ggml_quant_matmul.argtypes = [i, p, i, i, i, p, i, p, ctypes.c_long, i]
+    lib.ggml_quant_dequantize_rows.restype = i
+    lib.ggml_quant_dequantize_rows.argtypes = [i, p, i, p, i, p, i, i]
+    return lib
+
+
+def _lib() -> ctypes.CDLL | None:
+    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+        return None
+    return _library(quant_isa())
+
+
+def _row_elems(weight: torch.Tensor, qtype: GGMLQuantizationType) -> int:
+    """k, the logical row length of a [n, row_bytes] uint8 block tensor (ValueError if malformed)."""
+    if weight.dtype != torch.uint8 or weight.dim() != 2:
+        raise ValueError(
+            f"weight must be a 2-D uint8 tensor of {qtype.name} blocks, got {weight.dtype} {tuple(weight.shape)}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError("weight rows must be contiguous")
+    block_elems, type_size = GGML_QUANT_SIZES[qtype]
+    if weight.shape[1] % type_size:
+        raise ValueError(f"a {qtype.name} row is whole {type_size}-byte blocks; got {weight.shape[1]} bytes")
+    return weight.shape[1] // type_size * block_elems
+
+
+def ggml_matmul(
+    x: torch.Tensor, weight: torch.Tensor, qtype: GGMLQuantizationType, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """y = x @ W^T, [m, n] in x's dtype (written into `out` when given: [m, n],
+    stride(1) == 1, e.g. a column slice of a wider tensor). None when the kernel
+    cannot serve the call (no compiler, kernels disabled, unsupported type,
+    dtype or device) so the caller falls back; ValueError for malformed input."""
+    if qtype not in SUPPORTED_TYPES or not x.is_cpu or not weight.is_cpu:
+        return None
+    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    block_elems = GGML_QUANT_SIZES[qtype][0]
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [m, k], got {tuple(x.shape)}")
+    if x.shape[1] % block_elems:
+        raise ValueError(f"k={x.shape[1]} is not a multiple of {qtype.name}'s {block_elems}-element block")
+    k = _row_elems(weight, qtype)
+    if x.shape[1] != k:
+        raise ValueError(f"x must be [m, {k}] for this weight, got {tuple(x.shape)}")
+    m, n = x.shape[0], weight.shape[0]
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype)
+    elif out.shape != (m, n) or out.dtype != x.dtype or not out.is_cpu or (m and out.stride(1) != 1):
+        raise ValueError(f"out must be a CPU [{m}, {n}] {x.dtype} tensor with stride(1) == 1")
+    elif m > 1 and out.stride(0) < n:
+        raise ValueError("out rows must not overlap (stride(0) >= n)")
+    rc = lib.ggml_quant_matmul(
+        int(qtype),
+        x.data_ptr(),
+        int(x.dtype == torch.bfloat16),
+        m,
+        k,
+        weight.data_ptr(),
+        n,
+        out.data_ptr(),
+        out.stride(0),
+        torch.get_num_threads(),
+    )
+    if rc == 1:
+        raise MemoryError("the quantized matmul could not allocate its scratch memory")
+    if rc != 0:
+        raise ValueError(f"the quantized matmul rejected {qtype.name} with k={k}")
+    return out
+
+
+def ggml_dequantize_rows(
+    weight: torch.Tensor, qtype: GGMLQuantizationType, rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The rows `rows` (int64 [r]) of W dequantized, [r, k] in dtype (fp32 or bf16):
+    embedding lookups from a quantized table. fp32 matches gguf-py's dequantize bit
+    for bit. None when the kernel cannot serve the call."""
+    if qtype not in SUPPORTED_TYPES or not weight.is_cpu or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    lib = _lib()
+    if lib is None:
+        return None
+    k = _row_elems(weight, qtype)
+    if rows.dtype != torch.int64 or rows.dim() != 1:
+        raise ValueError("rows must be a 1-D int64 tensor")
+    rows = rows.contiguous()
+    if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= weight.shape[0]):
+        raise ValueError(f"row index out of range for a table of {weight.shape[0]} rows")
+    out = torch.empty(rows.numel(), k, dtype=dtype)
+    rc = lib.ggml_quant_dequantize_rows(
+        int(qtype),
+        weight.data_ptr(),
+        k,
+        rows.data_ptr(),
+        rows.numel(),
+        out.data_ptr(),
+        int(dtype == torch.bfloat16),
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"dequantizing {qtype.name} rows with k={k} failed")
+    return out

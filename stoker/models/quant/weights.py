@@ -1,0 +1,259 @@
+"""How a linear layer holds its weight: dense (oneDNN-packed) or as raw GGML
+quantized blocks multiplied by the int8 kernels.
+
+Every format satisfies LinearWeight, so the model code never asks which one it
+has. GGMLTensor is what the loader hands over for a quantized tensor: its raw
+blocks (usually a read-only view of the memory-mapped GGUF, so resident memory
+stays at the file's size) and its GGMLQuantizationType.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from stoker.models.layers import Linear
+
+log = logging.getLogger("stoker.models.quant")
+
+
+class LinearWeight(Protocol):
+    """y = x W^T (+ b) for x [..., in_features]."""
+
+    out_features: int
+    in_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def dequantize(self) -> torch.Tensor:
+        """W as a dense [out_features, in_features] tensor: the reference for tests."""
+        ...
+
+
+@cache
+def kernels() -> Any | None:
+    """stoker.models.quant.kernels, or None where it is absent (its build failed to import)."""
+    try:
+        return importlib.import_module("stoker.models.quant.kernels")
+    except ImportError as exc:
+        log.warning("int8 GGML kernels unavailable (%s): quantized weights are dequantized", exc)
+        return None
+
+
+def served_types() -> frozenset[GGMLQuantizationType]:
+    """Quantization types the kernels multiply directly on this machine."""
+    k = kernels()
+    return frozenset(k.SUPPORTED_TYPES) if k is not None else frozenset()
+
+
+def quant_isa() -> str:
+    k = kernels()
+    return str(k.quant_isa()) if k is not None else "none"
+
+
+@dataclass(frozen=True)
+class GGMLTensor:
+    """A 2-D GGML tensor kept as its raw blocks: data is uint8 [rows, row_bytes]."""
+
+    data: torch.Tensor
+    qtype: GGMLQuantizationType
+    cols: int
+    """Logical columns (elements per row)."""
+
+    def __post_init__(self) -> None:
+        block, type_size = GGML_QUANT_SIZES[self.qtype]
+        if self.data.dtype != torch.uint8 or self.data.dim() != 2:
+            raise ValueError(f"GGML blocks must be uint8 [rows, row_bytes], got {self.data.dtype} {self.data.shape}")
+        if self.cols % block or self.data.shape[1] != self.cols // block * type_size:
+            raise ValueError(f"{self.qtype.name}: {self.cols} columns do not fit rows of {self.data.shape[1]} bytes")
+
+    @property
+    def rows(self) -> int:
+        return int(self.data.shape[0])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.rows, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def take_rows(self, index: torch.Tensor) -> GGMLTensor:
+        """Rows reordered or selected (a copy: q/k un-permutation)."""
+        return GGMLTensor(self.data[index].contiguous(), self.qtype, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """All rows (or the given ones) as dense [r, cols]: the kernels' rows path, else gguf's numpy one."""
+        k = kernels()
+        if rows is not None and k is not None and self.qtype in k.SUPPORTED_TYPES:
+            got = k.ggml_dequantize_rows(self.data, self.qtype, rows.to(torch.int64), dtype)
+            if got is not None:
+                return got  # type: ignore[no-any-return]
+        from gguf.quants import dequantize
+
+        blocks = self.data if rows is None else self.data[rows]
+        array = dequantize(blocks.cpu().numpy(), self.qtype)
+        return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32)).to(dtype)
+
+
+def from_numpy_readonly(array: np.ndarray) -> torch.Tensor:
+    """A tensor sharing a read-only array's memory (an np.memmap of the file): no copy.
+    torch warns that writes would be undefined; nothing writes to weights."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+
+
+class _Part:
+    """One GGMLTensor of a fused weight, and its dense stand-in once the kernels refuse it."""
+
+    def __init__(self, tensor: GGMLTensor, start: int) -> None:
+        self.tensor = tensor
+        self.start = start
+        self.stop = start + tensor.rows
+        self.dense: Linear | None = None
+
+
+class GGMLLinear:
+    """y = x W^T + b over quantized parts stacked by rows (a fused qkv may mix
+    Q4_K and Q6_K as Q4_K_M files do). Each part writes its column slice of one
+    output; parts are not concatenated, so memory-mapped blocks stay shared with
+    the page cache."""
+
+    def __init__(self, parts: Sequence[GGMLTensor], bias: torch.Tensor | None = None) -> None:
+        if not parts:
+            raise ValueError("GGMLLinear needs at least one part")
+        cols = {p.cols for p in parts}
+        if len(cols) != 1:
+            raise ValueError(f"parts of one linear layer disagree on in_features: {sorted(cols)}")
+        self.in_features = cols.pop()
+        self.parts: list[_Part] = []
+        start = 0
+        for p in parts:
+            self.parts.append(_Part(p, start))
+            start += p.rows
+        self.out_features = start
+        self.bias = bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.tensor.nbytes for p in self.parts)
+
+    @property
+    def qtypes(self) -> list[GGMLQuantizationType]:
+        return [p.tensor.qtype for p in self.parts]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()
+        if len(self.parts) == 1:
+            y = self._part(self.parts[0], x2, None)
+        else:
+            y = torch.empty(x2.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+            for part in self.parts:
+                self._part(part, x2, y[:, part.start : part.stop])
+        if self.bias is not None:
+            y += self.bias
+        return y.reshape(*lead, self.out_features)
+
+    def _part(self, part: _Part, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        if part.dense is None:
+            k = kernels()
+            if k is not None:
+                got = k.ggml_matmul(x, part.tensor.data, part.tensor.qtype, out=out)
+                if got is not None:
+                    return got  # type: ignore[no-any-return]
+            _log_fallback(part.tensor.qtype, x.dtype)
+            part.dense = Linear(part.tensor.dequantize(x.dtype))
+        y = part.dense(x)
+        if out is not None:
+            out.copy_(y)
+            return out
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.tensor.dequantize(torch.float32) for p in self.parts])
+
+
+@cache
+def _log_fallback(qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
+    log.warning("%s x %s: the int8 kernels cannot serve it here; dequantized once per tensor", qtype.name, dtype)
+
+
+WeightLike = torch.Tensor | GGMLTensor
+
+
+def make_linear(
+    parts: Sequence[WeightLike], bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device
+) -> LinearWeight:
+    """The LinearWeight for row-stacked parts: GGMLLinear when every part is
+    quantized and the device is the CPU; else dense (dequantized once here: on
+    CUDA and other devices the int8 kernels do not run)."""
+    if bias is not None:
+        bias = bias.to(device=device, dtype=dtype).contiguous()
+    if device.type == "cpu" and all(isinstance(p, GGMLTensor) for p in parts):
+        return GGMLLinear([p for p in parts if isinstance(p, GGMLTensor)], bias)
+    dense = [dense_weight(p, dtype, device) for p in parts]
+    return Linear(dense[0] if len(dense) == 1 else torch.cat(dense).contiguous(), bias)
+
+
+def dense_weight(w: WeightLike, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if isinstance(w, GGMLTensor):
+        w = w.dequantize(dtype)
+    return w.to(device=device, dtype=dtype).contiguous()
+
+
+class Embedding:
+    """Token-embedding lookup from a dense table or a quantized one (only the
+    looked-up rows are dequantized)."""
+
+    def __init__(self, table: WeightLike, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype = dtype
+        self.quantized = table if isinstance(table, GGMLTensor) and device.type == "cpu" else None
+        self.dense = None if self.quantized is not None else dense_weight(table, dtype, device)
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.dequantize(self.dtype, rows=ids)
+        assert self.dense is not None
+        return F.embedding(ids, self.dense)
+
+    @property
+    def table(self) -> WeightLike:
+        """What a tied LM head multiplies by: the same storage, no second copy."""
+        return self.quantized if self.quantized is not None else self.dense  # type: ignore[return-value]
+
+
+def type_name(w: WeightLike) -> str:
+    if isinstance(w, GGMLTensor):
+        return w.qtype.name
+    return {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}.get(w.dtype, str(w.dtype))
+
+
+def weight_nbytes(w: WeightLike) -> int:
+    return w.nbytes if isinstance(w, GGMLTensor) else w.numel() * w.element_size()
+
+
+def describe(weights: dict[str, WeightLike]) -> str:
+    """E.g. 'Q4_1 (210 tensors) + Q8_0 (1) + F32 (61), 78 MiB': most common format first."""
+    counts: dict[str, int] = {}
+    for w in weights.values():
+        counts[type_name(w)] = counts.get(type_name(w), 0) + 1
+    ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{name} ({n}{' tensors' if i == 0 else ''})" for i, (name, n) in enumerate(ordered)]
+    total = sum(weight_nbytes(w) for w in weights.values())
+    return f"{' + '.join(parts)}, {total / 2**20:.0f} MiB"
