@@ -1,7 +1,12 @@
-"""EngineCore: the step loop. schedule → run → sample → update → outputs.
+"""EngineCore: the step loop, three typed messages (stoker/engine/outputs.py):
 
-It validates requests, enforces deadlines, detokenizes and applies stop
-conditions, and stamps every event time; it knows nothing of HTTP or keys.
+    SchedulerOutput = scheduler.schedule()
+    ModelRunnerOutput = runner.execute_model(SchedulerOutput)
+    deltas = scheduler.update_from_output(SchedulerOutput, ModelRunnerOutput)
+
+It validates requests, enforces deadlines and hands deltas back; request
+progress, stop conditions and token times are the scheduler's
+(update_from_output). It knows nothing of HTTP or keys.
 """
 
 from __future__ import annotations
@@ -20,11 +25,9 @@ from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
-    FinishReason,
 )
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
-from stoker.engine.sampler import Sampler, SampleRow
 from stoker.engine.scheduler import Scheduler
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.llama import LlamaModel
@@ -51,7 +54,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
     return (
         torch.bfloat16
-        if torch.backends.mkldnn.is_available() and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+        if torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # untyped in torch
+        and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
         else torch.float32
     )
 
@@ -64,7 +68,8 @@ def _total_memory_bytes(device: torch.device) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
+        # model_validate rather than EngineConfig(): mypy, without pydantic's plugin, wants every field.
+        self.config = config = config or EngineConfig.model_validate({})
         started = time.perf_counter()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -99,16 +104,18 @@ class EngineCore:
         if num_blocks < 2:
             raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, self.kv, num_blocks, block_size, kv_dtype)
+        self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
         self.scheduler = Scheduler(
-            self.kv, config.max_num_batched_tokens, config.max_num_seqs, config.scheduling_policy
+            self.kv,
+            config.max_num_batched_tokens,
+            config.max_num_seqs,
+            config.scheduling_policy,
+            self.eos_token_ids,
+            self.max_model_len,
         )
-        self.sampler = Sampler()
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
         self.last_step_tokens = 0
         self.load_seconds = time.perf_counter() - started
         log.info(
@@ -194,9 +201,7 @@ class EngineCore:
         for request_id in request_ids:
             for r in self.requests.get(request_id, []):
                 if not r.is_finished:
-                    self.scheduler.remove(r)
-                    r.finish(FinishReason.ABORT, error=error)
-                    outputs.append(self._output(r))
+                    outputs.append(self.scheduler.abort(r, error))
             self._forget_if_done(request_id)
         return outputs
 
@@ -207,54 +212,17 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         outputs = self._expire_deadlines()
-        sched = self.scheduler.schedule()
-        self.last_step_tokens = sched.num_tokens
-        if not sched.scheduled:
+        scheduled = self.scheduler.schedule()
+        self.last_step_tokens = scheduled.num_tokens
+        if not scheduled.scheduled:
             return outputs
         self.num_steps += 1
-        logits = self.runner.execute(sched)
-        sampling = [s.request for s in sched.scheduled if s.samples]
-        eos_ids = list(self.eos_token_ids)
-        rows = [SampleRow(r.params, r.prompt_token_ids, r.output_token_ids, r.generator, eos_ids) for r in sampling]
-        sampled = self.sampler(logits, rows) if rows else []
-        for s in sched.scheduled:
-            r = s.request
-            r.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(r, r.num_computed_tokens)
-        now = time.time()
-        for r, token in zip(sampling, sampled):
-            if r.num_output_tokens == 0:
-                self.prompt_tokens += r.num_prompt_tokens
-            r.append_token(token.token_id, now)
-            if token.logprob is not None:
-                r.pending_logprobs.append(token.logprob)
-            self.generation_tokens += 1
-            self._check_stop(r)
-            if r.is_finished:
-                self.scheduler.remove(r)
-            outputs.append(self._output(r))
-            if r.is_finished:
-                self._forget_if_done(r.request_id)
-        return outputs
-
-    def _check_stop(self, r: Request) -> None:
-        token = r.output_token_ids[-1]
-        params = r.params
-        reason: FinishReason | None = None
-        stop_reason: int | str | None = None
-        if r.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
-            reason, stop_reason = FinishReason.STOP, token
-        elif r.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in self.eos_token_ids:
-            reason = FinishReason.STOP
-        elif r.num_output_tokens >= r.max_tokens or r.num_tokens >= self.max_model_len:
-            reason = FinishReason.LENGTH
-        # The detokenizer holds back text that may start a stop string; finished releases it.
-        delta = r.detokenizer.add([token], finished=reason is not None)
-        r.pending_text += delta.text
-        if delta.stop_string is not None:
-            r.finish(FinishReason.STOP, delta.stop_string)
-        elif reason is not None:
-            r.finish(reason, stop_reason)
+        result = self.runner.execute_model(scheduled)
+        deltas = self.scheduler.update_from_output(scheduled, result)
+        for delta in deltas:
+            if delta.finished:
+                self._forget_if_done(delta.request_id)
+        return outputs + deltas
 
     def _expire_deadlines(self) -> list[EngineCoreOutput]:
         now = time.time()
@@ -265,23 +233,6 @@ class EngineCore:
                     outputs.extend(self.abort_requests([r.request_id], error="deadline"))
                     break
         return outputs
-
-    def _output(self, r: Request) -> EngineCoreOutput:
-        out = EngineCoreOutput(
-            request_id=r.request_id,
-            index=r.index,
-            new_token_ids=r.pending_token_ids,
-            new_text=r.pending_text,
-            new_logprobs=r.pending_logprobs if r.params.logprobs is not None else None,
-            num_prompt_tokens=r.num_prompt_tokens,
-            num_cached_tokens=max(r.num_cached_tokens, 0),
-            finish_reason=r.finish_reason,
-            stop_reason=r.stop_reason,
-            error=r.error,
-            times=r.times if r.is_finished else None,
-        )
-        r.pending_token_ids, r.pending_logprobs, r.pending_text = [], [], ""
-        return out
 
     def _forget_if_done(self, request_id: str) -> None:
         samples = self.requests.get(request_id)
@@ -300,8 +251,8 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
+            prompt_tokens=self.scheduler.num_prompt_tokens,
+            generation_tokens=self.scheduler.num_generation_tokens,
             steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
         )

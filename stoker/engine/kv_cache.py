@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from stoker.engine.request import Request
@@ -158,29 +159,31 @@ class KVCacheManager:
         self.prefix_queries += num_tokens
         self.prefix_hits += num_hit_tokens
 
-    def blocks_needed(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> int:
+    def blocks_needed(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> int:
         held = len(self.req_blocks.get(request.key, ())) + len(cached)
         computed = request.num_computed_tokens + len(cached) * self.block_size
         total = -(-(computed + num_new_tokens) // self.block_size)
         return max(0, total - held)
 
-    def can_allocate(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
+    def can_allocate(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
         # Cached hits that sit in the free queue stop being free once touched.
         reclaimed = sum(1 for b in cached if b.ref_count == 0)
         return self.blocks_needed(request, num_new_tokens, cached) + reclaimed <= self.pool.num_free
 
-    def allocate(self, request: Request, num_new_tokens: int, cached: list[Block] = ()) -> bool:
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
         """Give the request room for num_new_tokens beyond what it (plus the cached
-        prefix) has computed. Returns False, changing nothing, if it does not fit."""
+        prefix) has computed. Returns False, changing nothing, if it does not fit.
+        The request's own progress is left alone: the scheduler accounts the
+        cached prefix in this step's ScheduledRequest, and update_from_output
+        moves num_computed_tokens."""
         if not self.can_allocate(request, num_new_tokens, cached):
             return False
+        needed = self.blocks_needed(request, num_new_tokens, cached)
         blocks = self.req_blocks.setdefault(request.key, [])
         if cached:
             self.pool.touch(list(cached))
             blocks.extend(cached)
-            request.num_computed_tokens += len(cached) * self.block_size
             self.num_hashed[request.key] = len(blocks)
-        needed = self.blocks_needed(request, num_new_tokens)
         blocks.extend(self.pool.allocate(needed))
         return True
 

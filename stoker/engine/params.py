@@ -22,7 +22,8 @@ class SamplingParams:
     n: int = 1
     """Number of independent samples of the prompt; they share its KV blocks."""
     max_tokens: int | None = 16
-    """Upper bound on generated tokens; None means "up to the model's context"."""
+    """Upper bound on generated tokens; None means "up to the model's context";
+    0 only processes the prompt (with prompt_logprobs: score it)."""
     min_tokens: int = 0
     """eos and stop token ids are suppressed until this many tokens exist."""
     temperature: float = 1.0
@@ -47,6 +48,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     """Added to these token ids' logits before anything else (OpenAI's logit_bias,
     each in [-100, 100]: -100 all but bans a token, 100 all but forces it)."""
+    prompt_logprobs: int | None = None
+    """None: none. k >= 0: each prompt token's logprob plus the top k alternatives
+    (the first token's entry is None). Such a prompt is always computed in full,
+    never served from the prefix cache."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -77,8 +82,8 @@ class SamplingParams:
 
         if integer("n") < 1:
             bad("n", "must be at least 1")
-        if self.max_tokens is not None and integer("max_tokens") < 1:
-            bad("max_tokens", "must be at least 1")
+        if self.max_tokens is not None and integer("max_tokens") < 0:
+            bad("max_tokens", "must be non-negative")
         if integer("min_tokens") < 0:
             bad("min_tokens", "must be non-negative")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -116,6 +121,8 @@ class SamplingParams:
             bad("logit_bias", "must map non-negative token ids to biases in [-100, 100]")
         if self.logprobs is not None and not 0 <= integer("logprobs") <= 20:
             bad("logprobs", "must be between 0 and 20")
+        if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= 20:
+            bad("prompt_logprobs", "must be between 0 and 20")
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +150,8 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     """The top-k alternatives as (token_id, logprob), best first."""
+    rank: int | None = None
+    """1 + the number of tokens more likely than token_id (prompt logprobs set it)."""
 
 
 @dataclass
@@ -175,6 +184,8 @@ class EngineCoreOutput:
     """Set when the engine rejects or fails the request (finish_reason is ABORT)."""
     times: RequestTimes | None = None
     """Attached when the sample finishes."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With SamplingParams.prompt_logprobs, once, on the first delta that has a token."""
 
     @property
     def finished(self) -> bool:
@@ -205,6 +216,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -224,6 +236,8 @@ class RequestOutput:
             out.stop_reason = delta.stop_reason
             out.times = delta.times
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
+        if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = delta.prompt_logprobs
         return out
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stoker.engine.params import (
+    EngineCoreOutput,
     FinishReason,
     RequestTimes,
     SamplingParams,
@@ -70,6 +71,11 @@ class Request:
         self.pending_token_ids: list[int] = []
         """Tokens sampled since the last output was emitted."""
         self.pending_text = ""
+        self.prompt_logprobs: list[TokenLogprob | None] = [None]
+        """With params.prompt_logprobs: one entry per prompt token scored so far
+        (the first has no context, so None). Sample 0 alone scores and sends
+        them, with its first delta; samples 1..n-1 share its cached prompt."""
+        self.prompt_logprobs_sent = False
 
     @property
     def key(self) -> tuple[str, int]:
@@ -99,6 +105,67 @@ class Request:
             self.times.first_token = now
         self.times.last_token = now
         self.times.token_times.append(now)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions still to score; such a request computes its whole
+        prompt rather than taking prefix-cache hits, which would skip them."""
+        return (
+            self.index == 0
+            and self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens
+        )
+
+    def check_stop(self, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """After appending a token: detokenize it and finish on eos, a stop
+        token id, a stop string, max_tokens or the context length."""
+        token = self.output_token_ids[-1]
+        params = self.params
+        reason: FinishReason | None = None
+        stop_reason: int | str | None = None
+        if self.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        elif self.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in eos_token_ids:
+            reason = FinishReason.STOP
+        elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            reason = FinishReason.LENGTH
+        stop_string: str | None = None
+        if self.detokenizer is not None:
+            # The detokenizer holds back text that may start a stop string; finished releases it.
+            delta = self.detokenizer.add([token], finished=reason is not None)
+            self.pending_text += delta.text
+            stop_string = delta.stop_string
+        if stop_string is not None:
+            self.finish(FinishReason.STOP, stop_string)
+        elif reason is not None:
+            self.finish(reason, stop_reason)
+
+    def take_delta(self) -> EngineCoreOutput:
+        """What changed since the last delta, as an EngineCoreOutput; resets the pending parts."""
+        prompt_logprobs = None
+        if (
+            self.index == 0
+            and self.params.prompt_logprobs is not None
+            and not self.prompt_logprobs_sent
+            and (self.num_output_tokens or self.is_finished)
+        ):
+            prompt_logprobs, self.prompt_logprobs_sent = self.prompt_logprobs, True
+        out = EngineCoreOutput(
+            request_id=self.request_id,
+            index=self.index,
+            new_token_ids=self.pending_token_ids,
+            new_text=self.pending_text,
+            new_logprobs=self.pending_logprobs if self.params.logprobs is not None else None,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=max(self.num_cached_tokens, 0),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            error=self.error,
+            times=self.times if self.is_finished else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+        self.pending_token_ids, self.pending_logprobs, self.pending_text = [], [], ""
+        return out
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None, error: str | None = None) -> None:
         self.status = RequestStatus.FINISHED

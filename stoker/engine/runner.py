@@ -1,14 +1,21 @@
-"""ModelRunner: owns the model and the KV cache tensors, flattens one scheduled
-step into tensors (ids, positions, slot mapping, block tables) and returns the
-last-token logits of the sequences that sample."""
+"""ModelRunner: owns the model and the KV cache tensors. It takes a
+SchedulerOutput, flattens it into tensors (ids, positions, slot mapping, block
+tables), runs the model for the logits it needs (each sampling sequence's last
+token, and every prompt position of prompt_logprobs requests), samples, and
+returns a ModelRunnerOutput. It reads only the message, never a Request or the
+KV cache manager, and changes no request state."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from stoker.config import ModelConfig
-from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
-from stoker.engine.scheduler import SchedulerOutput
+from stoker.engine.kv_cache import NULL_BLOCK_ID
+from stoker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from stoker.engine.params import TokenLogprob
+from stoker.engine.sampler import Sampler
 from stoker.models.attention import AttentionMetadata, PrefillChunk
 from stoker.models.cpu_kernels import load_paged_attention, prefill_kernel_supported
 from stoker.models.llama import LlamaModel
@@ -19,17 +26,32 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
 
 
+# vLLM's stand-in for a logprob of -inf, so every logprob is a finite JSON number.
+LOGPROB_FLOOR = -9999.0
+# Prompt positions scored per log_softmax call, bounding the temporary's size.
+_SCORE_ROWS = 256
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    """The sampling sequences' last tokens first, then the scored prompt positions."""
+    num_sampling: int
+
+
 class ModelRunner:
     def __init__(
         self,
         model: LlamaModel,
-        kv: KVCacheManager,
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
     ) -> None:
         self.model = model
-        self.kv = kv
+        self.sampler = Sampler()
         self.block_size = block_size
         self.device = model.device
         # The C kernel reads the paged cache in place; elsewhere decodes gather + SDPA.
@@ -56,21 +78,21 @@ class ModelRunner:
     def _tensor(self, data: list[int]) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.long, device=self.device)
 
-    def prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, step: SchedulerOutput) -> StepInputs:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         logits_indices: list[int] = []
+        prompt_indices: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillChunk] = []
         for s in step.scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_new_tokens
-            table = self.kv.block_ids(r)
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            table = s.block_ids
             query_start = len(input_ids)
-            input_ids.extend(r.token_ids[start:end])
+            input_ids.extend(s.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             if s.num_new_tokens == 1:
@@ -85,12 +107,13 @@ class ModelRunner:
                 prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks]), mask))
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
+            prompt_indices.extend(range(query_start, query_start + len(s.prompt_logprob_targets)))
 
         decode_block_tables = decode_context_lens = decode_mask = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = [t + [NULL_BLOCK_ID] * (width - len(t)) for t in decode_tables]
-            decode_block_tables = self._tensor(padded)
+            decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
             decode_context_lens = self._tensor(decode_lens)
             if not self.direct_decode:
                 key_pos = torch.arange(width * bs, device=self.device)
@@ -104,10 +127,56 @@ class ModelRunner:
             prefills=prefills,
             direct_prefill=self.direct_prefill,
         )
-        return self._tensor(input_ids), self._tensor(positions), meta, self._tensor(logits_indices)
+        return StepInputs(
+            self._tensor(input_ids),
+            self._tensor(positions),
+            meta,
+            self._tensor(logits_indices + prompt_indices),
+            len(logits_indices),
+        )
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> torch.Tensor:
-        """Returns float32 logits [num sampling sequences, vocab] in step.scheduled order."""
-        input_ids, positions, meta, logits_indices = self.prepare(step)
-        return self.model.forward(input_ids, positions, self.kv_caches, meta, logits_indices)
+        """float32 logits: one row per sampling sequence in step.scheduled
+        order, then one per scored prompt position."""
+        inputs = self.prepare(step)
+        return self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        logits = self.execute(step)
+        sampling = [s for s in step.scheduled if s.sampling is not None]
+        rows = [s.sampling for s in sampling if s.sampling is not None]
+        sampled = self.sampler(logits[: len(rows)], rows) if rows else []
+        out = ModelRunnerOutput(
+            sampled_keys=[s.key for s in sampling],
+            sampled_token_ids=[[t.token_id] for t in sampled],
+            logprobs=[[t.logprob] if t.logprob is not None else None for t in sampled],
+        )
+        row = len(rows)
+        for s in step.scheduled:
+            count = len(s.prompt_logprob_targets)
+            if count and s.num_prompt_logprobs is not None:
+                out.prompt_logprobs[s.key] = score_prompt(logits[row : row + count], s, s.num_prompt_logprobs)
+                row += count
+        return out
+
+
+def score_prompt(logits: torch.Tensor, s: ScheduledRequest, top_k: int) -> list[TokenLogprob]:
+    """Each prompt token's logprob under the raw model distribution (no
+    penalties or temperature, as vLLM), its rank and the top_k alternatives."""
+    out: list[TokenLogprob] = []
+    targets = s.prompt_logprob_targets
+    for lo in range(0, len(targets), _SCORE_ROWS):
+        chunk = torch.log_softmax(logits[lo : lo + _SCORE_ROWS].float(), dim=-1).clamp_min(LOGPROB_FLOOR)
+        target = torch.tensor(targets[lo : lo + _SCORE_ROWS], dtype=torch.long, device=chunk.device)
+        chosen = chunk.gather(1, target[:, None])
+        ranks = (chunk > chosen).sum(dim=-1) + 1
+        top_lp, top_ids = chunk.topk(top_k, dim=-1) if top_k else (chunk[:, :0], target[:, None][:, :0])
+        for t, lp, rank, ids, lps in zip(
+            target.tolist(), chosen[:, 0].tolist(), ranks.tolist(), top_ids.tolist(), top_lp.tolist()
+        ):
+            out.append(TokenLogprob(t, lp, list(zip(ids, lps)), rank))
+    return out

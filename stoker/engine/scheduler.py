@@ -6,40 +6,22 @@ budget, sequence slots and KV blocks last. A long prompt is chunked across
 steps. When blocks run out the worst request by service order is preempted
 (freed and recomputed later); with the priority policy a waiting request may
 also preempt a running one of a strictly lower class.
+
+schedule() says what to compute (a SchedulerOutput, stoker/engine/outputs.py);
+update_from_output() turns what the runner computed into request progress.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 
-from stoker.engine.kv_cache import KVCacheManager
+from stoker.engine.kv_cache import Block, KVCacheManager
+from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
+from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the sequence, so its last token's logits are needed."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """Decodes (one new token) first, then prefill chunks."""
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+from stoker.engine.sampler import SampleRow
 
 
 class Scheduler:
@@ -49,20 +31,31 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_num_seqs: int,
         policy: str = "priority",
+        eos_token_ids: frozenset[int] = frozenset(),
+        max_model_len: int = 2**31,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.policy = policy
+        self.eos_token_ids = eos_token_ids
+        self._eos_list = sorted(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting = make_queue(policy)
         self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
+        self.requests: dict[RequestKey, Request] = {}
+        """Every sequence added and not yet removed, by key."""
         self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        """Prompt tokens of sequences that sampled their first token (cumulative)."""
+        self.num_generation_tokens = 0
         self._arrivals = itertools.count()
 
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
         request.status = RequestStatus.WAITING
+        self.requests[request.key] = request
         self.waiting.add(request)
 
     def remove(self, request: Request) -> None:
@@ -71,15 +64,25 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
+        self.requests.pop(request.key, None)
         self.kv.free(request)
+
+    def abort(self, request: Request, error: str | None = None) -> EngineCoreOutput:
+        """Finish a sequence from outside the step (cancel, deadline, drain)."""
+        self.remove(request)
+        request.finish(FinishReason.ABORT, error=error)
+        return request.take_delta()
 
     def has_unfinished(self) -> bool:
         return bool(self.running) or bool(self.waiting)
 
     def _preempt(self, victim: Request, out: SchedulerOutput, budget: list[int]) -> None:
+        """Free the victim and roll its progress back to nothing: it recomputes
+        later. The one change to progress outside update_from_output, and a
+        rollback: its blocks are gone this instant."""
         self.running.remove(victim)
         for i, s in enumerate(out.scheduled):
-            if s.request is victim:
+            if s.key == victim.key:
                 budget[0] += s.num_new_tokens
                 del out.scheduled[i]
                 break
@@ -89,7 +92,33 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         self.waiting.add(victim)
         self.num_preemptions += 1
-        out.preempted.append(victim)
+        out.preempted.append(victim.key)
+
+    def _scheduled(self, request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+        """Snapshot what the runner needs; called once the request's blocks are allocated."""
+        end = num_computed + num_new
+        sampling = None
+        if end == request.num_tokens:
+            sampling = SampleRow(
+                request.params,
+                request.prompt_token_ids,
+                request.output_token_ids,
+                request.generator,
+                self._eos_list,
+            )
+        targets: list[int] = []
+        if request.needs_prompt_logprobs:
+            # The last prompt position predicts the first output token, not a prompt token.
+            targets = request.prompt_token_ids[num_computed + 1 : min(end + 1, request.num_prompt_tokens)]
+        return ScheduledRequest(
+            key=request.key,
+            token_ids=request.token_ids[num_computed:end],
+            num_computed_tokens=num_computed,
+            block_ids=self.kv.block_ids(request),
+            sampling=sampling,
+            num_prompt_logprobs=request.params.prompt_logprobs if targets else None,
+            prompt_logprob_targets=targets,
+        )
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -109,7 +138,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new))
+                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
                 budget[0] -= num_new
 
         if not out.preempted:
@@ -134,7 +163,9 @@ class Scheduler:
                 break
             if self._leader_prefilling(request):
                 continue
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            cached: list[Block] = []
+            if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
+                cached = self.kv.find_cached_prefix(request)
             computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget[0])
             slots_full = len(self.running) >= self.max_num_seqs
@@ -154,14 +185,14 @@ class Scheduler:
             if request.times.scheduled is None:
                 request.times.scheduled = now
             self.running.append(request)
-            out.scheduled.append(ScheduledRequest(request, num_new))
+            out.scheduled.append(self._scheduled(request, computed, num_new))
             budget[0] -= num_new
 
     def _preempt_for(
         self,
         request: Request,
         num_new: int,
-        cached: list,
+        cached: list[Block],
         out: SchedulerOutput,
         budget: list[int],
         need_slot: bool,
@@ -190,3 +221,43 @@ class Scheduler:
         for victim in victims:
             self._preempt(victim, out, budget)
         return True
+
+    # ------------------------------------------------------------- progress
+
+    def update_from_output(self, step: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """The one place a step's work becomes request progress: computed
+        tokens advance (prefix-cache hits included), full blocks are hashed
+        for the prefix cache, prompt logprobs and sampled tokens are appended,
+        stop conditions finish sequences. Returns one delta per sampled sequence."""
+        for s in step.scheduled:
+            r = self.requests[s.key]
+            r.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            self.kv.cache_full_blocks(r, r.num_computed_tokens)
+            scored = result.prompt_logprobs.get(s.key)
+            if scored:
+                # scored[0] is prompt token num_computed_tokens + 1; after a
+                # preemption the recomputed prefix is already in the list.
+                already = len(r.prompt_logprobs) - (s.num_computed_tokens + 1)
+                if already >= 0:
+                    r.prompt_logprobs.extend(scored[already:])
+        now = time.time()
+        outputs = []
+        for key, token_ids, logprobs in zip(result.sampled_keys, result.sampled_token_ids, result.logprobs):
+            r = self.requests[key]
+            if r.num_output_tokens == 0:
+                self.num_prompt_tokens += r.num_prompt_tokens
+            if r.max_tokens == 0:  # the prompt only (scored for prompt_logprobs): nothing to keep
+                r.finish(FinishReason.LENGTH)
+                token_ids = []
+            for i, token in enumerate(token_ids):
+                r.append_token(token, now)
+                if logprobs is not None:
+                    r.pending_logprobs.append(logprobs[i])
+                self.num_generation_tokens += 1
+                r.check_stop(self.eos_token_ids, self.max_model_len)
+                if r.is_finished:
+                    break
+            if r.is_finished:
+                self.remove(r)
+            outputs.append(r.take_delta())
+        return outputs

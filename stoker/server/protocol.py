@@ -158,6 +158,9 @@ class ChatCompletionRequest(SamplingFields):
         "function_call",
         "audio",
         "prediction",
+        # Prompt scoring is a /v1/completions feature (echo + logprobs there).
+        "echo",
+        "prompt_logprobs",
     )
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -193,16 +196,19 @@ class CompletionRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt
+    max_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] | None = None
+    """0 (with echo) returns the prompt alone, e.g. to score it with logprobs."""
     echo: bool = False
+    """Prepend the prompt to the text; with logprobs, the prompt tokens' logprobs too."""
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     best_of: Annotated[int, Field(ge=1, le=64)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """vLLM extension: each prompt token's logprob, rank and this many top alternatives."""
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported by this server")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs (prompt logprobs) is not supported by this server")
         return self
 
 

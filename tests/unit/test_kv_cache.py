@@ -3,10 +3,12 @@ counts, hashing and verified hits. No model, no tensors."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pytest
 
 from stoker.engine import kv_cache
-from stoker.engine.kv_cache import NULL_BLOCK_ID, BlockPool, KVCacheManager, chain_hash
+from stoker.engine.kv_cache import NULL_BLOCK_ID, Block, BlockPool, KVCacheManager, chain_hash
 from stoker.engine.params import SamplingParams
 from stoker.engine.request import Request
 
@@ -17,10 +19,11 @@ def req(rid: str, prompt: list[int], index: int = 0) -> Request:
     return Request(rid, index, list(prompt), SamplingParams(), 0.0)
 
 
-def compute(kv: KVCacheManager, r: Request, num_new: int, cached: list = ()) -> None:
-    """Allocate, 'run' num_new tokens and register the full blocks, as a step does."""
+def compute(kv: KVCacheManager, r: Request, num_new: int, cached: Sequence[Block] = ()) -> None:
+    """Allocate, 'run' num_new tokens and register the full blocks, as a step
+    does (the cached prefix counts as computed, as update_from_output counts it)."""
     assert kv.allocate(r, num_new, list(cached))
-    r.num_computed_tokens += num_new
+    r.num_computed_tokens += len(cached) * BS + num_new
     kv.cache_full_blocks(r, r.num_computed_tokens)
 
 
@@ -206,7 +209,7 @@ def test_find_cached_prefix_never_covers_the_last_token() -> None:
     assert kv.find_cached_prefix(diverged) == []
 
 
-def test_allocate_with_cached_blocks_advances_num_computed_tokens() -> None:
+def test_allocate_with_cached_blocks_takes_them_without_moving_progress() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     tokens = list(range(30, 42))  # 3 blocks
     a = req("a", tokens)
@@ -215,7 +218,8 @@ def test_allocate_with_cached_blocks_advances_num_computed_tokens() -> None:
     cached = kv.find_cached_prefix(b)
     assert [x.block_id for x in cached] == [1, 2, 3]
     assert kv.allocate(b, 2, cached)
-    assert b.num_computed_tokens == 12
+    # Progress is update_from_output's to move; the hit only shapes the block table.
+    assert b.num_computed_tokens == 0
     assert kv.block_ids(b) == [1, 2, 3, 4]
     assert kv.num_hashed[b.key] == 3
 

@@ -60,7 +60,7 @@ def test_last_token_logits_match_transformers(tiny) -> None:
         engine.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(max_tokens=1), 0.0))
     step = engine.scheduler.schedule()
     got = engine.runner.execute(step)
-    order = [int(s.request.request_id[1:]) for s in step.scheduled]
+    order = [int(s.request_id[1:]) for s in step.scheduled]
     for row, i in zip(got, order):
         torch.testing.assert_close(row, want[i], atol=1e-4, rtol=1e-4)
 

@@ -1,17 +1,19 @@
 """Scheduler: token budget, running before waiting, chunked prefill, decodes
 first, max_num_seqs, preemption (victim order, exact blocks freed, resume with
 recompute and prefix hits), priority preemption of running requests, and n > 1
-samples sharing their leader's blocks. Steps are simulated as EngineCore.step
-does them, without a model."""
+samples sharing their leader's blocks. Steps run as EngineCore.step runs them,
+through the typed messages (SchedulerOutput -> ModelRunnerOutput ->
+update_from_output), with a stand-in for the model that samples 7, 8, 9, ..."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from stoker.engine.kv_cache import KVCacheManager
-from stoker.engine.params import FinishReason, SamplingParams
+from stoker.engine.outputs import ModelRunnerOutput, SchedulerOutput
+from stoker.engine.params import SamplingParams
 from stoker.engine.request import Request, RequestStatus
-from stoker.engine.scheduler import Scheduler, SchedulerOutput
+from stoker.engine.scheduler import Scheduler
 
 BS = 4
 
@@ -61,25 +63,28 @@ def name(r: Request) -> str:
 
 
 def step(s: Scheduler) -> Step:
-    """One engine step without a model: schedule, advance, cache, sample, finish."""
+    """One engine step without a model: schedule, 'run', update from the output."""
     out = s.schedule()
     assert out.num_tokens <= s.max_num_batched_tokens
     assert len(s.running) <= s.max_num_seqs
-    plan = [(name(x.request), x.num_new_tokens) for x in out.scheduled]
-    tables = {name(x.request): s.kv.block_ids(x.request) for x in out.scheduled}
-    sampling = [x.request for x in out.scheduled if x.samples]
+    plan = [(name(s.requests[x.key]), x.num_new_tokens) for x in out.scheduled]
+    tables = {name(s.requests[x.key]): x.block_ids for x in out.scheduled}
     for x in out.scheduled:
-        r = x.request
-        r.num_computed_tokens += x.num_new_tokens
-        assert r.num_computed_tokens <= r.num_tokens
-        s.kv.cache_full_blocks(r, r.num_computed_tokens)
-    finished = []
-    for r in sampling:
-        r.append_token(7 + r.num_output_tokens, 0.0)
-        if r.num_output_tokens >= r.max_tokens:
-            r.finish(FinishReason.LENGTH)
-            s.remove(r)
-            finished.append(name(r))
+        r = s.requests[x.key]
+        assert x.block_ids == s.kv.block_ids(r)
+        assert x.token_ids == r.token_ids[x.num_computed_tokens : x.num_computed_tokens + x.num_new_tokens]
+    sampling = [s.requests[x.key] for x in out.scheduled if x.samples]
+    result = ModelRunnerOutput(
+        sampled_keys=[r.key for r in sampling],
+        sampled_token_ids=[[7 + r.num_output_tokens] for r in sampling],
+        logprobs=[None for _ in sampling],
+    )
+    deltas = s.update_from_output(out, result)
+    for x in out.scheduled:
+        if x.key in s.requests:  # not finished by this step
+            r = s.requests[x.key]
+            assert r.num_computed_tokens == x.num_computed_tokens + x.num_new_tokens <= r.num_tokens
+    finished = [name(r) for r, d in zip(sampling, deltas) if d.finished]
     return Step(out, plan, [name(r) for r in sampling], finished, tables)
 
 
@@ -165,7 +170,7 @@ def test_decodes_come_before_prefill_chunks_in_the_output() -> None:
     # Now running is served as [high, low]; the output still puts the decode first.
     st = step(s)
     assert st.plan == [("low", 1), ("high", 6)]
-    assert [x.request for x in st.out.scheduled] == [low, high]
+    assert [s.requests[x.key] for x in st.out.scheduled] == [low, high]
 
 
 def test_max_num_seqs() -> None:
@@ -226,7 +231,7 @@ def test_preemption_picks_latest_arrival_frees_its_blocks_and_it_resumes_with_pr
     s, _a, _b, c = three_running("fcfs")
     st = step(s)  # position 8 needs a third block for everyone; one is free
     assert st.plan == [("a", 1), ("b", 1)]
-    assert st.out.preempted == [c]
+    assert st.out.preempted == [c.key]
     assert st.tables == {"a": [1, 2, 7], "b": [3, 4, 6]}  # b gets c's tail block, freed first
     assert s.kv.block_ids(c) == []
     assert c.status == RequestStatus.PREEMPTED and c.num_computed_tokens == 0
@@ -252,7 +257,7 @@ def test_preemption_picks_latest_arrival_frees_its_blocks_and_it_resumes_with_pr
 def test_preemption_picks_lowest_priority_before_latest_arrival() -> None:
     s, a, b, c = three_running("priority", priorities=(1, 0, 0))
     st = step(s)
-    assert st.out.preempted == [a]
+    assert st.out.preempted == [a.key]
     assert st.plan == [("b", 1), ("c", 1)]
     assert s.kv.block_ids(a) == []
     assert s.kv.block_ids(b) == [1, 2, 7]
@@ -275,7 +280,7 @@ def test_a_request_can_preempt_itself() -> None:
     late = req("late", 2, arrival=2.0)
     s.add(late)
     st = step(s)  # a (pos 8) and b (pos 4) both need a block; none free
-    assert st.out.preempted == [b]
+    assert st.out.preempted == [b.key]
     assert st.plan == [("a", 1)]
     assert s.kv.block_ids(a) == [1, 2, 3]
     assert late.status == RequestStatus.WAITING
@@ -293,7 +298,7 @@ def test_preempted_victim_already_scheduled_this_step_returns_its_budget() -> No
     assert st.plan == [("a", 1), ("b", 1), ("c", 1)]
     assert s.kv.pool.num_free == 1
     st = step(s)  # position 4: a takes block 4, b preempts c
-    assert st.out.preempted == [c]
+    assert st.out.preempted == [c.key]
     assert st.plan == [("a", 1), ("b", 1)]
     assert st.out.num_tokens == 2
 
@@ -315,7 +320,7 @@ def one_low_priority_holding_everything(policy: str, high_priority: int) -> tupl
 def test_waiting_higher_priority_preempts_running_lower_priority_for_blocks() -> None:
     s, low, high = one_low_priority_holding_everything("priority", high_priority=0)
     st = step(s)
-    assert st.out.preempted == [low]
+    assert st.out.preempted == [low.key]
     assert st.plan == [("high", 3)]  # low's decode was withdrawn
     assert s.kv.block_ids(high) == [4]  # low's tail block, freed first
     assert low.status == RequestStatus.PREEMPTED and low.num_computed_tokens == 0
@@ -353,7 +358,7 @@ def test_waiting_higher_priority_preempts_when_max_num_seqs_is_full() -> None:
     high = req("high", 3, arrival=3.0, priority=0)
     s.add(high)
     st = step(s)
-    assert st.out.preempted == [low]
+    assert st.out.preempted == [low.key]
     assert st.plan == [("a", 1), ("high", 3)]
     assert st.out.num_tokens == 4
     assert s.kv.block_ids(low) == []
@@ -438,7 +443,7 @@ def test_no_prefix_caching_recomputes_everything() -> None:
 def test_fcfs_victim_is_latest_arrival_whatever_its_priority() -> None:
     s, a, _b, c = three_running("fcfs", priorities=(1, 0, 0))
     st = step(s)
-    assert st.out.preempted == [c]  # fcfs ignores the priority field
+    assert st.out.preempted == [c.key]  # fcfs ignores the priority field
     assert a.num_preemptions == 0
 
 
@@ -452,7 +457,7 @@ def test_deadline_does_not_make_a_running_request_the_victim() -> None:
         s.add(r)
     step(s)
     step(s)
-    assert step(s).out.preempted == [c]
+    assert step(s).out.preempted == [c.key]
 
 
 def test_no_preemption_when_it_would_not_make_room() -> None:
@@ -485,3 +490,58 @@ def test_running_decodes_are_not_stalled_by_a_higher_ranked_chunked_prefill() ->
         assert ("low", 1) in st.plan
         assert st.plan[0] == ("low", 1)  # the decode goes first, the chunk takes the rest
         assert st.out.num_tokens == 8
+
+
+# ------------------------------------------------------- the step's messages
+
+
+def test_schedule_moves_no_progress_update_from_output_does() -> None:
+    s = make(budget=64)
+    a = req("a", 12)
+    s.add(a)
+    step(s)  # a's 3 full blocks are now cached
+    b = req("b", list(a.prompt_token_ids) + [5, 6])
+    s.add(b)
+    out = s.schedule()
+    (x,) = [x for x in out.scheduled if x.key == b.key]
+    # The 12-token prefix is a hit: the chunk starts at 12, but b has computed nothing yet.
+    assert x.num_computed_tokens == 12 and x.token_ids == [5, 6] and x.samples
+    assert b.num_computed_tokens == 0 and b.num_output_tokens == 0
+    sampled = [x.key for x in out.scheduled if x.samples]
+    s.update_from_output(out, ModelRunnerOutput(sampled, [[9] for _ in sampled], [None for _ in sampled]))
+    assert b.num_computed_tokens == 14 and b.output_token_ids == [9]
+
+
+def test_update_takes_several_tokens_per_sequence_and_stops_at_max_tokens() -> None:
+    s = make()
+    a = req("a", 5, max_tokens=3)
+    s.add(a)
+    out = s.schedule()
+    (delta,) = s.update_from_output(out, ModelRunnerOutput([a.key], [[11, 12, 13, 14]], [None]))
+    # Room for speculative decoding: all accepted tokens land, up to max_tokens.
+    assert a.output_token_ids == [11, 12, 13] and delta.new_token_ids == [11, 12, 13]
+    assert delta.finish_reason is not None and delta.finish_reason.value == "length"
+    assert not s.has_unfinished() and s.kv.num_used_blocks == 0
+
+
+def test_prompt_logprob_request_computes_its_whole_prompt_in_chunks() -> None:
+    s = make(budget=6)
+    a = req("a", 12)
+    s.add(a)
+    for _ in range(2):
+        step(s)  # 12 prompt tokens in two chunks; blocks cached
+    prompt = list(a.prompt_token_ids)
+    scored = Request("p", 0, prompt, SamplingParams(max_tokens=0, prompt_logprobs=2), 0.0, max_tokens=0)
+    s.add(scored)
+    seen = []
+    while scored.key in s.requests:
+        out = s.schedule()
+        for x in out.scheduled:
+            if x.key == scored.key:
+                seen.append((x.num_computed_tokens, x.prompt_logprob_targets, x.num_prompt_logprobs))
+        sampled = [x.key for x in out.scheduled if x.samples]
+        s.update_from_output(out, ModelRunnerOutput(sampled, [[9] for _ in sampled], [None for _ in sampled]))
+    # No prefix-cache hit (it would skip positions); each chunk predicts the next prompt tokens.
+    # (a still decodes one token a step, so the chunks are 5, 5 and 2 tokens.)
+    assert seen == [(0, prompt[1:6], 2), (5, prompt[6:11], 2), (10, prompt[11:12], 2)]
+    assert scored.output_token_ids == [] and scored.finish_reason is not None

@@ -93,7 +93,8 @@ def test_completions_echo_logprobs_stream(http: httpx.Client) -> None:
         ({"prompt": "x", "stop": [""]}, "stop"),
         ({"prompt": "x", "seed": 2**70}, "seed"),
         ({"prompt": "x", "best_of": 3}, None),
-        ({"prompt": "x", "echo": True, "logprobs": 1}, None),
+        ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
     ],
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -43,7 +44,9 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
 
 
-def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+) -> SamplingParams:
     try:
         return SamplingParams(
             n=body.n,
@@ -63,6 +66,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
             logprobs=logprobs,
             skip_special_tokens=body.skip_special_tokens,
             logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -313,10 +317,55 @@ def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, of
     }
 
 
+def echoed_logprobs(
+    state: ServerState,
+    prompt_ids: list[int],
+    scored: list[TokenLogprob | None] | None,
+    generated: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """OpenAI's echo + logprobs: the prompt tokens first (the first has no
+    context: null), then the generated ones, offsets running on through both."""
+    entries = scored if scored is not None else [None] * len(prompt_ids)
+    tokens = [state.token_text(t) for t in prompt_ids]
+    offsets = list(itertools.accumulate(map(len, tokens), initial=0))
+    out: dict[str, Any] = {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob if e else None for e in entries],
+        "top_logprobs": [{state.token_text(t): lp for t, lp in e.top} if e else None for e in entries],
+        "text_offset": offsets[:-1],
+    }
+    if generated is not None:
+        for key in ("tokens", "token_logprobs", "top_logprobs"):
+            out[key] += generated[key]
+        out["text_offset"] += [offsets[-1] + o for o in generated["text_offset"]]
+    return out
+
+
+def vllm_prompt_logprobs(
+    state: ServerState, prompt_ids: list[int], scored: list[TokenLogprob | None] | None
+) -> list[dict[int, dict[str, Any]] | None] | None:
+    """vLLM's prompt_logprobs: per prompt token, None first, then token id ->
+    {logprob, rank, decoded_token} for the token itself and the top alternatives."""
+    if scored is None:
+        return None
+    out: list[dict[int, dict[str, Any]] | None] = []
+    for token_id, e in zip(prompt_ids, scored):
+        if e is None:
+            out.append(None)
+            continue
+        entry = {token_id: {"logprob": e.logprob, "rank": e.rank, "decoded_token": state.token_text(token_id)}}
+        for rank, (t, lp) in enumerate(e.top, start=1):
+            entry.setdefault(t, {"logprob": lp, "rank": rank, "decoded_token": state.token_text(t)})
+        out.append(entry)
+    return out
+
+
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     model = state.check_model(body.model)
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens 0 needs echo: true (the answer is then the prompt alone)", param="max_tokens")
     tokenizer = state.engine.tokenizer
     prompts: list[list[int]] = []
     texts: list[str | None] = []
@@ -330,25 +379,40 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     max_tokens = resolve_max_tokens(state, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
     if body.echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
-    job = Job("completion", model, prompts, sampling_params(body, max_tokens, body.logprobs), texts)
+    # echo + logprobs scores the prompt too: the engine's prompt_logprobs, at the larger top-N asked for.
+    asked = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
+    params = sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None)
+    job = Job("completion", model, prompts, params, texts)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     echoed: set[int] = set()
     text_len: dict[int, int] = {}
 
+    def add_prompt_scores(choice: dict[str, Any], p: int, generated: dict[str, Any] | None) -> None:
+        scored = job.outputs[p].prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            choice["logprobs"] = echoed_logprobs(state, job.prompts[p], scored, generated)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(state, job.prompts[p], scored)
+
     def render_delta(job: Job, p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
         index = job.choice_index(p, d.index)
         text = d.new_text
-        if body.echo and index not in echoed:
+        first_chunk = index not in echoed
+        if first_chunk:
             echoed.add(index)
+        if body.echo and first_chunk:
             text = (job.prompt_texts[p] or "") + text
         offset = text_len.get(index, 0)
         text_len[index] = offset + len(text)
+        logprobs = completion_logprobs(state, d.new_logprobs, offset)
         choice = {
             "index": index,
             "text": text,
-            "logprobs": completion_logprobs(state, d.new_logprobs, offset),
+            "logprobs": logprobs,
             "finish_reason": d.finish_reason.value if d.finish_reason else None,
         }
+        if first_chunk and (body.echo or body.prompt_logprobs is not None):
+            add_prompt_scores(choice, p, logprobs)
         return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
 
     def render_final(job: Job) -> dict[str, Any]:
@@ -356,14 +420,15 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for p, out in enumerate(job.outputs):
             prefix = (job.prompt_texts[p] or "") if body.echo else ""
             for c in out.outputs:
-                choices.append(
-                    {
-                        "index": job.choice_index(p, c.index),
-                        "text": prefix + c.text,
-                        "logprobs": completion_logprobs(state, c.logprobs, 0),
-                        "finish_reason": _reason(c),
-                    }
-                )
+                logprobs = completion_logprobs(state, c.logprobs, 0)
+                choice = {
+                    "index": job.choice_index(p, c.index),
+                    "text": prefix + c.text,
+                    "logprobs": logprobs,
+                    "finish_reason": _reason(c),
+                }
+                add_prompt_scores(choice, p, logprobs)
+                choices.append(choice)
         return {
             "id": f"cmpl-{job.request_id}",
             "object": "text_completion",
