@@ -44,6 +44,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     kernels.add_arguments(kern)
     kern.set_defaults(func=kernels.run)
+    from stoker.bench import quality
+
+    qual = sub.add_parser(
+        "quality",
+        help="perplexity over a text through servers' echo+logprobs, side by side",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    quality.add_arguments(qual)
+    qual.set_defaults(func=quality.run_cli)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 

@@ -141,7 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    return run_cli(parser.parse_args(argv))
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """`stoker bench quality`: print the scores; 1 with a one-line reason when a server cannot be scored."""
     try:
         scores = run(args)
     except (QualityError, httpx.HTTPError) as exc:

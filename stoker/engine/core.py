@@ -30,9 +30,9 @@ from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.scheduler import Scheduler
 from stoker.models.cpu_kernels import cpu_flags
-from stoker.models.llama import LlamaModel
 from stoker.models.loader import load_model
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
+from stoker.models.registry import build_model
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.engine")
@@ -87,7 +87,7 @@ class EngineCore:
             config.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
-        model = LlamaModel(loaded.config, loaded.weights, self.dtype, self.device, self.max_model_len)
+        model = build_model(loaded.config, loaded.weights, self.dtype, self.device, self.max_model_len)
         del loaded
 
         block_size = config.block_size

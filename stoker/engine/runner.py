@@ -18,7 +18,7 @@ from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import Sampler
 from stoker.models.attention import AttentionMetadata, PrefillChunk
 from stoker.models.cpu_kernels import load_paged_attention, prefill_kernel_supported
-from stoker.models.llama import LlamaModel
+from stoker.models.registry import DecoderModel
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -45,7 +45,7 @@ class StepInputs:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: DecoderModel,
         num_blocks: int,
         block_size: int,
         kv_dtype: torch.dtype,
