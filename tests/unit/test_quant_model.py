@@ -129,7 +129,7 @@ def _last_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
         engine.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(max_tokens=1), 0.0))
     step = engine.scheduler.schedule()
     got = engine.runner.execute(step)
-    by_id = {int(s.request.request_id[1:]): row for s, row in zip(step.scheduled, got)}
+    by_id = {int(s.request_id[1:]): row for s, row in zip(step.scheduled, got)}
     return [by_id[i] for i in range(len(prompts))]
 
 
