@@ -180,7 +180,9 @@ def test_quantized_model_matches_dequantized(
     model = _model(quant)
     layer = model.layers[0]
     assert isinstance(layer.qkv, GGMLLinear) and isinstance(layer.down, GGMLLinear)
-    want_qkv = [mix.get(p, default) for p in ("attn_q", "attn_k", "attn_v")]
+    # Adjacent parts of one type are joined into one call: Q4_K_M's qkv is Q4_K (q+k) then Q6_K (v).
+    types = [mix.get(p, default) for p in ("attn_q", "attn_k", "attn_v")]
+    want_qkv = [t for i, t in enumerate(types) if i == 0 or t != types[i - 1]]
     assert layer.qkv.qtypes == want_qkv
     assert layer.down.qtypes == [mix.get("ffn_down", default)]
     # Tied LM head: the embedding's own Q8_0 blocks, not a copy.
