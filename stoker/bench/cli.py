@@ -19,40 +19,28 @@ from stoker.bench.workload import LengthDist, Tokenizer
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality}")
-    serve = sub.add_parser(
-        "serve",
-        help="load test an OpenAI-compatible server (streaming)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_serve_arguments(serve)
-    serve.set_defaults(func=run_serve)
-    from stoker.bench import offline
+    from stoker.bench import kernels, offline, quality
 
-    off = sub.add_parser(
-        "offline",
-        help="engine throughput without HTTP, vs transformers",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    offline.add_arguments(off)
-    off.set_defaults(func=offline.run)
-    from stoker.bench import kernels
-
-    kern = sub.add_parser(
-        "kernels",
-        help="the quantized (GGUF block) matmul kernels vs torch, on the default model's shapes",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    kernels.add_arguments(kern)
-    kern.set_defaults(func=kernels.run)
-    from stoker.bench import quality
-
-    qual = sub.add_parser(
-        "quality",
-        help="perplexity over a text through servers' echo+logprobs, side by side",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    quality.add_arguments(qual)
-    qual.set_defaults(func=quality.run_cli)
+    commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
+        ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
+        ("offline", "engine throughput without HTTP, vs transformers", offline.add_arguments, offline.run),
+        (
+            "kernels",
+            "the quantized (GGUF block) matmul kernels vs torch, on the default model's shapes",
+            kernels.add_arguments,
+            kernels.run,
+        ),
+        (
+            "quality",
+            "perplexity over a text through servers' echo+logprobs, side by side",
+            quality.add_arguments,
+            quality.run_cli,
+        ),
+    ]
+    for name, help_text, add_arguments, run in commands:
+        p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        add_arguments(p)
+        p.set_defaults(func=run)
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
 
 
