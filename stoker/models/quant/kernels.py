@@ -70,10 +70,15 @@ def _isas() -> tuple[_Isa, ...]:
     return _X86_ISAS if platform.machine() in ("x86_64", "AMD64") else _GENERIC_ISAS
 
 
+@cache
+def _available() -> tuple[str, ...]:
+    flags = cpu_flags()
+    return tuple(isa.name for isa in _isas() if isa.cpu_needs <= flags)
+
+
 def available_isas() -> list[str]:
     """The paths this CPU can run, best first (the last is always "portable")."""
-    flags = cpu_flags()
-    return [isa.name for isa in _isas() if isa.cpu_needs <= flags]
+    return list(_available())
 
 
 _logged: set[str] = set()
@@ -81,18 +86,24 @@ _logged: set[str] = set()
 
 def quant_isa() -> str:
     """The path in use: STOKER_QUANT_ISA if set (ValueError if this CPU cannot run
-    it), else the best available. Re-read on every call, so tests can switch it."""
-    available = available_isas()
-    forced = os.environ.get("STOKER_QUANT_ISA", "").strip()
-    if forced and forced not in available:
-        known = [isa.name for isa in _X86_ISAS]
-        why = "unknown" if forced not in known else "not supported by this CPU"
-        raise ValueError(f"STOKER_QUANT_ISA={forced!r} is {why}; available here: {', '.join(available)}")
-    chosen = forced or available[0]
+    it), else the best available. The variable is re-read on every call, so tests
+    can switch it; what it resolves to is worked out once per value (this runs
+    before every matmul)."""
+    chosen = _resolve(os.environ.get("STOKER_QUANT_ISA", "").strip())
     if chosen not in _logged:
         _logged.add(chosen)
         log.info("quantized matmul: %s path", chosen)
     return chosen
+
+
+@cache
+def _resolve(forced: str) -> str:
+    available = _available()
+    if forced and forced not in available:
+        known = [isa.name for isa in _X86_ISAS]
+        why = "unknown" if forced not in known else "not supported by this CPU"
+        raise ValueError(f"STOKER_QUANT_ISA={forced!r} is {why}; available here: {', '.join(available)}")
+    return forced or available[0]
 
 
 @cache
