@@ -145,11 +145,13 @@ def _assert_quantized_close(quant: LLM, dense: LLM, vocab: int) -> None:
     product). Through two random layers that is 0.3-5% of the logits' norm for
     most prompts, measured on avx2; a rare prompt near an attention tie moves
     more (one qwen3 prompt: 22%). A wrong row order, type or scale gives
-    unrelated logits, ~140%. Hence: median under 6%, every prompt under 35%,
-    greedy (8 tokens) equal for at least 4 of 6 prompts (measured: 4-6)."""
+    unrelated logits, ~140%. Hence: median under 6%, every prompt under 35%.
+    Greedy continuations are not compared token for token: a random model's
+    logits are nearly flat, so a 1% error flips argmaxes (measured 3-6 of 6
+    prompts equal over 8 tokens on the same CPU); generating through the
+    quantized path must still give every prompt its 8 tokens."""
     prompts = _prompts(vocab)
-    same = sum(a == b for a, b in zip(_greedy(quant, prompts), _greedy(dense, prompts)))
-    assert same >= 4, f"greedy tokens equal for only {same}/{len(prompts)} prompts"
+    assert all(len(tokens) == 8 for tokens in _greedy(quant, prompts))
     errors = []
     for got, want in zip(_last_logits(quant, prompts), _last_logits(dense, prompts)):
         assert want.std() > 0.5  # the reference is not degenerate
