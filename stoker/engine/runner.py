@@ -16,8 +16,7 @@ from stoker.engine.kv_cache import NULL_BLOCK_ID
 from stoker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import Sampler
-from stoker.models.attention import AttentionMetadata, PrefillChunk
-from stoker.models.cpu_kernels import load_paged_attention, prefill_kernel_supported
+from stoker.models.attention import AttentionInputs, AttentionMetadata, PrefillChunk, select_attention_backend
 from stoker.models.registry import DecoderModel
 
 
@@ -54,16 +53,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.block_size = block_size
         self.device = model.device
-        # The C kernel reads the paged cache in place; elsewhere decodes gather + SDPA.
-        self.direct_decode = (
-            self.device.type == "cpu"
-            and kv_dtype in (torch.float32, torch.bfloat16)
-            and kv_dtype == model.dtype
-            and load_paged_attention() is not None
-        )
         cfg = model.config
-        # Prefill chunks likewise, where the build has the AVX-512 kernel; else causal SDPA.
-        self.direct_prefill = self.direct_decode and prefill_kernel_supported(cfg.head_dim)
+        self.attention = select_attention_backend(self.device, kv_dtype, model.dtype, cfg.head_dim)
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         # Zeroed, not empty: padded slots are masked out, but masked NaN garbage
         # would still poison the softmax-weighted sum.
@@ -95,37 +86,18 @@ class ModelRunner:
             input_ids.extend(s.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            n_blocks = -(-end // bs)
             if s.num_new_tokens == 1:
-                decode_tables.append(table[: -(-end // bs)])
+                decode_tables.append(table[:n_blocks])
                 decode_lens.append(end)
             else:
-                n_blocks = -(-end // bs)
-                mask = None
-                if start > 0 and not self.direct_prefill:
-                    q_pos = torch.arange(start, end, device=self.device)[:, None]
-                    mask = torch.arange(end, device=self.device)[None, :] <= q_pos
-                prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks]), mask))
+                prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks])))
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
             prompt_indices.extend(range(query_start, query_start + len(s.prompt_logprob_targets)))
 
-        decode_block_tables = decode_context_lens = decode_mask = None
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            padded = [t + [NULL_BLOCK_ID] * (width - len(t)) for t in decode_tables]
-            decode_block_tables = torch.tensor(padded, dtype=torch.long, device=self.device)
-            decode_context_lens = self._tensor(decode_lens)
-            if not self.direct_decode:
-                key_pos = torch.arange(width * bs, device=self.device)
-                decode_mask = (key_pos[None, :] < decode_context_lens[:, None])[:, None, None, :]
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots),
-            num_decodes=len(decode_tables),
-            decode_block_tables=decode_block_tables,
-            decode_context_lens=decode_context_lens,
-            decode_mask=decode_mask,
-            prefills=prefills,
-            direct_prefill=self.direct_prefill,
+        meta = self.attention.build_metadata(
+            AttentionInputs(self._tensor(slots), decode_tables, decode_lens, prefills, bs, NULL_BLOCK_ID)
         )
         return StepInputs(
             self._tensor(input_ids),

@@ -1,19 +1,38 @@
-"""Paged attention over a flattened batch (CPU and any torch device).
+"""Paged attention over a flattened batch, behind one small protocol.
 
 A step's tokens are laid out decodes first (one query token each), then prefill
-chunks. Decodes are served by one batched call per layer over their gathered
-block tables; each prefill chunk gets its own causal call, so no padding to the
-longest prompt is ever computed.
+chunks. A backend turns the runner's backend-neutral view of the step
+(`AttentionInputs`) into its own metadata once per step, then serves every layer
+from it. Two backends exist:
+
+- `CPUPagedAttention`: the C kernels read the paged cache in place (decodes
+  always; prefill chunks where the build has the AVX-512 prefill kernel, else
+  causal SDPA over gathered blocks);
+- `TorchSDPAAttention`: gather + `scaled_dot_product_attention` on any torch
+  device and dtype (the fallback when the C kernels are unavailable or disabled,
+  and the shape a CUDA backend would take).
+
+Adding a backend is one class meeting `AttentionBackend` plus a line in
+`select_attention_backend` (docs/architecture.md has the recipe).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from stoker.models.cpu_kernels import paged_decode_attention, paged_prefill_attention
+from stoker.models.cpu_kernels import (
+    load_paged_attention,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_supported,
+)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,15 +43,30 @@ class PrefillChunk:
     """Tokens in the sequence once this chunk is written (cached + this chunk)."""
     block_ids: torch.Tensor
     """The blocks that cover context_len tokens."""
-    causal_mask: torch.Tensor | None
+    causal_mask: torch.Tensor | None = None
     """[query_len, context_len] bool; None when the chunk is the whole context or
     when the C prefill kernel serves it (it reads the cache in place)."""
 
 
 @dataclass
-class AttentionMetadata:
+class AttentionInputs:
+    """What the runner knows about a step's attention, before any backend choice."""
+
     slot_mapping: torch.Tensor
     """[num_tokens] KV slot (block_id * block_size + offset) each token writes."""
+    decode_block_tables: list[list[int]]
+    """One block table per decoding sequence (unpadded), in row order."""
+    decode_context_lens: list[int]
+    prefills: list[PrefillChunk]
+    """Without masks: the backend adds the ones it needs."""
+    block_size: int
+    null_block_id: int
+    """Pads the block tables: a block that is never read unmasked."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
     num_decodes: int
     decode_block_tables: torch.Tensor | None
     """[num_decodes, max_blocks], padded with the null block."""
@@ -40,10 +74,33 @@ class AttentionMetadata:
     """[num_decodes] int64: tokens each decoding sequence attends to."""
     decode_mask: torch.Tensor | None
     """[num_decodes, 1, 1, max_blocks * block_size] bool: which key slots are real.
-    Only built when the C kernel cannot serve the decodes."""
+    Only built by backends that gather the decodes' keys."""
     prefills: list[PrefillChunk]
-    direct_prefill: bool = False
-    """Prefill chunks go to the C kernel, which reads K/V from the cache in place."""
+    backend: AttentionBackend = field(default_factory=lambda: TorchSDPAAttention())
+    """The backend that built this metadata and serves the step's layers."""
+
+
+class AttentionBackend(Protocol):
+    name: str
+    """Logged once at start: which path serves attention."""
+
+    def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
+        """Once per step: tensors and masks every layer's call reuses."""
+        ...
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (this
+        step's, already written to the cache). Returns [tokens, heads * head_dim]."""
+        ...
 
 
 def write_kv(
@@ -55,13 +112,6 @@ def write_kv(
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Block ids [..., n] -> keys [..., kv_heads, n * block_size, head_dim]."""
-    blocks = cache[block_ids]  # [..., n, block_size, kv_heads, head_dim]
-    *lead, n, bs, h, d = blocks.shape
-    return blocks.reshape(*lead, n * bs, h, d).transpose(-3, -2)
-
-
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -71,46 +121,203 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim] (this step's,
-    already written to the cache). Returns [tokens, heads * head_dim]."""
-    num_tokens, heads, head_dim = q.shape
-    gqa = heads != k.shape[1]
-    out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
-    nd = meta.num_decodes
-    tables, context_lens = meta.decode_block_tables, meta.decode_context_lens
-    if nd and (tables is None or context_lens is None):
-        raise ValueError("decode rows without block tables or context lengths in the attention metadata")
-    if nd and meta.decode_mask is None:
-        assert tables is not None and context_lens is not None
-        # The kernel writes straight into the first rows of `out` (contiguous).
-        served = paged_decode_attention(q[:nd], k_cache, v_cache, tables, context_lens, scale, out=out[:nd])
-        if served is None:
-            raise RuntimeError("the C decode kernel failed and no mask was prepared for the torch path")
-    elif nd:
-        assert tables is not None
+    """The model's one call: the backend that built `meta` serves it."""
+    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Block ids [..., n] -> keys [..., kv_heads, n * block_size, head_dim]."""
+    blocks = cache[block_ids]  # [..., n, block_size, kv_heads, head_dim]
+    *lead, n, bs, h, d = blocks.shape
+    return blocks.reshape(*lead, n * bs, h, d).transpose(-3, -2)
+
+
+def _padded_tables(inputs: AttentionInputs, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not inputs.decode_block_tables:
+        return None
+    width = max(len(t) for t in inputs.decode_block_tables)
+    padded = [t + [inputs.null_block_id] * (width - len(t)) for t in inputs.decode_block_tables]
+    return (
+        torch.tensor(padded, dtype=torch.long, device=device),
+        torch.tensor(inputs.decode_context_lens, dtype=torch.long, device=device),
+    )
+
+
+def _causal_mask(start: int, end: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(end, device=device)[None, :] <= torch.arange(start, end, device=device)[:, None]
+
+
+class TorchSDPAAttention:
+    """Gather the blocks, mask, and let torch's SDPA do the rest (any device/dtype)."""
+
+    name = "torch-sdpa"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+
+    def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
+        tables = _padded_tables(inputs, self.device)
+        decode_mask = None
+        if tables is not None:
+            key_pos = torch.arange(tables[0].shape[1] * inputs.block_size, device=self.device)
+            decode_mask = (key_pos[None, :] < tables[1][:, None])[:, None, None, :]
+        prefills = [self._with_mask(c) for c in inputs.prefills]
+        return AttentionMetadata(
+            inputs.slot_mapping,
+            len(inputs.decode_block_tables),
+            tables[0] if tables else None,
+            tables[1] if tables else None,
+            decode_mask,
+            prefills,
+            backend=self,
+        )
+
+    def _with_mask(self, chunk: PrefillChunk) -> PrefillChunk:
+        start = chunk.context_len - chunk.query_len
+        if start == 0:  # the whole context is this step's: plain causal attention on the fresh k/v
+            return chunk
+        return PrefillChunk(
+            chunk.query_start,
+            chunk.query_len,
+            chunk.context_len,
+            chunk.block_ids,
+            _causal_mask(start, chunk.context_len, self.device),
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_tokens, heads, head_dim = q.shape
+        out = torch.empty(num_tokens, heads, head_dim, dtype=q.dtype, device=q.device)
+        nd = meta.num_decodes
+        if nd:
+            self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
+        for chunk in meta.prefills:
+            s, n = chunk.query_start, chunk.query_len
+            out[s : s + n] = self.prefill(q[s : s + n], k[s : s + n], v[s : s + n], k_cache, v_cache, chunk, scale)
+        return out.reshape(num_tokens, heads * head_dim)
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        tables = meta.decode_block_tables
+        if tables is None or meta.decode_mask is None:
+            raise ValueError("decode rows without block tables or mask in the attention metadata")
         keys = _gather(k_cache, tables)
         values = _gather(v_cache, tables)
+        gqa = q.shape[1] != keys.shape[1]
         o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
         )
-        out[:nd] = o.squeeze(2)
-    for chunk in meta.prefills:
-        s, n = chunk.query_start, chunk.query_len
-        if meta.direct_prefill:
-            if not paged_prefill_attention(
-                q[s : s + n], k_cache, v_cache, chunk.block_ids, chunk.context_len, scale, out[s : s + n]
-            ):
-                raise RuntimeError("the C prefill kernel failed and no mask was prepared for the torch path")
-            continue
-        qs = q[s : s + n].transpose(0, 1).unsqueeze(0)
+        out.copy_(o.squeeze(2))
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+    ) -> torch.Tensor:
+        """One chunk's causal attention: [n, heads, head_dim]."""
+        gqa = q.shape[1] != k_cache.shape[2]
+        qs = q.transpose(0, 1).unsqueeze(0)
         if chunk.causal_mask is None:
-            # The whole context is in this step: attend to the fresh k/v directly.
-            ks = k[s : s + n].transpose(0, 1).unsqueeze(0)
-            vs = v[s : s + n].transpose(0, 1).unsqueeze(0)
+            ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             ks = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             vs = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa)
-        out[s : s + n] = o.squeeze(0).transpose(0, 1)
-    return out.reshape(num_tokens, heads * head_dim)
+        return o.squeeze(0).transpose(0, 1)
+
+
+class CPUPagedAttention(TorchSDPAAttention):
+    """The C kernels read K/V from the paged cache in place: no gather, no mask.
+    Prefill chunks take the C kernel where the build has it (AVX-512), else SDPA."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__(torch.device("cpu"))
+        self.direct_prefill = prefill_kernel_supported(head_dim)
+        self.name = "cpu-paged-c" + ("" if self.direct_prefill else " (prefill: torch-sdpa)")
+
+    def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
+        tables = _padded_tables(inputs, self.device)
+        prefills = inputs.prefills if self.direct_prefill else [self._with_mask(c) for c in inputs.prefills]
+        return AttentionMetadata(
+            inputs.slot_mapping,
+            len(inputs.decode_block_tables),
+            tables[0] if tables else None,
+            tables[1] if tables else None,
+            None,
+            prefills,
+            backend=self,
+        )
+
+    def decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        if tables is None or lens is None:
+            raise ValueError("decode rows without block tables or context lengths in the attention metadata")
+        if paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out) is None:
+            raise RuntimeError("the C decode kernel could not serve a step it was chosen for")
+
+    def prefill(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        chunk: PrefillChunk,
+        scale: float,
+    ) -> torch.Tensor:
+        if not self.direct_prefill:
+            return super().prefill(q, k, v, k_cache, v_cache, chunk, scale)
+        out = torch.empty_like(q)
+        if not paged_prefill_attention(
+            q.contiguous(), k_cache, v_cache, chunk.block_ids, chunk.context_len, scale, out
+        ):
+            raise RuntimeError("the C prefill kernel could not serve a step it was chosen for")
+        return out
+
+
+def select_attention_backend(
+    device: torch.device, kv_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int
+) -> AttentionBackend:
+    """The C kernels where they can read the cache (CPU, float32/bf16 cache of the
+    model's dtype, a compiler at hand); torch SDPA everywhere else."""
+    backend: AttentionBackend
+    if (
+        device.type == "cpu"
+        and kv_dtype in (torch.float32, torch.bfloat16)
+        and kv_dtype == model_dtype
+        and load_paged_attention() is not None
+    ):
+        backend = CPUPagedAttention(head_dim)
+    else:
+        backend = TorchSDPAAttention(device)
+    log.info("attention backend: %s", backend.name)
+    return backend

@@ -8,7 +8,16 @@ import torch
 import torch.nn.functional as F
 
 from stoker.models import cpu_kernels
-from stoker.models.attention import AttentionMetadata, PrefillChunk, paged_attention, write_kv
+from stoker.models.attention import (
+    AttentionInputs,
+    AttentionMetadata,
+    CPUPagedAttention,
+    PrefillChunk,
+    TorchSDPAAttention,
+    paged_attention,
+    select_attention_backend,
+    write_kv,
+)
 
 BS, KVH, H, D = 4, 2, 6, 16
 
@@ -43,14 +52,14 @@ def _naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(scores, -1) @ v).squeeze(1)
 
 
+def _inputs(tables: list[list[int]], lens: list[int], prefills: list[PrefillChunk], BS: int = BS) -> AttentionInputs:
+    return AttentionInputs(torch.zeros(0, dtype=torch.long), tables, lens, prefills, BS, 0)
+
+
 def _decode_meta(tables: list[list[int]], lens: list[int], with_mask: bool, BS: int = BS) -> AttentionMetadata:
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    context_lens = torch.tensor(lens)
-    mask = None
-    if with_mask:
-        mask = (torch.arange(width * BS)[None, :] < context_lens[:, None])[:, None, None, :]
-    return AttentionMetadata(torch.zeros(0, dtype=torch.long), len(lens), block_tables, context_lens, mask, [])
+    """with_mask: the torch backend (gather + mask); else the C kernel's."""
+    backend = TorchSDPAAttention() if with_mask else CPUPagedAttention(D)
+    return backend.build_metadata(_inputs(tables, lens, [], BS))
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128], ids=lambda d: f"d{d}")  # 64/128 are specialised in C
@@ -115,7 +124,9 @@ def test_prefill_kernel_matches_naive_causal(
     for table, ctx, n in zip(tables, lens, chunk_lens):
         chunks.append(PrefillChunk(start, n, ctx, torch.tensor(table), None))
         start += n
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, None, None, None, chunks, direct_prefill=True)
+    backend = CPUPagedAttention(head_dim)
+    assert backend.direct_prefill
+    meta = backend.build_metadata(_inputs([], [], chunks, block_size))
     empty = torch.empty(0, kv_heads, head_dim)
     out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5)
     out = out.view(-1, heads, head_dim)
@@ -124,20 +135,17 @@ def test_prefill_kernel_matches_naive_causal(
         torch.testing.assert_close(out[s : s + n].float(), _naive_causal(q[s : s + n], k, v), atol=tol, rtol=tol)
 
 
-def test_prefill_chunk_with_cached_context_is_causal() -> None:
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_prefill_chunk_with_cached_context_is_causal(backend: str) -> None:
+    """Either backend (the C one through its kernel or, without AVX-512, the mask it builds)."""
+    if backend == "cpu" and cpu_kernels.load_paged_attention() is None:
+        pytest.skip("no C compiler")
     lens = [11]
     k_cache, v_cache, tables, keys, values = _setup(torch.float32, lens)
     start, n = 6, 5  # the last 5 tokens are this step's chunk
     q = torch.randn(n, H, D)
-    causal = torch.arange(11)[None, :] <= torch.arange(start, 11)[:, None]
-    meta = AttentionMetadata(
-        torch.zeros(0, dtype=torch.long),
-        0,
-        None,
-        None,
-        None,
-        [PrefillChunk(0, n, 11, torch.tensor(tables[0]), causal)],
-    )
+    chosen = TorchSDPAAttention() if backend == "torch" else CPUPagedAttention(D)
+    meta = chosen.build_metadata(_inputs([], [], [PrefillChunk(0, n, 11, torch.tensor(tables[0]))]))
     out = paged_attention(q, keys[0][start:], values[0][start:], k_cache, v_cache, meta, D**-0.5).view(n, H, D)
     for i in range(n):
         visible = start + i + 1
@@ -147,9 +155,7 @@ def test_prefill_chunk_with_cached_context_is_causal() -> None:
 def test_whole_prompt_prefill_matches_sdpa() -> None:
     n = 9
     q, k, v = torch.randn(n, H, D), torch.randn(n, KVH, D), torch.randn(n, KVH, D)
-    meta = AttentionMetadata(
-        torch.zeros(0, dtype=torch.long), 0, None, None, None, [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]), None)]
-    )
+    meta = TorchSDPAAttention().build_metadata(_inputs([], [], [PrefillChunk(0, n, n, torch.tensor([1, 2, 3]))]))
     out = paged_attention(q, k, v, torch.zeros(4, BS, KVH, D), torch.zeros(4, BS, KVH, D), meta, D**-0.5)
     ref = F.scaled_dot_product_attention(
         q.transpose(0, 1),
@@ -158,6 +164,16 @@ def test_whole_prompt_prefill_matches_sdpa() -> None:
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out.view(n, H, D), ref)
+
+
+def test_backend_selection() -> None:
+    """The C kernels serve float CPU caches of the model's dtype; anything else gets torch SDPA."""
+    cpu = torch.device("cpu")
+    if cpu_kernels.load_paged_attention() is not None:
+        assert isinstance(select_attention_backend(cpu, torch.float32, torch.float32, 64), CPUPagedAttention)
+    chosen = select_attention_backend(cpu, torch.float16, torch.float16, 64)
+    assert type(chosen) is TorchSDPAAttention
+    assert type(select_attention_backend(cpu, torch.bfloat16, torch.float32, 64)) is TorchSDPAAttention
 
 
 def _clear_kernel_caches() -> None:
