@@ -332,6 +332,11 @@ def _gguf_weights(
     return weights
 
 
+def gguf_tokenizer_folder(path: str) -> Path:
+    """Where gguf_tokenizer keeps the tokenizer it converted from this GGUF."""
+    return _gguf_cache_dir(path) / "tokenizer"
+
+
 def gguf_tokenizer(path: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
@@ -341,7 +346,7 @@ def gguf_tokenizer(path: str) -> Tokenizer:
         )
         hf.save_pretrained(tmp)
 
-    folder = _cached(_gguf_cache_dir(path) / "tokenizer", convert)
+    folder = _cached(gguf_tokenizer_folder(path), convert)
     hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return Tokenizer(cast("PreTrainedTokenizerFast", hf), eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
 

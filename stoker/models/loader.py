@@ -23,13 +23,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
-from stoker.models.gguf_loader import cache_root, gguf_tokenizer, load_gguf
+from stoker.models.gguf_loader import cache_root, gguf_tokenizer, gguf_tokenizer_folder, load_gguf
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
 from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
 from stoker.models.tokenizer import Tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "cache_root", "load_model", "load_tokenizer"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "cache_root", "load_model", "load_tokenizer", "tokenizer_folder"]
 
 
 @dataclass
@@ -62,6 +62,16 @@ def load_tokenizer(path: str) -> Tokenizer:
     if _is_gguf(path):
         return gguf_tokenizer(path)
     return _folder_tokenizer(path, _read_json(Path(path) / "config.json"))
+
+
+def tokenizer_folder(path: str) -> str:
+    """A folder holding the model's tokenizer in Hugging Face's layout
+    (tokenizer.json, tokenizer_config.json), which other tools (a router) can
+    load: the model's own folder, or for a GGUF the one converted from its
+    header into the cache (present once the model has been loaded)."""
+    if _is_gguf(path):
+        return str(gguf_tokenizer_folder(path))
+    return os.path.abspath(path)
 
 
 def _is_gguf(path: str) -> bool:
