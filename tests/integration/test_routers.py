@@ -32,11 +32,14 @@ BIN = os.path.dirname(sys.executable)
 
 
 def router_command(kind: str, port: int, workers: list[str]) -> list[str]:
-    """The command docs/routers.md gives, on a free port, with round robin."""
+    """The command docs/routers.md gives, on free ports, with round robin. Both
+    routers also serve Prometheus metrics on a port of their own (29000 by
+    default, sglang-router's on every interface): a free one here."""
     if kind == "sglang":
         return [os.path.join(BIN, "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *workers, "--policy", "round_robin",
-                "--health-check-endpoint", "/ready"]  # fmt: skip
+                "--health-check-endpoint", "/ready",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
     return [os.path.join(BIN, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *workers, "--policy", "round_robin",
             "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]  # fmt: skip
