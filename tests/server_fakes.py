@@ -230,6 +230,14 @@ class FakeEngineCore:
         )
 
 
+class SlowLoadingEngineCore(FakeEngineCore):
+    """Takes STOKER_FAKE_LOAD_S seconds to load, like a big model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        time.sleep(float(os.environ.get("STOKER_FAKE_LOAD_S", "5")))
+        super().__init__(config)
+
+
 class FailingEngineCore:
     """Fails to load, like a bad model path."""
 

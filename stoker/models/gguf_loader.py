@@ -130,6 +130,12 @@ def _gguf_meta(path: str) -> dict[str, Any]:
     return _read_json(meta_dir / "meta.json")
 
 
+def gguf_model_name(path: str) -> str:
+    """A GGUF's model name: its file name in lower case, without the quantization suffix."""
+    stem = os.path.basename(path).lower().removesuffix(".gguf")
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
 def _read_gguf_header(path: str) -> dict[str, Any]:
     from gguf import GGUFReader
 
@@ -171,7 +177,6 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
     eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    stem = os.path.basename(path).lower().removesuffix(".gguf")
     config = ModelConfig(
         architecture=hf_arch,
         vocab_size=int(
@@ -192,7 +197,7 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         qk_norm="blk.0.attn_q_norm.weight" in rows,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(e) for e in eos if e is not None],
-        name=_QUANT_SUFFIX.sub("", stem) or stem,
+        name=gguf_model_name(path),
     )
     # Only the "llama" converter interleaves q/k rows for its rotary layout.
     return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": arch == "llama"}

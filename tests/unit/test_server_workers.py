@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, start_server
+from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, free_port, start_server
 
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
@@ -193,3 +195,43 @@ def test_http2_preface_gets_goaway_and_no_warning(fake_server) -> None:
     new_log = fake_server.log()[len(before) :]
     assert "Invalid HTTP request" not in new_log
     assert "WARNING" not in new_log
+
+
+def test_identity_is_answered_while_the_model_loads(tmp_path) -> None:
+    """sglang-router registers a worker as soon as /health answers and keeps the
+    labels it read then: /server_info must name the model before it is loaded."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "STOKER_DB": str(tmp_path / "stoker.db"),
+        "STOKER_FAKE_LOAD_S": "4",
+        "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO]),
+    }
+    args = ["--engine-core", "server_fakes:SlowLoadingEngineCore", "--no-embedding-model", "--max-model-len", "256",
+            "--served-model-name", "fake-model", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    with open(tmp_path / "server.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "stoker.cli", "serve", *args], stdout=log, stderr=log, env=env)
+    server = ServerProcess(proc, port, str(tmp_path / "server.log"))
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ready = httpx.get(f"{server.url}/ready", timeout=2)
+                break
+            except httpx.HTTPError:
+                assert time.monotonic() < deadline and proc.poll() is None, server.log()[-2000:]
+                time.sleep(0.1)
+        assert ready.status_code == 503  # still loading
+        info = httpx.get(f"{server.url}/server_info", timeout=10)
+        assert info.status_code == 200, info.text
+        assert info.json()["served_model_name"] == "fake-model"
+        assert info.json()["loaded"] is False and info.json()["max_model_len"] is None
+        assert os.path.isabs(info.json()["model_path"])
+        assert httpx.get(f"{server.url}/get_load", timeout=10).status_code == 200
+        assert httpx.post(f"{server.url}/flush_cache", timeout=10).status_code == 503
+        server.wait_ready(60)
+        loaded = httpx.get(f"{server.url}/model_info", timeout=10).json()
+        assert loaded["served_model_name"] == "fake-model" and loaded["loaded"] is True
+        assert loaded["max_model_len"] == 256
+    finally:
+        server.stop()

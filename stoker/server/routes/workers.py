@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 import stoker
 from stoker.engine.client import EngineUnavailableError
 from stoker.engine.params import EngineStats
-from stoker.models.loader import tokenizer_folder
+from stoker.models.loader import model_name, tokenizer_folder
 from stoker.server.protocol import unavailable
 from stoker.server.state import ServerState, get_state
 
@@ -52,25 +52,30 @@ async def get_load(request: Request) -> Any:
 
 
 async def _identity(state: ServerState) -> dict[str, Any]:
-    """Who this replica is. sglang-router labels the worker with these fields:
-    served_model_name becomes the model it routes by, and it loads its own
-    tokenizer from model_path; a local path it can read never sends it to a hub."""
-    if not state.loaded or state.engine.info is None:
-        raise unavailable("the model is still loading")
-    model_path = os.path.abspath(state.engine.config.resolved_model_path())
+    """Who this replica is. sglang-router labels the worker with these fields
+    when it registers it: served_model_name becomes the model it routes by, and
+    it loads its own tokenizer from model_path (a local path it can read never
+    sends it to a hub). It registers a worker as soon as /health answers, and
+    keeps the labels it got then, so they are answered while the model still
+    loads too (all known from the path); /ready keeps the replica out of
+    rotation until then."""
+    config = state.engine.config
     try:
+        model_path = os.path.abspath(config.resolved_model_path())
         tokenizer_path: str | None = await asyncio.to_thread(tokenizer_folder, model_path)
-    except OSError:  # the model file went away after loading; the engine holds it mapped
-        tokenizer_path = None
-    model = state.engine.info.model_config
+        name = config.served_model_name or await asyncio.to_thread(model_name, model_path)
+    except OSError as exc:  # no such model: startup fails (or failed) with the same error
+        raise unavailable(f"the model cannot be loaded: {exc}") from None
+    info = state.engine.info
     return {
         "model_path": model_path,
         "tokenizer_path": tokenizer_path,
-        "served_model_name": state.served_model_name,
+        "served_model_name": state.served_model_name or name,
         "is_generation": True,
-        "architectures": [model.architecture],
-        "max_model_len": state.engine.info.max_model_len,
+        "architectures": [info.model_config.architecture] if info else None,
+        "max_model_len": info.max_model_len if info else None,
         "has_image_understanding": False,
+        "loaded": state.loaded,
     }
 
 
@@ -85,11 +90,11 @@ async def model_info(request: Request) -> dict[str, Any]:
 async def server_info(request: Request) -> dict[str, Any]:
     state = get_state(request)
     body = await _identity(state)
-    assert state.engine.info is not None  # _identity answered 503 otherwise
     engine = state.engine.config
+    info = state.engine.info
     body.update(
         version=getattr(stoker, "__version__", "0.1.0"),
-        max_total_num_tokens=state.engine.info.kv_capacity_tokens,
+        max_total_num_tokens=info.kv_capacity_tokens if info else None,
         max_running_requests=engine.max_num_seqs,
         page_size=engine.block_size,
         get_load_format=state.config.get_load_format,
