@@ -110,6 +110,8 @@ class FakeEngineCore:
         self.steps = 0
         self.generated = 0
         self.preemptions = 0
+        self.cached_blocks = 0
+        """Full prompt blocks of finished requests, as if kept in a prefix cache until a reset."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.request_id in self.requests:
@@ -199,7 +201,12 @@ class FakeEngineCore:
             if all(s.done for s in req.samples):
                 del self.requests[req.request.request_id]
                 self.running.remove(req)
+                self.cached_blocks += len(req.request.prompt_token_ids) // self.block_size
         return outputs
+
+    def reset_prefix_cache(self) -> int:
+        dropped, self.cached_blocks = self.cached_blocks, 0
+        return dropped
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -221,6 +228,14 @@ class FakeEngineCore:
             steps=self.steps,
             generation_tokens=self.generated,
         )
+
+
+class SlowLoadingEngineCore(FakeEngineCore):
+    """Takes STOKER_FAKE_LOAD_S seconds to load, like a big model."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        time.sleep(float(os.environ.get("STOKER_FAKE_LOAD_S", "5")))
+        super().__init__(config)
 
 
 class FailingEngineCore:

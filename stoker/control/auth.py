@@ -151,6 +151,14 @@ async def require_admin(request: Request) -> ApiKey:
     return key
 
 
+async def require_operator(request: Request) -> ApiKey | None:
+    """For operator actions that routers call on every replica (POST /flush_cache):
+    an admin key once keys exist; open, like inference, in open mode, so a
+    router can drive an open server. (The /admin API stays shut in open mode:
+    it could mint keys; these actions cannot.)"""
+    return await authenticate(request, SCOPE_ADMIN)
+
+
 async def require_metrics_access(request: Request) -> ApiKey | None:
     """Dependency for GET /metrics: a key only when metrics_require_auth is set."""
     if not get_plane(request).settings.metrics_require_auth:

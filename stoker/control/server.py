@@ -29,7 +29,7 @@ from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.control.admin import router as admin_router
-from stoker.control.auth import authenticate, get_plane, require_metrics_access
+from stoker.control.auth import authenticate, get_plane, require_metrics_access, require_operator
 from stoker.control.errors import install_error_handler
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
@@ -39,8 +39,9 @@ from stoker.observe.logs import RequestLogRecord, assign_request_id, with_reques
 log = logging.getLogger("stoker.control")
 
 STATS_INTERVAL = 0.25
-# API routes whose every request gets a log line (health probes and /metrics do not).
-LOGGED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/")
+# API routes whose every request gets a log line (health probes, /metrics and the
+# routers' polls of /get_load do not; an operator's /flush_cache does).
+LOGGED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/flush_cache")
 # The engine pushes a snapshot at most ~0.2 s after the fact; requests admitted
 # within this margin before we saw it may not be in it yet.
 STATS_LAG = 0.25
@@ -115,6 +116,10 @@ class ControlMiddleware:
 
 async def _before(request: Request) -> None:
     await authenticate(request)
+
+
+async def _operator(request: Request) -> None:
+    await require_operator(request)
 
 
 async def _admit(request: Request, info: Any) -> None:
@@ -211,6 +216,7 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     state.hooks.before.append(_before)
     state.hooks.admit.append(_admit)
     state.hooks.finished.append(_finished)
+    state.hooks.operator.append(_operator)
 
     inner = app.router.lifespan_context
 

@@ -88,6 +88,9 @@ class AsyncEngineClient:
         self._closing = False
         self._generation = 0
         self._restart_task: asyncio.Task[None] | None = None
+        self._resets: dict[int, asyncio.Future[int]] = {}
+        """Prefix-cache resets awaiting the engine's answer, by ticket."""
+        self._next_ticket = 0
         self._dir = tempfile.mkdtemp(prefix="stoker-ipc-")
         self._ctx = zmq.Context()
         self._actx = zmq.asyncio.Context.shadow(self._ctx)
@@ -172,6 +175,7 @@ class AsyncEngineClient:
                 await asyncio.sleep(0.05)
             self._discard(engine, kill=True)
         self._fail_all(EngineUnavailableError("the server is shutting down"))
+        self._fail_resets(EngineUnavailableError("the server is shutting down"))
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -204,6 +208,7 @@ class AsyncEngineClient:
             return
         logger.error("engine process %s exited with code %s; restarting", engine.process.pid, engine.process.exitcode)
         self._fail_all(EngineDeadError("the engine process died; please retry"))
+        self._fail_resets(EngineDeadError("the engine process died; please retry"))
         self.restart_count += 1
         self._restart_task = asyncio.create_task(self._restart())
 
@@ -217,6 +222,12 @@ class AsyncEngineClient:
                 logger.error("engine restart failed: %s", exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.max_restart_backoff)
+
+    def _fail_resets(self, error: BaseException) -> None:
+        resets, self._resets = self._resets, {}
+        for future in resets.values():
+            if not future.done():
+                future.set_exception(error)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -237,6 +248,11 @@ class AsyncEngineClient:
                 stream = self._streams.pop(rejection.request_id, None)
                 if stream is not None:
                     stream.queue.put_nowait(RequestRejectedError(rejection.message))
+            elif kind == proto.PREFIX_CACHE_RESET:
+                reset = proto.reset_decoder.decode(payload)
+                future = self._resets.pop(reset.ticket, None)
+                if future is not None and not future.done():
+                    future.set_result(reset.num_blocks)
             elif kind == proto.READY:
                 if not engine.ready.done():
                     engine.ready.set_result(proto.info_decoder.decode(payload))
@@ -301,6 +317,25 @@ class AsyncEngineClient:
                 engine.inp.send_multipart([proto.ABORT, proto.encoder.encode(request_ids)], zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass  # the engine is gone; its requests died with it
+
+    async def reset_prefix_cache(self, timeout: float = 10.0) -> int:
+        """Ask the engine to drop the prefix cache's unused blocks (between two
+        steps); returns how many it dropped. EngineUnavailableError if the
+        engine is not ready, dies meanwhile, or does not answer in time."""
+        engine = self._engine
+        if not self.ready or engine is None:
+            raise EngineUnavailableError("the engine is not ready; please retry")
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._resets[ticket] = future
+        engine.inp.send_multipart([proto.RESET_PREFIX_CACHE, proto.encoder.encode(ticket)], zmq.NOBLOCK)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"the engine did not reset its prefix cache within {timeout:.0f} s") from None
+        finally:
+            self._resets.pop(ticket, None)
 
     def abort_all_soft(self) -> None:
         """Ask the engine to abort everything in flight but keep the streams open,

@@ -257,5 +257,6 @@ class EngineCore:
             last_step_tokens=self.last_step_tokens,
         )
 
-    def reset_prefix_cache(self) -> None:
-        self.kv.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        """Drop the prefix cache's unused blocks (those no request holds); returns how many."""
+        return self.kv.reset_prefix_cache()

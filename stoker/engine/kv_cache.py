@@ -104,11 +104,15 @@ class BlockPool:
             self.cached.setdefault(block_hash, block)
         return block_hash
 
-    def reset_prefix_cache(self) -> None:
-        """Forget free blocks' keys. Blocks in use keep theirs: their holders'
-        hash chains continue from them."""
+    def reset_prefix_cache(self) -> int:
+        """Forget free blocks' keys; returns how many were forgotten. Blocks in
+        use keep theirs: their holders' hash chains continue from them."""
+        dropped = 0
         for block in self.free_queue.values():
-            self._evict(block)
+            if block.block_hash is not None:
+                dropped += 1
+                self._evict(block)
+        return dropped
 
 
 class KVCacheManager:
@@ -209,5 +213,5 @@ class KVCacheManager:
         self.num_hashed.pop(request.key, None)
         self.pool.free(list(reversed(blocks)))
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset_prefix_cache()
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()

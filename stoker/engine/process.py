@@ -41,12 +41,14 @@ DEFAULT_CORE = "stoker.engine.core:EngineCore"
 ADD = b"add"
 ABORT = b"abort"
 SHUTDOWN = b"shutdown"
+RESET_PREFIX_CACHE = b"reset_prefix_cache"
 # engine -> front end
 READY = b"ready"
 OUTPUTS = b"out"
 STATS = b"stats"
 REJECT = b"reject"
 FATAL = b"fatal"
+PREFIX_CACHE_RESET = b"prefix_cache_reset"
 
 STATS_INTERVAL_S = 0.2
 """How often a busy engine pushes a stats snapshot; idle transitions push at once."""
@@ -73,6 +75,15 @@ class Rejection:
     message: str
 
 
+@dataclass
+class PrefixCacheReset:
+    """The engine's answer to RESET_PREFIX_CACHE (whose payload is the ticket)."""
+
+    ticket: int
+    num_blocks: int
+    """Cached blocks that no request held, now forgotten."""
+
+
 encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
 abort_decoder = msgspec.msgpack.Decoder(list[str])
@@ -80,6 +91,8 @@ outputs_decoder = msgspec.msgpack.Decoder(list[EngineCoreOutput])
 stats_decoder = msgspec.msgpack.Decoder(EngineStats)
 info_decoder = msgspec.msgpack.Decoder(EngineInfo)
 rejection_decoder = msgspec.msgpack.Decoder(Rejection)
+ticket_decoder = msgspec.msgpack.Decoder(int)
+reset_decoder = msgspec.msgpack.Decoder(PrefixCacheReset)
 
 
 def load_core_factory(spec: str) -> Callable[[EngineConfig], Any]:
@@ -175,6 +188,12 @@ def _loop(core: Any, inp: zmq.Socket[bytes], out: zmq.Socket[bytes], parent_pid:
                 outputs = core.abort_requests(abort_decoder.decode(payload))
                 if outputs:
                     out.send_multipart([OUTPUTS, encoder.encode(outputs)])
+                stats_due = True
+            elif kind == RESET_PREFIX_CACHE:
+                # Between steps: no block changes hands while the cache is swept.
+                num_blocks = int(core.reset_prefix_cache())
+                reset = PrefixCacheReset(ticket_decoder.decode(payload), num_blocks)
+                out.send_multipart([PREFIX_CACHE_RESET, encoder.encode(reset)])
                 stats_due = True
             elif kind == SHUTDOWN:
                 return

@@ -130,6 +130,12 @@ def _gguf_meta(path: str) -> dict[str, Any]:
     return _read_json(meta_dir / "meta.json")
 
 
+def gguf_model_name(path: str) -> str:
+    """A GGUF's model name: its file name in lower case, without the quantization suffix."""
+    stem = os.path.basename(path).lower().removesuffix(".gguf")
+    return _QUANT_SUFFIX.sub("", stem) or stem
+
+
 def _read_gguf_header(path: str) -> dict[str, Any]:
     from gguf import GGUFReader
 
@@ -171,7 +177,6 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
     eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    stem = os.path.basename(path).lower().removesuffix(".gguf")
     config = ModelConfig(
         architecture=hf_arch,
         vocab_size=int(
@@ -192,7 +197,7 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         qk_norm="blk.0.attn_q_norm.weight" in rows,
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(e) for e in eos if e is not None],
-        name=_QUANT_SUFFIX.sub("", stem) or stem,
+        name=gguf_model_name(path),
     )
     # Only the "llama" converter interleaves q/k rows for its rotary layout.
     return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": arch == "llama"}
@@ -332,6 +337,11 @@ def _gguf_weights(
     return weights
 
 
+def gguf_tokenizer_folder(path: str) -> Path:
+    """Where gguf_tokenizer keeps the tokenizer it converted from this GGUF."""
+    return _gguf_cache_dir(path) / "tokenizer"
+
+
 def gguf_tokenizer(path: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
@@ -341,7 +351,7 @@ def gguf_tokenizer(path: str) -> Tokenizer:
         )
         hf.save_pretrained(tmp)
 
-    folder = _cached(_gguf_cache_dir(path) / "tokenizer", convert)
+    folder = _cached(gguf_tokenizer_folder(path), convert)
     hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return Tokenizer(cast("PreTrainedTokenizerFast", hf), eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
 

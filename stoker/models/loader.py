@@ -23,13 +23,21 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
-from stoker.models.gguf_loader import cache_root, gguf_tokenizer, load_gguf
+from stoker.models.gguf_loader import cache_root, gguf_model_name, gguf_tokenizer, gguf_tokenizer_folder, load_gguf
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
 from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
 from stoker.models.tokenizer import Tokenizer
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LoadedModel", "cache_root", "load_model", "load_tokenizer"]
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "LoadedModel",
+    "cache_root",
+    "load_model",
+    "load_tokenizer",
+    "model_name",
+    "tokenizer_folder",
+]
 
 
 @dataclass
@@ -62,6 +70,25 @@ def load_tokenizer(path: str) -> Tokenizer:
     if _is_gguf(path):
         return gguf_tokenizer(path)
     return _folder_tokenizer(path, _read_json(Path(path) / "config.json"))
+
+
+def model_name(path: str) -> str:
+    """The name a model is served under unless --served-model-name says otherwise
+    (ModelConfig.name): a GGUF's file name without its quantization suffix, a
+    folder's name; lower case. Known without loading the model."""
+    if _is_gguf(path):
+        return gguf_model_name(path)
+    return Path(path).resolve().name.lower()
+
+
+def tokenizer_folder(path: str) -> str:
+    """A folder holding the model's tokenizer in Hugging Face's layout
+    (tokenizer.json, tokenizer_config.json), which other tools (a router) can
+    load: the model's own folder, or for a GGUF the one converted from its
+    header into the cache (present once the model has been loaded)."""
+    if _is_gguf(path):
+        return str(gguf_tokenizer_folder(path))
+    return os.path.abspath(path)
 
 
 def _is_gguf(path: str) -> bool:
@@ -107,7 +134,7 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
         qk_norm=arch == "Qwen3ForCausalLM",
         bos_token_id=hf.bos_token_id if hf.bos_token_id is not None else tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
-        name=folder.resolve().name.lower(),
+        name=model_name(path),
     )
     weights: dict[str, WeightLike] = dict(_read_safetensors(folder, dtype, device))
     if config.tie_word_embeddings:

@@ -21,7 +21,7 @@ from stoker.engine.client import AsyncEngineClient, EngineStartupError
 from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
-from stoker.server.routes import embeddings, health, openai, tokens
+from stoker.server.routes import embeddings, health, openai, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 
@@ -209,7 +209,7 @@ def create_app(
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.stoker = state
     install_error_handlers(app)
-    for router in (health.router, openai.router, embeddings.router, tokens.router):
+    for router in (health.router, openai.router, embeddings.router, tokens.router, workers.router):
         app.include_router(router)
     for name in EXTENSIONS:
         try:

@@ -121,6 +121,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
     import uvicorn
 
     from stoker.server.app import create_app, drain
+    from stoker.server.http_protocol import HTTP1Protocol
 
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # The engine process owns the cores; the front end's torch work (embeddings) stays small.
@@ -167,7 +168,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
         host=server_config.host,
         port=server_config.port,
         loop="uvloop",
-        http="httptools",
+        http=HTTP1Protocol,  # httptools, with a quiet refusal of HTTP/2 (routers probe for gRPC)
         log_level=server_config.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

@@ -67,6 +67,8 @@ class ServerConfig(BaseModel):
     """Seconds the engine may take to load and warm up before startup fails."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     """Log level of the server."""
+    get_load_format: Literal["sglang", "vllm"] = "sglang"
+    """Body of GET /get_load for the router in front: sglang-router reads [{"dp_rank": 0, "num_tokens": N}], vllm-router {"load": N}."""
     engine_core: str = "stoker.engine.core:EngineCore"
     """module:callable that builds the engine core from an EngineConfig (tests swap in a fake)."""
 

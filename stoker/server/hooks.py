@@ -9,6 +9,8 @@ request path, without the server knowing what they do.
                              set request.state.priority / request.state.deadline.
   finished(record)           once per generation request, however it ended:
                              usage ledger, metrics, log line, trace.
+  operator(request)          operations that change the server for every client
+                             (POST /flush_cache): authorise an operator. Raise to refuse.
 
 A stoker.errors.APIError raised by a hook becomes that HTTP response.
 """
@@ -80,9 +82,14 @@ class ServerHooks:
     before: list[BeforeHook] = field(default_factory=list)
     admit: list[AdmitHook] = field(default_factory=list)
     finished: list[FinishedHook] = field(default_factory=list)
+    operator: list[BeforeHook] = field(default_factory=list)
 
     async def run_before(self, request: Request) -> None:
         for hook in self.before:
+            await hook(request)
+
+    async def run_operator(self, request: Request) -> None:
+        for hook in self.operator:
             await hook(request)
 
     async def run_admit(self, request: Request, info: AdmissionInfo) -> None:

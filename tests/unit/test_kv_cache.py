@@ -157,7 +157,8 @@ def test_reset_prefix_cache_forgets_free_blocks() -> None:
     (b,) = pool.allocate(1)
     pool.cache_block(b, None, (1, 2))
     pool.free([b])
-    pool.reset_prefix_cache()
+    assert pool.reset_prefix_cache() == 1
+    assert pool.reset_prefix_cache() == 0  # nothing left to forget
     assert pool.lookup(None, (1, 2)) is None
     assert pool.cached == {}
     assert pool.num_free == 2
@@ -356,7 +357,7 @@ def test_reset_prefix_cache_while_running_does_not_create_false_hits() -> None:
     kv = KVCacheManager(num_blocks=10, block_size=BS)
     a = req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
     compute(kv, a, 9)  # blocks 1, 2 hashed; block 3 holds token 9
-    kv.reset_prefix_cache()
+    assert kv.reset_prefix_cache() == 0  # a holds every hashed block: none is dropped
     # a keeps decoding: tokens 10, 11, 12 fill its third block.
     for t in (10, 11, 12):
         a.append_token(t, 0.0)

@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_hf_model, set_config
 
-from stoker.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer
+from stoker.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer, model_name, tokenizer_folder
 
 
 def reference_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -52,7 +52,8 @@ def test_config_per_architecture(arch: str, architecture: str, bias: bool, qk_no
     assert c.vocab_size == 49152 and c.intermediate_size == 128
     assert c.rope_theta == 10000.0 and c.rope_scaling is None and c.rms_norm_eps == 1e-6
     assert c.bos_token_id == 1 and c.eos_token_ids == [2]
-    assert c.name == folder.name.lower()
+    assert c.name == folder.name.lower() == model_name(str(folder))  # the name is known before loading
+    assert tokenizer_folder(str(folder)) == str(folder.resolve())
     assert not c.tie_word_embeddings and "lm_head.weight" in loaded.weights
     if bias:
         assert "model.layers.0.self_attn.q_proj.bias" in loaded.weights
@@ -238,7 +239,8 @@ def test_tiny_gguf(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         for name, tensor in expected.items():
             assert torch.equal(loaded.weights[name], tensor), (attempt, name)
     c = loaded.config
-    assert c.name == f"tiny-{arch}"
+    assert c.name == f"tiny-{arch}" == model_name(str(path))  # the name is known before loading
+    assert (Path(tokenizer_folder(str(path))) / "tokenizer.json").is_file()  # converted for others to read
     assert c.tie_word_embeddings and c.head_dim == 16 and c.num_kv_heads == 2
     assert (c.attention_bias, c.qk_norm) == (arch == "qwen2", arch == "qwen3")
     assert c.eos_token_ids == [2] and c.bos_token_id == 1

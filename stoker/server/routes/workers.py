@@ -1,0 +1,117 @@
+"""What a router in front of several replicas (sglang-router, vllm-router)
+asks of each one besides the OpenAI routes and /health: its load, its model,
+its settings, and a prefix-cache flush. The names and shapes are SGLang's,
+which both routers speak; docs/routers.md says which router reads what.
+
+GET  /get_load                       tokens held or queued, in the shape --get-load-format names
+GET  /model_info, /get_model_info    model_path, tokenizer_path, served_model_name, ...
+GET  /server_info, /get_server_info  the same identity plus the engine's settings
+POST /flush_cache                    drop the prefix cache's unused blocks (an operator action)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+import stoker
+from stoker.engine.client import EngineUnavailableError
+from stoker.engine.params import EngineStats
+from stoker.models.loader import model_name, tokenizer_folder
+from stoker.server.protocol import unavailable
+from stoker.server.state import ServerState, get_state
+
+router = APIRouter(tags=["router"])
+
+
+def load_tokens(stats: EngineStats) -> int:
+    """The engine's load in tokens, as SGLang counts it: KV cache in use by
+    running requests plus the prompt tokens still waiting to be computed."""
+    return stats.kv_blocks_used * stats.block_size + stats.num_waiting_tokens
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> Any:
+    """Polled by power-of-two routing (sglang-router every 30 s, vllm-router every 5 s)."""
+    state = get_state(request)
+    stats = state.engine.stats()
+    tokens = load_tokens(stats)
+    if state.config.get_load_format == "vllm":
+        return {"load": tokens}
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": stats.num_running + stats.num_waiting,
+            "num_waiting_reqs": stats.num_waiting,
+            "num_tokens": tokens,
+        }
+    ]
+
+
+async def _identity(state: ServerState) -> dict[str, Any]:
+    """Who this replica is. sglang-router labels the worker with these fields
+    when it registers it: served_model_name becomes the model it routes by, and
+    it loads its own tokenizer from model_path (a local path it can read never
+    sends it to a hub). It registers a worker as soon as /health answers, and
+    keeps the labels it got then, so they are answered while the model still
+    loads too (all known from the path); /ready keeps the replica out of
+    rotation until then."""
+    config = state.engine.config
+    try:
+        model_path = os.path.abspath(config.resolved_model_path())
+        tokenizer_path: str | None = await asyncio.to_thread(tokenizer_folder, model_path)
+        name = config.served_model_name or await asyncio.to_thread(model_name, model_path)
+    except OSError as exc:  # no such model: startup fails (or failed) with the same error
+        raise unavailable(f"the model cannot be loaded: {exc}") from None
+    info = state.engine.info
+    return {
+        "model_path": model_path,
+        "tokenizer_path": tokenizer_path,
+        "served_model_name": state.served_model_name or name,
+        "is_generation": True,
+        "architectures": [info.model_config.architecture] if info else None,
+        "max_model_len": info.max_model_len if info else None,
+        "has_image_understanding": False,
+        "loaded": state.loaded,
+    }
+
+
+@router.get("/model_info")
+@router.get("/get_model_info", include_in_schema=False)
+async def model_info(request: Request) -> dict[str, Any]:
+    return await _identity(get_state(request))
+
+
+@router.get("/server_info")
+@router.get("/get_server_info", include_in_schema=False)
+async def server_info(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    body = await _identity(state)
+    engine = state.engine.config
+    info = state.engine.info
+    body.update(
+        version=getattr(stoker, "__version__", "0.1.0"),
+        max_total_num_tokens=info.kv_capacity_tokens if info else None,
+        max_running_requests=engine.max_num_seqs,
+        page_size=engine.block_size,
+        get_load_format=state.config.get_load_format,
+        engine_config=engine.model_dump(mode="json"),
+    )
+    return body
+
+
+@router.post("/flush_cache")
+async def flush_cache(request: Request) -> dict[str, Any]:
+    """Forget every prefix-cache block no request is using (the engine does it
+    between two steps). Running requests keep theirs, so it is safe under load.
+    Once API keys exist it takes an admin key."""
+    state = get_state(request)
+    await state.hooks.run_operator(request)
+    try:
+        num_blocks = await state.engine.reset_prefix_cache()
+    except EngineUnavailableError as exc:
+        raise unavailable(str(exc)) from None
+    return {"flushed": True, "num_blocks": num_blocks}

@@ -1,0 +1,135 @@
+"""stoker unchanged behind the routers people run: two `stoker serve` replicas
+on the default model, sglang-router and vllm-router (their PyPI wheels) as
+real subprocesses in front, and the official openai client talking to the
+router. Checks that chat, streamed chat and completions succeed, that round
+robin spread them over both replicas, and that the routers' probes left no
+warnings in the replicas' logs. Skipped only when a router binary cannot run here."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from conftest import ServerProcess, free_port, start_server
+
+# Each test gets 90 s; the replicas' start is bounded on its own (REPLICA_READY_S,
+# in parallel): on a loaded 2-core machine loading the model alone took 50 s.
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(90, func_only=True)]
+REPLICA_READY_S = 150
+MODEL = "smollm2-135m-instruct"
+# Small replicas start fast: few KV blocks, few sequences, a short context.
+# One engine thread each: two replicas share the two cores without oversubscribing them.
+REPLICA_ARGS = ["--no-embedding-model", "--num-kv-blocks", "64", "--max-num-seqs", "4", "--max-model-len", "512",
+                "--num-threads", "1"]  # fmt: skip
+BIN = os.path.dirname(sys.executable)
+
+
+def router_command(kind: str, port: int, workers: list[str]) -> list[str]:
+    """The command docs/routers.md gives, on free ports, with round robin. Both
+    routers also serve Prometheus metrics on a port of their own (29000 by
+    default, sglang-router's on every interface): a free one here."""
+    if kind == "sglang":
+        return [os.path.join(BIN, "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
+                "--worker-urls", *workers, "--policy", "round_robin",
+                "--health-check-endpoint", "/ready",
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+    return [os.path.join(BIN, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *workers, "--policy", "round_robin",
+            "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]  # fmt: skip
+
+
+def require_router(kind: str) -> None:
+    """Skip, saying why, when this router's binary is missing or cannot run on this machine."""
+    command = router_command(kind, 0, [])[:1] + (["launch"] if kind == "sglang" else []) + ["--help"]
+    if not os.path.exists(command[0]):
+        pytest.skip(f"{kind}-router is not installed (pip install the test extra: {kind}-router)")
+    try:
+        probe = subprocess.run(command, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        pytest.skip(f"{kind}-router cannot run on this machine: {exc}")
+    if probe.returncode != 0:
+        pytest.skip(f"{kind}-router cannot run on this machine: {probe.stderr.decode(errors='replace')[-500:]}")
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
+    tmp = str(tmp_path_factory.mktemp("router-replicas"))
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(start_server, REPLICA_ARGS, tmp, None, REPLICA_READY_S) for _ in range(2)]
+        servers = []
+        try:
+            for future in starting:
+                servers.append(future.result())
+            yield servers
+        finally:
+            for server in servers:
+                server.stop()
+
+
+def served_requests(server: ServerProcess, since: int) -> int:
+    """Successful generation requests in a replica's request log after byte `since`
+    (vllm-router also forwards GET /v1/models, which is logged too)."""
+    lines = server.log()[since:].splitlines()
+    generation = ('"path":"/v1/chat/completions"', '"path":"/v1/completions"')
+    return sum(1 for line in lines if '"status":200' in line and any(path in line for path in generation))
+
+
+def start_router(kind: str, workers: list[str], log_path: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(router_command(kind, port, workers), stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path, errors="replace") as f:
+                raise RuntimeError(f"{kind}-router exited with {proc.returncode}:\n{f.read()[-3000:]}")
+        try:
+            models = httpx.get(f"{url}/v1/models", timeout=2)
+            if models.status_code == 200 and MODEL in models.text:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError(f"{kind}-router did not list {MODEL} within 40 s")
+
+
+@pytest.mark.parametrize("kind", ["sglang", "vllm"])
+def test_openai_client_through_router(kind: str, replicas: list[ServerProcess], tmp_path) -> None:
+    require_router(kind)
+    marks = [len(server.log()) for server in replicas]
+    proc, url = start_router(kind, [server.url for server in replicas], str(tmp_path / f"{kind}-router.log"))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Say hello."}]
+        for _ in range(2):
+            chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
+            assert chat.choices[0].message.content
+            assert chat.usage is not None and chat.usage.completion_tokens <= 4
+        # sglang-router turns max_tokens into max_completion_tokens: either way the limit holds.
+        limited = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3)
+        assert limited.usage is not None and limited.usage.completion_tokens <= 3
+        stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True)
+        text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        assert text
+        completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4)
+        assert completion.choices[0].text
+        assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    counts = [served_requests(server, mark) for server, mark in zip(replicas, marks)]
+    assert sum(counts) == 5, counts
+    assert all(count >= 1 for count in counts), f"round robin left a replica idle: {counts}"
+    for server, mark in zip(replicas, marks):
+        new_log = server.log()[mark:]
+        assert "Invalid HTTP request" not in new_log  # sglang-router's HTTP/2 probe is refused quietly
+        assert "Traceback" not in new_log
