@@ -175,12 +175,16 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     const float *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + ((size_t)L + 7) / 8 * 8;
 
+    /* Block by block: no division per key (block_size is only known at run time). */
     float m = -INFINITY;
-    for (int t = 0; t < L; t++) {
-        const size_t slot = (size_t)table[t / BS] * BS + (size_t)(t % BS);
-        const float s = dot8(q, kc + (slot * KVH + kvh) * D, D) * M->scale;
-        scores[t] = s;
-        m = fmaxf(m, s);
+    for (int t0 = 0; t0 < L; t0 += BS) {
+        const float *kb = kc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const int nk = L - t0 < BS ? L - t0 : BS;
+        for (int i = 0; i < nk; i++) {
+            const float s = dot8(q, kb + (size_t)i * KVH * D, D) * M->scale;
+            scores[t0 + i] = s;
+            m = fmaxf(m, s);
+        }
     }
     float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int t = 0;
@@ -195,11 +199,14 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     }
     const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
     for (int d = 0; d < D; d++) acc[d] = 0.f;
-    for (t = 0; t < L; t++) {
-        const size_t slot = (size_t)table[t / BS] * BS + (size_t)(t % BS);
-        const float *restrict v = vc + (slot * KVH + kvh) * D;
-        const float p = scores[t];
-        for (int d = 0; d < D; d++) acc[d] = acc[d] + p * v[d];
+    for (int t0 = 0; t0 < L; t0 += BS) {
+        const float *vb = vc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const int nk = L - t0 < BS ? L - t0 : BS;
+        for (int i = 0; i < nk; i++) {
+            const float *restrict v = vb + (size_t)i * KVH * D;
+            const float p = scores[t0 + i];
+            for (int d = 0; d < D; d++) acc[d] = acc[d] + p * v[d];
+        }
     }
     const float inv = 1.f / sum;
     for (int d = 0; d < D; d++) out[d] = acc[d] * inv;
