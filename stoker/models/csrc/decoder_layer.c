@@ -164,52 +164,67 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
 
 /* ---- attention ----------------------------------------------------------- */
 
-/* Row r, query head h: softmax(q k^T * scale) v over the row's context (its
- * position + 1 keys, all in the cache by now), read block by block. */
-static void attend(const Model *M, const Step *S, int layer, const float *restrict q, int r, int h,
-                   float *restrict out, float *restrict scratch) {
+/* Row r, query heads h0 .. h0 + count - 1 (all of one kv head's group):
+ * softmax(q k^T * scale) v over the row's context (its position + 1 keys, all
+ * in the cache by now), read block by block. The heads share each K and V row
+ * load; each head's arithmetic is the same whatever `count` is, so how heads
+ * are grouped into work items never changes a result. Scratch: count * (the
+ * context rounded up to 8 + head_dim) floats. */
+static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv_row, int r, int h0, int count,
+                   float *restrict attn_row, float *restrict scratch) {
     const int D = M->head_dim, KVH = M->num_kv_heads, BS = S->block_size;
-    const int kvh = h / (M->num_heads / KVH);
+    const int kvh = h0 / (M->num_heads / KVH);
     const int L = (int)S->positions[r] + 1;
+    const size_t Lpad = ((size_t)L + 7) / 8 * 8;
     const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r] : r) * S->max_blocks;
     const float *kc = S->k_caches[layer], *vc = S->v_caches[layer];
-    float *scores = scratch, *acc = scratch + ((size_t)L + 7) / 8 * 8;
+    float *scores = scratch, *acc = scratch + (size_t)count * Lpad; /* [count, Lpad], [count, D] */
+    float m[64], inv[64];
 
     /* Block by block: no division per key (block_size is only known at run time). */
-    float m = -INFINITY;
+    for (int g = 0; g < count; g++) m[g] = -INFINITY;
     for (int t0 = 0; t0 < L; t0 += BS) {
         const float *kb = kc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
         const int nk = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < nk; i++) {
-            const float s = dot8(q, kb + (size_t)i * KVH * D, D) * M->scale;
-            scores[t0 + i] = s;
-            m = fmaxf(m, s);
+            const float *restrict k = kb + (size_t)i * KVH * D;
+            for (int g = 0; g < count; g++) {
+                const float s = dot8(qkv_row + (size_t)(h0 + g) * D, k, D) * M->scale;
+                scores[g * Lpad + t0 + i] = s;
+                m[g] = fmaxf(m[g], s);
+            }
         }
     }
-    float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    int t = 0;
-    for (; t + 8 <= L; t += 8)
-        for (int j = 0; j < 8; j++) {
-            scores[t + j] = exp_nonpositive(scores[t + j] - m);
-            lanes[j] = lanes[j] + scores[t + j];
+    for (int g = 0; g < count; g++) {
+        float *sg = scores + g * Lpad;
+        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int t = 0;
+        for (; t + 8 <= L; t += 8)
+            for (int j = 0; j < 8; j++) {
+                sg[t + j] = exp_nonpositive(sg[t + j] - m[g]);
+                lanes[j] = lanes[j] + sg[t + j];
+            }
+        for (; t < L; t++) {
+            sg[t] = exp_nonpositive(sg[t] - m[g]);
+            lanes[t % 8] = lanes[t % 8] + sg[t];
         }
-    for (; t < L; t++) {
-        scores[t] = exp_nonpositive(scores[t] - m);
-        lanes[t % 8] = lanes[t % 8] + scores[t];
+        inv[g] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
     }
-    const float sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-    for (int d = 0; d < D; d++) acc[d] = 0.f;
+    for (size_t i = 0; i < (size_t)count * D; i++) acc[i] = 0.f;
     for (int t0 = 0; t0 < L; t0 += BS) {
         const float *vb = vc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
         const int nk = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < nk; i++) {
             const float *restrict v = vb + (size_t)i * KVH * D;
-            const float p = scores[t0 + i];
-            for (int d = 0; d < D; d++) acc[d] = acc[d] + p * v[d];
+            for (int g = 0; g < count; g++) {
+                const float p = scores[g * Lpad + t0 + i];
+                float *restrict ag = acc + (size_t)g * D;
+                for (int d = 0; d < D; d++) ag[d] = ag[d] + p * v[d];
+            }
         }
     }
-    const float inv = 1.f / sum;
-    for (int d = 0; d < D; d++) out[d] = acc[d] * inv;
+    for (int g = 0; g < count; g++)
+        for (int d = 0; d < D; d++) attn_row[(size_t)(h0 + g) * D + d] = acc[(size_t)g * D + d] * inv[g];
 }
 
 /* q/k norm (Qwen3), RoPE on q and k in place in the qkv row, then k and v into the cache. */
@@ -254,11 +269,13 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) position_row(M, S, Ly, l, B->qkv + (size_t)r * qkv_w, r);
+        /* One item per (row, kv head) when there are enough of them to keep the
+         * threads busy (heads of a group share K/V loads), else one per (row, head). */
+        const int per_item = n * M->num_kv_heads >= 2 * nt ? H / M->num_kv_heads : 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < n * H; item++) {
-            const int r = item / H, h = item % H;
-            attend(M, S, l, B->qkv + (size_t)r * qkv_w + (size_t)h * D, r, h, B->attn + ((size_t)r * H + h) * D,
-                   attn_scratch);
+        for (int item = 0; item < n * (H / per_item); item++) {
+            const int r = item / (H / per_item), h0 = item % (H / per_item) * per_item;
+            attend(M, S, l, B->qkv + (size_t)r * qkv_w, r, h0, per_item, B->attn + (size_t)r * H * D, attn_scratch);
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
@@ -296,7 +313,8 @@ static int linear_ok(const Linear *L, int in, int out) {
 /* 1 if this build can run the model (shapes the loops above assume), else 0. */
 int decoder_model_ok(const Model *M) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
-    if (M->num_layers < 1 || D < 8 || D % 8 || D > 512 || KVH < 1 || H % KVH || M->hidden % 32) return 0;
+    if (M->num_layers < 1 || D < 8 || D % 8 || D > 512 || KVH < 1 || H % KVH || H / KVH > 64 || M->hidden % 32)
+        return 0;
     for (int l = 0; l < M->num_layers; l++) {
         const Layer *Ly = &M->layers[l];
         if (!linear_ok(&Ly->qkv, M->hidden, (H + 2 * KVH) * D) || !linear_ok(&Ly->o_proj, H * D, M->hidden) ||
@@ -337,7 +355,7 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.s256 = malloc(sizeof(float) * rows * (kmax / 32));
     B.bsums32 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
-    B.attn_scratch_floats = ((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D;
+    B.attn_scratch_floats = (size_t)(H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
     B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
     void *all[] = {B.normed, B.qkv, B.attn, B.gate_up, B.act, B.qs32, B.qs256, B.d32, B.s32,
                    B.d256, B.s256, B.bsums32, B.bsums256, B.attn_scratch};
