@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -66,8 +67,10 @@ def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     path = _CSRC / f"{name}.c"
-    # The headers count too: a changed header must not load a library built without it.
+    # The headers and included sources count too: a changed one must not load a library built without it.
     source = path.read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
+    for included in re.findall(rb'#include "(\w+\.c)"', path.read_bytes()):
+        source += (_CSRC / included.decode()).read_bytes()
     cflags = list(_FLAGS if flags is None else flags)
     key = hashlib.sha256(source + " ".join(cflags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}{'-' + variant if variant else ''}-{key}.so"

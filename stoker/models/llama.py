@@ -3,6 +3,7 @@ Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -10,9 +11,12 @@ import torch
 
 from stoker.config import ModelConfig
 from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
+from stoker.models.fused_decoder import FusedDecoder
 from stoker.models.layers import Rotary, gated_mlp, rms_norm
 from stoker.models.quant.weights import Embedding, LinearWeight, WeightLike, dense_weight, make_linear
 from stoker.models.registry import architecture
+
+log = logging.getLogger("stoker.models")
 
 
 @dataclass
@@ -93,6 +97,13 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        # Built once here; it then serves every step (never only some: batch invariance).
+        fused = FusedDecoder.build(self)
+        self.fused = fused if isinstance(fused, FusedDecoder) else None
+        if self.fused is not None:
+            log.info("decoder layers: fused C path (one call per step for all %d layers)", config.num_layers)
+        else:
+            log.info("decoder layers: torch path (%s)", fused)
 
     def forward(
         self,
@@ -105,6 +116,9 @@ class LlamaModel:
         """Runs the flattened batch; returns float32 logits for logits_indices only."""
         cfg = self.config
         hidden = self.embed(input_ids)
+        if self.fused is not None and self.fused.serves(kv_caches):
+            hidden = self.fused(hidden.contiguous(), positions, kv_caches, meta)
+            return self._logits(hidden, logits_indices)
         n = hidden.shape[0]
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             residual = hidden
@@ -125,6 +139,9 @@ class LlamaModel:
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             hidden = residual + gated_mlp(x, layer.gate_up, layer.down)
+        return self._logits(hidden, logits_indices)
+
+    def _logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         last = hidden[logits_indices]
-        last = rms_norm(last, self.norm, cfg.rms_norm_eps)
+        last = rms_norm(last, self.norm, self.config.rms_norm_eps)
         return self.lm_head(last).float()

@@ -501,6 +501,48 @@ static const tile_fn *tiles_for(int type) {
     }
 }
 
+/* Thread t of nt's share of y = x @ W^T (+ bias) for already quantized x: a
+ * contiguous range of weight-row pairs, taken in L2-sized blocks, each swept by
+ * the rows of x in L1-sized chunks. The split depends only on n and nt, and
+ * each y[i, j] comes from one tile call whatever the split (see the top), so
+ * results do not depend on it. y is fp32, or bf16 when y_bf16. With bias,
+ * y[i, j] = dot + bias[j]; with accumulate (fp32 only), y[i, j] += dot: a
+ * residual add in the same fp32 operation torch's `residual + y` performs.
+ * Shared by ggml_quant_matmul and the fused decoder (decoder_layer.c). */
+static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n,
+                          void *y, long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
+    const int k = xq->k;
+    const int pairs = (n + NR_MAX - 1) / NR_MAX;
+    const int lo = (int)((long)pairs * t / nt), hi = (int)((long)pairs * (t + 1) / nt);
+    const int m_chunk = X_CHUNK_BYTES / k > MR_MAX ? X_CHUNK_BYTES / k / MR_MAX * MR_MAX : MR_MAX;
+    const long fit = W_BLOCK_BYTES / (NR_MAX * (long)row_bytes);
+    const int w_pairs = fit > 1 ? (int)fit : 1;
+    for (int p_block = lo; p_block < hi; p_block += w_pairs) {
+        const int p_end = p_block + w_pairs < hi ? p_block + w_pairs : hi;
+        for (int i_chunk = 0; i_chunk < m; i_chunk += m_chunk) {
+            const int i_end = i_chunk + m_chunk < m ? i_chunk + m_chunk : m;
+            for (int p = p_block; p < p_end; p++) {
+                const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
+                const uint8_t *wp = w + (size_t)j0 * row_bytes;
+                for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
+                    const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
+                    float res[MR_MAX * NR_MAX];
+                    tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, xq, (size_t)i0, res);
+                    for (int i = 0; i < mr; i++)
+                        for (int j = 0; j < nr; j++) {
+                            const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
+                            float v = res[i * NR_MAX + j];
+                            if (bias) v = v + bias[j0 + j];
+                            if (y_bf16) ((uint16_t *)y)[at] = float_to_bf16(v);
+                            else if (accumulate) ((float *)y)[at] = ((float *)y)[at] + v;
+                            else ((float *)y)[at] = v;
+                        }
+                }
+            }
+        }
+    }
+}
+
 /* y[m, n] (row stride y_stride elements, x's dtype) = x[m, k] @ W^T, W [n, row_bytes] in ggml blocks.
  * Returns 0, 1 when scratch memory could not be allocated, 2 for an unsupported type or shape. */
 int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int n, void *y,
@@ -517,43 +559,17 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
         rc = 1;
         goto done;
     }
-    const int pairs = (n + NR_MAX - 1) / NR_MAX;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < m; i++) quantize_row(x, x_bf16, (size_t)i, k, be, &xq);
-        /* (implicit barrier) Each thread owns a contiguous range of weight-row pairs; it takes
-         * them in L2-sized blocks and sweeps the rows of x over each block in L1-sized chunks. */
+        /* (implicit barrier) */
 #if defined(_OPENMP)
         const int nt = omp_get_num_threads(), t = omp_get_thread_num();
 #else
         const int nt = 1, t = 0;
 #endif
-        const int lo = (int)((long)pairs * t / nt), hi = (int)((long)pairs * (t + 1) / nt);
-        const int m_chunk = X_CHUNK_BYTES / k > MR_MAX ? X_CHUNK_BYTES / k / MR_MAX * MR_MAX : MR_MAX;
-        const long fit = W_BLOCK_BYTES / (NR_MAX * (long)row_bytes);
-        const int w_pairs = fit > 1 ? (int)fit : 1;
-        for (int p_block = lo; p_block < hi; p_block += w_pairs) {
-            const int p_end = p_block + w_pairs < hi ? p_block + w_pairs : hi;
-            for (int i_chunk = 0; i_chunk < m; i_chunk += m_chunk) {
-                const int i_end = i_chunk + m_chunk < m ? i_chunk + m_chunk : m;
-                for (int p = p_block; p < p_end; p++) {
-                    const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
-                    const uint8_t *wp = w + (size_t)j0 * row_bytes;
-                    for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
-                        const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
-                        float res[MR_MAX * NR_MAX];
-                        tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, &xq, (size_t)i0, res);
-                        for (int i = 0; i < mr; i++)
-                            for (int j = 0; j < nr; j++) {
-                                const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
-                                if (x_bf16) ((uint16_t *)y)[at] = float_to_bf16(res[i * NR_MAX + j]);
-                                else ((float *)y)[at] = res[i * NR_MAX + j];
-                            }
-                    }
-                }
-            }
-        }
+        matmul_thread(tiles, w, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0, t, nt);
     }
 done:
     free(xq.qs);

@@ -106,14 +106,23 @@ def _resolve(forced: str) -> str:
     return forced or available[0]
 
 
-@cache
-def _library(name: str) -> ctypes.CDLL | None:
+def build_for_isa(source: str, name: str) -> ctypes.CDLL | None:
+    """csrc/{source}.c (ggml_quant.c or a file that includes it) built for the ISA
+    path `name` with this module's flags; None where it cannot be built."""
     isa = next(isa for isa in _isas() if isa.name == name)
-    lib = _build("ggml_quant", _BASE_FLAGS + isa.cflags, name)
+    lib = _build(source, _BASE_FLAGS + isa.cflags, name)
     if lib is None:
         return None
     if lib.ggml_quant_isa() != isa.code:
-        raise RuntimeError(f"the {name} build of ggml_quant.c compiled as path {lib.ggml_quant_isa()}, not {isa.code}")
+        raise RuntimeError(f"the {name} build of {source}.c compiled as path {lib.ggml_quant_isa()}, not {isa.code}")
+    return lib
+
+
+@cache
+def _library(name: str) -> ctypes.CDLL | None:
+    lib = build_for_isa("ggml_quant", name)
+    if lib is None:
+        return None
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.ggml_quant_matmul.restype = i
     lib.ggml_quant_matmul.argtypes = [i, p, i, i, i, p, i, p, ctypes.c_long, i]

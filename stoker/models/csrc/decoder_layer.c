@@ -1,0 +1,372 @@
+/* The whole decoder stack of a Llama-family model with GGML-quantized linear
+ * layers, for one step's flattened batch of tokens, in one call.
+ *
+ * Why: on a small model one decode token is ~30 layers x (8 C calls + ~15
+ * torch ops), and on a 135M model the Python and torch dispatch around them
+ * cost as much as the matmuls. Here the stack runs inside ONE OpenMP parallel
+ * region (llama.cpp's way): the threads stay up for all layers and meet at
+ * barriers between the steps that depend on each other, so there is no
+ * per-op dispatch and no fork/join per kernel.
+ *
+ * Per layer, for the step's n rows (decodes and prefill chunks alike):
+ *   x = RMSNorm(h) -> int8; qkv = x Wqkv^T (+ bias); [Qwen3: q/k RMSNorm per head];
+ *   RoPE on q, k from the model's own cos/sin tables; k, v written to the paged
+ *   cache at the row's slot; attention of each row over its sequence's cache
+ *   up to and including its own position; h += attn Wo^T;
+ *   x = RMSNorm(h) -> int8; gu = x Wgu^T; a = silu(g) * u -> int8; h += a Wd^T.
+ *
+ * Batch invariance: a row's result never depends on the other rows. The
+ * matmuls are ggml_quant.c's tile kernels (bit-identical whatever m and the
+ * split, see there). Every other reduction (norm sums, q.k dots, softmax
+ * sums, p.v sums) runs over one row or one (row, head) in a fixed order
+ * written out here with 8 explicit partial sums, so it vectorizes without
+ * the compiler reassociating anything (built like ggml_quant.c:
+ * -ffp-contract=off, no -fassociative-math). Which thread runs an item never
+ * changes its arithmetic. Attention treats a prefill row exactly as a decode
+ * row of context position + 1, so a prompt token's attention is the same
+ * computation whether its prompt came alone, chunked or next to others.
+ *
+ * fp32 activations and KV cache only; the Python side (fused_decoder.py)
+ * checks that and builds the Model tables once at load.
+ */
+#include <math.h>
+
+#include "ggml_quant.c"
+
+#define MAX_PARTS 4
+
+/* One linear layer: row-stacked parts (a Q4_K_M qkv is Q4_K rows then Q6_K rows). */
+typedef struct {
+    int num_parts;
+    int types[MAX_PARTS];
+    const uint8_t *weights[MAX_PARTS];
+    int starts[MAX_PARTS]; /* first output column of each part */
+    int rows[MAX_PARTS];
+    const float *bias; /* [out_features] or NULL */
+    int in_features, out_features;
+} Linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    const float *q_norm, *k_norm; /* [head_dim] each, or NULL (Qwen3 has them) */
+    Linear qkv, o_proj, gate_up, down;
+} Layer;
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *cos, *sin; /* [max_positions, head_dim] */
+    int max_positions;
+    const Layer *layers;
+} Model;
+
+/* One step: row r of the batch is at positions[r], writes its k and v at
+ * slots[r] and attends through block table row_seq ? row_seq[r] : r. */
+typedef struct {
+    int n;
+    const int64_t *positions, *slots;
+    const int64_t *tables; /* [sequences, max_blocks] */
+    int max_blocks;
+    const int32_t *row_seq; /* NULL: one sequence per row (all decodes) */
+    float *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, head_dim] */
+    int block_size;
+} Step;
+
+/* Scratch shared by the threads for one call. */
+typedef struct {
+    float *normed, *qkv, *attn, *gate_up, *act; /* [n, width of each] */
+    int8_t *qs32, *qs256;                       /* the rows of a linear's input as int8 */
+    float *d32, *s32, *d256, *s256;
+    int16_t *bsums32, *bsums256;
+    float *attn_scratch; /* per thread: scores [max_context] then acc [head_dim] */
+    size_t attn_scratch_floats;
+} Buffers;
+
+/* ---- row operations: fixed summation order, vectorizable as written -------- */
+
+/* Sum of a[i] * b[i] over 8 lanes then a fixed tree: d % 8 == 0. */
+static inline float dot8(const float *restrict a, const float *restrict b, int d) {
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int i = 0; i < d; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] = acc[j] + a[i + j] * b[i + j];
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* As LlamaRMSNorm in fp32: out = weight * (x * 1 / sqrt(mean(x^2) + eps)). */
+static inline void rms_norm_row(const float *restrict x, const float *restrict weight, float *restrict out, int dim,
+                                float eps) {
+    const float inv = 1.f / sqrtf(dot8(x, x, dim) / (float)dim + eps);
+    for (int i = 0; i < dim; i++) out[i] = weight[i] * (x[i] * inv);
+}
+
+/* exp(x) for x <= 0 as 2^k * e^r, k = round(x / ln 2), r = x - k ln 2 with ln 2
+ * split in two (k * LN2_HI is exact: 12 + 7 significant bits), e^r by a
+ * degree-7 Taylor polynomial on |r| <= 0.35: a few ulp from expf, no fmaf (a
+ * libm call where the ISA has no FMA), and it vectorizes. Accuracy matters
+ * more than it seems: an error of 1e-5 in a softmax weight moves activations
+ * across int8 rounding boundaries in the next matmul. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.f ? -87.f : x;
+    const float k = floorf(x * 1.44269504088896341f + 0.5f);
+    const float r = (x - k * 0.693145751953125f) - k * 1.428606765330187e-6f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const uint32_t bits = (uint32_t)((int32_t)k + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* silu(g) = g / (1 + exp(-g)); exp(-|g|) keeps the polynomial in range and
+ * exp(-g) = 1 / exp(g) covers g < 0. */
+static inline float silu(float g) {
+    const float e = exp_nonpositive(g < 0.f ? g : -g); /* exp(-|g|) */
+    return g >= 0.f ? g / (1.f + e) : g * e / (e + 1.f);
+}
+
+/* ---- linear layers inside the parallel region --------------------------- */
+
+static inline xq_t xq_for(const Buffers *b, int be, int k) {
+    if (be == 32) return (xq_t){b->qs32, b->d32, b->s32, b->bsums32, k};
+    return (xq_t){b->qs256, b->d256, b->s256, b->bsums256, k};
+}
+
+/* Row r of x (k = L->in_features wide) rounded to int8 for every block size L's parts use. */
+static void quantize_input_row(const Linear *L, const Buffers *b, const float *x, int r) {
+    int done32 = 0, done256 = 0;
+    for (int p = 0; p < L->num_parts; p++) {
+        const int be = block_elems(L->types[p]);
+        if ((be == 32 && done32) || (be == 256 && done256)) continue;
+        const xq_t xq = xq_for(b, be, L->in_features);
+        quantize_row(x, 0, (size_t)r, L->in_features, be, &xq);
+        if (be == 32) done32 = 1;
+        else done256 = 1;
+    }
+}
+
+/* Thread t's share of y[n rows] (= or +=) x W^T (+ bias), x already quantized. */
+static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, long y_stride, int accumulate, int t,
+                          int nt) {
+    for (int p = 0; p < L->num_parts; p++) {
+        const int type = L->types[p], be = block_elems(type);
+        const xq_t xq = xq_for(b, be, L->in_features);
+        const size_t row_bytes = (size_t)(L->in_features / be) * ggml_quant_type_size(type);
+        matmul_thread(tiles_for(type), L->weights[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
+                      L->bias ? L->bias + L->starts[p] : NULL, accumulate, t, nt);
+    }
+}
+
+/* ---- attention ----------------------------------------------------------- */
+
+/* Row r, query heads h0 .. h0 + count - 1 (all of one kv head's group):
+ * softmax(q k^T * scale) v over the row's context (its position + 1 keys, all
+ * in the cache by now), read block by block. The heads share each K and V row
+ * load; each head's arithmetic is the same whatever `count` is, so how heads
+ * are grouped into work items never changes a result. Scratch: count * (the
+ * context rounded up to 8 + head_dim) floats. */
+static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv_row, int r, int h0, int count,
+                   float *restrict attn_row, float *restrict scratch) {
+    const int D = M->head_dim, KVH = M->num_kv_heads, BS = S->block_size;
+    const int kvh = h0 / (M->num_heads / KVH);
+    const int L = (int)S->positions[r] + 1;
+    const size_t Lpad = ((size_t)L + 7) / 8 * 8;
+    const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r] : r) * S->max_blocks;
+    const float *kc = S->k_caches[layer], *vc = S->v_caches[layer];
+    float *scores = scratch, *acc = scratch + (size_t)count * Lpad; /* [count, Lpad], [count, D] */
+    float m[64], inv[64];
+
+    /* Block by block: no division per key (block_size is only known at run time). */
+    for (int g = 0; g < count; g++) m[g] = -INFINITY;
+    for (int t0 = 0; t0 < L; t0 += BS) {
+        const float *kb = kc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const int nk = L - t0 < BS ? L - t0 : BS;
+        for (int i = 0; i < nk; i++) {
+            const float *restrict k = kb + (size_t)i * KVH * D;
+            for (int g = 0; g < count; g++) {
+                const float s = dot8(qkv_row + (size_t)(h0 + g) * D, k, D) * M->scale;
+                scores[g * Lpad + t0 + i] = s;
+                m[g] = fmaxf(m[g], s);
+            }
+        }
+    }
+    for (int g = 0; g < count; g++) {
+        float *sg = scores + g * Lpad;
+        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        int t = 0;
+        for (; t + 8 <= L; t += 8)
+            for (int j = 0; j < 8; j++) {
+                sg[t + j] = exp_nonpositive(sg[t + j] - m[g]);
+                lanes[j] = lanes[j] + sg[t + j];
+            }
+        for (; t < L; t++) {
+            sg[t] = exp_nonpositive(sg[t] - m[g]);
+            lanes[t % 8] = lanes[t % 8] + sg[t];
+        }
+        inv[g] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
+    }
+    for (size_t i = 0; i < (size_t)count * D; i++) acc[i] = 0.f;
+    for (int t0 = 0; t0 < L; t0 += BS) {
+        const float *vb = vc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const int nk = L - t0 < BS ? L - t0 : BS;
+        for (int i = 0; i < nk; i++) {
+            const float *restrict v = vb + (size_t)i * KVH * D;
+            for (int g = 0; g < count; g++) {
+                const float p = scores[g * Lpad + t0 + i];
+                float *restrict ag = acc + (size_t)g * D;
+                for (int d = 0; d < D; d++) ag[d] = ag[d] + p * v[d];
+            }
+        }
+    }
+    for (int g = 0; g < count; g++)
+        for (int d = 0; d < D; d++) attn_row[(size_t)(h0 + g) * D + d] = acc[(size_t)g * D + d] * inv[g];
+}
+
+/* q/k norm (Qwen3), RoPE on q and k in place in the qkv row, then k and v into the cache. */
+static void position_row(const Model *M, const Step *S, const Layer *Ly, int layer, float *restrict row, int r) {
+    const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads, half = D / 2;
+    const float *c = M->cos + (size_t)S->positions[r] * D, *s = M->sin + (size_t)S->positions[r] * D;
+    for (int h = 0; h < H + KVH; h++) {
+        float *x = row + (size_t)h * D;
+        const float *norm = h < H ? Ly->q_norm : Ly->k_norm;
+        float v[512];
+        if (norm) rms_norm_row(x, norm, v, D, M->eps);
+        else memcpy(v, x, sizeof(float) * D);
+        /* x * cos + rotate_half(x) * sin, as transformers' apply_rotary_pos_emb */
+        for (int d = 0; d < half; d++) x[d] = v[d] * c[d] + (-v[d + half]) * s[d];
+        for (int d = half; d < D; d++) x[d] = v[d] * c[d] + v[d - half] * s[d];
+    }
+    const size_t at = (size_t)S->slots[r] * KVH * D;
+    memcpy(S->k_caches[layer] + at, row + (size_t)H * D, sizeof(float) * KVH * D);
+    memcpy(S->v_caches[layer] + at, row + (size_t)(H + KVH) * D, sizeof(float) * KVH * D);
+}
+
+/* ---- the stack --------------------------------------------------------------- */
+
+static void run_layers(const Model *M, const Step *S, float *hidden, const Buffers *B) {
+    const int n = S->n, hid = M->hidden, H = M->num_heads, D = M->head_dim, I = M->intermediate;
+    const int qkv_w = (H + 2 * M->num_kv_heads) * D;
+#if defined(_OPENMP)
+    const int nt = omp_get_num_threads(), t = omp_get_thread_num();
+#else
+    const int nt = 1, t = 0;
+#endif
+    float *attn_scratch = B->attn_scratch + (size_t)t * B->attn_scratch_floats;
+    for (int l = 0; l < M->num_layers; l++) {
+        const Layer *Ly = &M->layers[l];
+        /* Each `omp for` ends in a barrier; a linear's output is read only after an explicit one. */
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) {
+            rms_norm_row(hidden + (size_t)r * hid, Ly->input_norm, B->normed + (size_t)r * hid, hid, M->eps);
+            quantize_input_row(&Ly->qkv, B, B->normed, r);
+        }
+        linear_thread(&Ly->qkv, B, n, B->qkv, qkv_w, 0, t, nt);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) position_row(M, S, Ly, l, B->qkv + (size_t)r * qkv_w, r);
+        /* One item per (row, kv head) when there are enough of them to keep the
+         * threads busy (heads of a group share K/V loads), else one per (row, head). */
+        const int per_item = n * M->num_kv_heads >= 2 * nt ? H / M->num_kv_heads : 1;
+#pragma omp for schedule(dynamic, 1)
+        for (int item = 0; item < n * (H / per_item); item++) {
+            const int r = item / (H / per_item), h0 = item % (H / per_item) * per_item;
+            attend(M, S, l, B->qkv + (size_t)r * qkv_w, r, h0, per_item, B->attn + (size_t)r * H * D, attn_scratch);
+        }
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
+        linear_thread(&Ly->o_proj, B, n, hidden, hid, 1, t, nt); /* h = h + attn Wo^T */
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) {
+            rms_norm_row(hidden + (size_t)r * hid, Ly->post_norm, B->normed + (size_t)r * hid, hid, M->eps);
+            quantize_input_row(&Ly->gate_up, B, B->normed, r);
+        }
+        linear_thread(&Ly->gate_up, B, n, B->gate_up, 2L * I, 0, t, nt);
+#pragma omp barrier
+#pragma omp for schedule(static)
+        for (int r = 0; r < n; r++) {
+            const float *gu = B->gate_up + (size_t)r * 2 * I;
+            float *a = B->act + (size_t)r * I;
+            for (int i = 0; i < I; i++) a[i] = silu(gu[i]) * gu[I + i];
+            quantize_input_row(&Ly->down, B, B->act, r);
+        }
+        linear_thread(&Ly->down, B, n, hidden, hid, 1, t, nt); /* h = h + act Wd^T */
+#pragma omp barrier
+    }
+}
+
+static int linear_ok(const Linear *L, int in, int out) {
+    if (L->in_features != in || L->out_features != out || L->num_parts < 1 || L->num_parts > MAX_PARTS) return 0;
+    int next = 0;
+    for (int p = 0; p < L->num_parts; p++) {
+        if (!tiles_for(L->types[p]) || in % block_elems(L->types[p]) || L->starts[p] != next) return 0;
+        next += L->rows[p];
+    }
+    return next == out;
+}
+
+/* 1 if this build can run the model (shapes the loops above assume), else 0. */
+int decoder_model_ok(const Model *M) {
+    const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
+    if (M->num_layers < 1 || D < 8 || D % 8 || D > 512 || KVH < 1 || H % KVH || H / KVH > 64 || M->hidden % 32)
+        return 0;
+    for (int l = 0; l < M->num_layers; l++) {
+        const Layer *Ly = &M->layers[l];
+        if (!linear_ok(&Ly->qkv, M->hidden, (H + 2 * KVH) * D) || !linear_ok(&Ly->o_proj, H * D, M->hidden) ||
+            !linear_ok(&Ly->gate_up, M->hidden, 2 * M->intermediate) ||
+            !linear_ok(&Ly->down, M->intermediate, M->hidden))
+            return 0;
+        if ((Ly->q_norm == NULL) != (Ly->k_norm == NULL)) return 0;
+    }
+    return 1;
+}
+
+/* hidden [n, M->hidden] in, the last layer's output out (in place).
+ * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
+int decoder_forward(const Model *M, const Step *S, float *hidden, int num_threads) {
+    const int n = S->n, H = M->num_heads, D = M->head_dim;
+    if (n == 0) return 0;
+    int max_pos = 0;
+    for (int r = 0; r < n; r++) {
+        if (S->positions[r] < 0 || S->positions[r] >= M->max_positions) return 3;
+        if (S->positions[r] > max_pos) max_pos = (int)S->positions[r];
+    }
+    if (num_threads < 1) num_threads = 1;
+    const int qkv_w = (H + 2 * M->num_kv_heads) * D, I = M->intermediate;
+    int kmax = M->hidden > H * D ? M->hidden : H * D;
+    kmax = kmax > I ? kmax : I;
+    Buffers B;
+    const size_t rows = (size_t)n;
+    B.normed = malloc(sizeof(float) * rows * M->hidden);
+    B.qkv = malloc(sizeof(float) * rows * qkv_w);
+    B.attn = malloc(sizeof(float) * rows * H * D);
+    B.gate_up = malloc(sizeof(float) * rows * 2 * I);
+    B.act = malloc(sizeof(float) * rows * I);
+    B.qs32 = malloc(rows * kmax);
+    B.qs256 = malloc(rows * kmax);
+    B.d32 = malloc(sizeof(float) * rows * (kmax / 32));
+    B.s32 = malloc(sizeof(float) * rows * (kmax / 32));
+    B.d256 = malloc(sizeof(float) * rows * (kmax / 32));
+    B.s256 = malloc(sizeof(float) * rows * (kmax / 32));
+    B.bsums32 = malloc(sizeof(int16_t) * rows * (kmax / 16));
+    B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
+    B.attn_scratch_floats = (size_t)(H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
+    B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
+    void *all[] = {B.normed, B.qkv, B.attn, B.gate_up, B.act, B.qs32, B.qs256, B.d32, B.s32,
+                   B.d256, B.s256, B.bsums32, B.bsums256, B.attn_scratch};
+    const int count = (int)(sizeof all / sizeof all[0]);
+    int rc = 0;
+    for (int i = 0; i < count; i++)
+        if (!all[i]) rc = 1;
+    if (rc == 0) {
+#pragma omp parallel num_threads(num_threads)
+        run_layers(M, S, hidden, &B);
+    }
+    for (int i = 0; i < count; i++) free(all[i]);
+    return rc;
+}
