@@ -69,7 +69,9 @@ class EngineConfig(BaseModel):
     served_model_name: str | None = None
     """Name clients use for the model; default derived from the file or folder name."""
     dtype: DTypeName = "auto"
-    """Compute dtype for weights and activations. auto: bfloat16 on CPUs with AMX/AVX512-BF16, else float32."""
+    """Compute dtype for weights and activations. auto: float32 when the weights stay quantized (a GGUF in its own
+    quantization, or --quantization q*: the int8 kernels and the fused decoder compute in float32); otherwise
+    bfloat16 on CPUs with AMX/AVX512-BF16 (and CUDA), else float32."""
     quantization: QuantizationName = "auto"
     """Weight format. auto: a GGUF keeps its own quantization where the CPU int8 kernels serve it (else it is
     dequantized to dtype), a Hugging Face folder stays dense; none: every weight dequantized to dtype;

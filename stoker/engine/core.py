@@ -30,7 +30,7 @@ from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.scheduler import Scheduler
 from stoker.models.cpu_kernels import cpu_flags
-from stoker.models.loader import load_model
+from stoker.models.loader import load_model, weights_stay_quantized
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
 from stoker.models.registry import build_model
 from stoker.models.tokenizer import Tokenizer
@@ -46,11 +46,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, quantized_weights: bool = False) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
         return torch.bfloat16
+    # Weights kept in GGML blocks: the int8 kernels and the fused decoder take
+    # float32 activations (bf16 would only add rounding and conversions), as
+    # llama.cpp computes in float32 between its quantized matmuls.
+    if quantized_weights:
+        return torch.float32
     # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
     return (
         torch.bfloat16
@@ -74,9 +79,11 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_path = config.resolved_model_path()
+        quantized_weights = weights_stay_quantized(model_path, str(self.device), config.quantization)
+        self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)
         kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
-        loaded = load_model(config.resolved_model_path(), self.dtype, str(self.device), config.quantization)
+        loaded = load_model(model_path, self.dtype, str(self.device), config.quantization)
         quantized = any(isinstance(w, GGMLTensor) for w in loaded.weights.values())
         log.info("weights: %s; quantized matmul: %s", describe(loaded.weights), quant_isa() if quantized else "none")
         self.model_config: ModelConfig = loaded.config

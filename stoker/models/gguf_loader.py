@@ -210,6 +210,15 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def keeps_quantized(path: str, device: str, quantization: str) -> bool:
+    """Whether load_gguf(path, ..., device, quantization) returns any tensor still
+    quantized (read from the cached header, nothing loaded)."""
+    if quantization != "auto" or torch.device(device).type != "cpu":
+        return False
+    meta = _gguf_meta(path)
+    return any(GGMLQuantizationType(t["type"]) in served_types() for t in meta["tensors"] if t["hf"])
+
+
 def load_gguf(
     path: str, dtype: torch.dtype, device: str, quantization: str = "none"
 ) -> tuple[ModelConfig, dict[str, WeightLike], Tokenizer]:

@@ -23,7 +23,14 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
-from stoker.models.gguf_loader import cache_root, gguf_model_name, gguf_tokenizer, gguf_tokenizer_folder, load_gguf
+from stoker.models.gguf_loader import (
+    cache_root,
+    gguf_model_name,
+    gguf_tokenizer,
+    gguf_tokenizer_folder,
+    keeps_quantized,
+    load_gguf,
+)
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
 from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
@@ -63,6 +70,15 @@ def load_model(path: str, dtype: torch.dtype, device: str = "cpu", quantization:
     if quantization in QUANTIZE_AT_LOAD:
         loaded.weights = quantize_weights(loaded.weights, quantization)
     return loaded
+
+
+def weights_stay_quantized(path: str, device: str, quantization: str) -> bool:
+    """Whether load_model(path, ..., device, quantization) keeps linear weights in
+    GGML blocks (a GGUF in its own quantization, or an HF model quantized at load)."""
+    check_quantization(quantization, device)
+    if quantization in QUANTIZE_AT_LOAD:
+        return True
+    return _is_gguf(path) and keeps_quantized(path, device, quantization)
 
 
 def load_tokenizer(path: str) -> Tokenizer:
