@@ -344,3 +344,22 @@ def test_embedding_rows_match_gguf_dequantize() -> None:
     want = torch.from_numpy(dequantize(table.data.numpy(), T.Q8_0))[ids]
     torch.testing.assert_close(Embedding(table, torch.float32, torch.device("cpu"))(ids), want, rtol=0, atol=0)
     assert GGML_QUANT_SIZES[T.Q8_0] == (32, 34)
+
+
+def test_dtype_auto_computes_in_float32_when_weights_stay_quantized(tmp_path: Path) -> None:
+    """bf16-capable CPUs pick bfloat16 for dense models, but quantized weights are
+    served by float32 kernels (and the fused decoder), so auto means float32 there."""
+    from stoker.engine.core import resolve_dtype
+    from stoker.models.loader import weights_stay_quantized
+
+    gguf = str(write_quant_gguf(tmp_path / "tiny-llama.gguf", "llama", {}, T.Q4_1))
+    folder = str(make_tiny_hf_model("llama", tmp_path / "hf"))
+    assert weights_stay_quantized(gguf, "cpu", "auto")
+    assert not weights_stay_quantized(gguf, "cpu", "none")
+    assert not weights_stay_quantized(gguf, "meta", "auto")  # other devices dequantize at load
+    assert weights_stay_quantized(folder, "cpu", "q8_0")
+    assert not weights_stay_quantized(folder, "cpu", "auto")
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, quantized_weights=True) == torch.float32
+    assert resolve_dtype("bfloat16", cpu, quantized_weights=True) == torch.bfloat16
+    assert resolve_dtype("auto", torch.device("cuda"), quantized_weights=True) == torch.bfloat16
