@@ -33,6 +33,8 @@ class FakeTokenizer:
 
     eos_token_ids: ClassVar[list[int]] = [EOS]
     vocab_size = 256 + OFFSET
+    chat_template: str | None = None
+    """No Jinja template: tools, when asked for, are listed in a system message."""
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b + OFFSET for b in text.encode()]

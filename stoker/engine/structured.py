@@ -22,6 +22,7 @@ instead of stalling the step.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ class GrammarCompiler:
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
         self.cache_size = cache_size
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()  # the front end compiles from worker threads
         self.num_compiled = 0
         self.compile_seconds: list[float] = []
         """Durations of compiles since the last take_compile_seconds()."""
@@ -75,19 +77,21 @@ class GrammarCompiler:
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """A compiled matcher in its initial state (the cached one: copy before use).
         Raises GrammarError naming the problem."""
-        cached = self._cache.get(grammar)
-        if cached is not None:
-            self._cache.move_to_end(grammar)
-            return cached
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                return cached
         started = time.perf_counter()
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
-        self.compile_seconds.append(time.perf_counter() - started)
-        self.num_compiled += 1
-        if matcher.is_error():
-            raise GrammarError(matcher.get_error())
-        self._cache[grammar] = matcher
-        if len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self.compile_seconds.append(time.perf_counter() - started)
+            self.num_compiled += 1
+            if matcher.is_error():
+                raise GrammarError(matcher.get_error())
+            self._cache[grammar] = matcher
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
         return matcher
 
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
