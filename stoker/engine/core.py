@@ -276,6 +276,11 @@ class EngineCore:
             generation_tokens=self.scheduler.num_generation_tokens,
             steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
+            constrained_requests=self.num_constrained_requests,
+            grammar_mask_steps=self.scheduler.num_mask_steps,
+            grammar_mask_seconds=list(self.scheduler.mask_seconds),
+            grammar_compiles=self._grammars.num_compiled if self._grammars else 0,
+            grammar_compile_seconds=list(self._grammars.compile_seconds) if self._grammars else [],
         )
 
     def reset_prefix_cache(self) -> None:

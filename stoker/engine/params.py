@@ -270,6 +270,16 @@ class EngineStats:
     steps: int = 0
     last_step_tokens: int = 0
     """Tokens scheduled in the most recent step."""
+    constrained_requests: int = 0
+    """Requests with an output grammar accepted (cumulative)."""
+    grammar_mask_steps: int = 0
+    """Steps that computed grammar bitmasks (cumulative)."""
+    grammar_mask_seconds: list[float] = field(default_factory=list)
+    """Bitmask time of each of the latest such steps, oldest first."""
+    grammar_compiles: int = 0
+    """Grammars compiled in the engine, cache misses only (cumulative)."""
+    grammar_compile_seconds: list[float] = field(default_factory=list)
+    """Duration of each of the latest compiles, oldest first."""
 
     @property
     def kv_usage(self) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 from stoker.engine.kv_cache import Block, KVCacheManager
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
@@ -22,6 +23,9 @@ from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
 from stoker.engine.sampler import SampleRow
+
+RECENT_STEPS = 256
+"""Per-step timings kept for the metrics poller, which reads them every second or so."""
 
 
 class Scheduler:
@@ -50,9 +54,10 @@ class Scheduler:
         self.num_prompt_tokens = 0
         """Prompt tokens of sequences that sampled their first token (cumulative)."""
         self.num_generation_tokens = 0
-        self.mask_seconds: list[float] = []
-        """Per step with constrained sequences sampling: time spent computing
-        their grammar bitmasks (drained by the engine's stats)."""
+        self.num_mask_steps = 0
+        """Steps in which constrained sequences sampled (cumulative)."""
+        self.mask_seconds: deque[float] = deque(maxlen=RECENT_STEPS)
+        """Time spent computing grammar bitmasks in each of the latest such steps."""
         self._step_mask_seconds = 0.0
         self._arrivals = itertools.count()
 
@@ -158,6 +163,7 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         if self._step_mask_seconds:
             self.mask_seconds.append(self._step_mask_seconds)
+            self.num_mask_steps += 1
         return out
 
     def _leader_prefilling(self, request: Request) -> bool:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -71,8 +71,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
         self._lock = threading.Lock()  # the front end compiles from worker threads
         self.num_compiled = 0
-        self.compile_seconds: list[float] = []
-        """Durations of compiles since the last take_compile_seconds()."""
+        self.compile_seconds: deque[float] = deque(maxlen=256)
+        """Durations of the latest compiles (num_compiled counts them all)."""
 
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """A compiled matcher in its initial state (the cached one: copy before use).
@@ -97,10 +97,6 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher for one sequence."""
         return self.compile(grammar).deep_copy()
-
-    def take_compile_seconds(self) -> list[float]:
-        taken, self.compile_seconds = self.compile_seconds, []
-        return taken
 
 
 def next_token_bitmask(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:

@@ -149,6 +149,9 @@ def test_compiles_are_cached_and_bad_grammars_are_rejected(llm: LLM) -> None:
     llm.generate([[5, 6, 7]] * 2, SamplingParams(max_tokens=20, grammar=grammar))
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=20, grammar=grammar))
     assert llm.engine.grammars.num_compiled == before + 1
+    stats = llm.engine.stats()  # what the metrics read
+    assert stats.constrained_requests >= 3 and stats.grammar_compiles == llm.engine.grammars.num_compiled
+    assert stats.grammar_mask_steps > 0 and 0 < len(stats.grammar_mask_seconds) <= stats.grammar_mask_steps
     with pytest.raises(ValueError, match=r"(?s)grammar: .*unclosed character class"):
         llm.generate([[5, 6]], SamplingParams(grammar=regex_grammar("[ab")))
 
