@@ -123,10 +123,17 @@ def prepare_messages(
         kwargs = {"tools": [t.model_dump(exclude_none=True) for t in plan.tools]} if plan.active else {}
         return messages, kwargs
     out: list[dict[str, Any]] = []
-    for m in messages:
+    for i, m in enumerate(messages):
         calls = m.get("tool_calls")
         if m.get("role") == "assistant" and calls:
-            blocks = [_call_block(c["function"]["name"], c["function"].get("arguments")) for c in calls]
+            try:
+                blocks = [_call_block(c["function"]["name"], c["function"].get("arguments")) for c in calls]
+            except (KeyError, TypeError, AttributeError):
+                raise bad_request(
+                    f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', "
+                    "'function': {'name', 'arguments'}}} objects",
+                    param="messages",
+                ) from None
             text = "\n".join(filter(None, [m.get("content") or "", *blocks]))
             m = {k: v for k, v in m.items() if k != "tool_calls"} | {"content": text}
         out.append(m)
@@ -170,7 +177,10 @@ def parse_reply(text: str, plan: ToolPlan) -> tuple[str | None, list[dict[str, A
         except json.JSONDecodeError:
             return text, []
         items = value if isinstance(value, list) else [value]
-        return None, [new_call(c["name"], c["arguments"]) for c in items]
+        try:
+            return None, [new_call(c["name"], c["arguments"]) for c in items]
+        except (KeyError, TypeError):  # cut short by a stop string: not a call
+            return text, []
     known = {t.function.name for t in plan.tools}
     calls: list[dict[str, Any]] = []
     rest = text

@@ -67,11 +67,12 @@ def test_every_schema_reply_validates(client: openai.OpenAI, temperature: float)
 def test_json_object_and_completions_guided_fields(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
         model=MODEL,
-        messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
+        messages=[{"role": "user", "content": 'Describe a cat as a JSON object with keys "name" and "age".'}],
         response_format={"type": "json_object"},
         max_tokens=200,
         temperature=0,
     )
+    assert r.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(r.choices[0].message.content), dict)
     c = client.completions.create(
         model=MODEL, prompt="The sky is", max_tokens=10, extra_body={"guided_choice": ["blue", "green"]}

@@ -60,6 +60,11 @@ def _error(response: httpx.Response) -> dict:
         ),
         ({"tool_choice": "required"}, "tool_choice", "at least one tool"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "distinct"),
+        (
+            {"messages": [*CHAT, {"role": "assistant", "tool_calls": [{"id": "x"}]}], "tools": [WEATHER]},
+            "messages",
+            "tool_calls must be",
+        ),
         ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, None, "name"),
         (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
@@ -71,7 +76,7 @@ def _error(response: httpx.Response) -> dict:
 def test_bad_constraints_are_400_naming_the_problem(
     http: httpx.Client, extra: dict, param: str | None, words: str
 ) -> None:
-    error = _error(http.post("/v1/chat/completions", json={"messages": CHAT, **extra}))
+    error = _error(http.post("/v1/chat/completions", json={"messages": CHAT, **extra}))  # extra may replace messages
     assert words in error["message"]
     if param is not None:
         assert error["param"] == param
