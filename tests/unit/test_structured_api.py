@@ -169,3 +169,18 @@ def test_history_with_calls_renders_for_a_template_without_tools(tokenizer) -> N
     )
     assert "<|im_start|>tool\nsunny" in text
     assert prepare_messages(history, _plan(), tokenizer.chat_template)[0][0] == CHAT[0]  # no tools: nothing added
+
+
+def test_valid_constraints_pass_the_check_and_reach_the_engine(http: httpx.Client) -> None:
+    """The fake engine ignores grammars (it always spells "abc..."): this is about the front end's path."""
+    for extra in (
+        {"guided_regex": "[a-z]+"},
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+        {"structured_outputs": {"choice": ["a", "b"]}},
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},  # fits 256 tokens
+    ):
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, **extra})
+        assert r.status_code == 200, r.text
+    # Not JSON, so not a call: the text comes back as content with the engine's finish reason.
+    message = r.json()["choices"][0]
+    assert message["message"]["content"] == "abc" and message["finish_reason"] == "length"
