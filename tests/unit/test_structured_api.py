@@ -184,3 +184,26 @@ def test_valid_constraints_pass_the_check_and_reach_the_engine(http: httpx.Clien
     # Not JSON, so not a call: the text comes back as content with the engine's finish reason.
     message = r.json()["choices"][0]
     assert message["message"]["content"] == "abc" and message["finish_reason"] == "length"
+
+
+def test_named_tool_streams_the_call_then_argument_fragments(fake_server) -> None:
+    """OpenAI's shape: the call's id and name first, then its arguments in pieces;
+    the openai client's delta accumulation rebuilds the whole call."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0)
+    tool = {"type": "function", "function": {"name": "f"}}
+    stream = client.chat.completions.create(
+        model="fake-model",
+        messages=CHAT,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "f"}},
+        max_tokens=3,
+        stream=True,
+    )
+    chunks = [c for c in stream if c.choices]
+    calls = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices[0].delta.tool_calls]
+    assert calls[0].id.startswith("call_") and calls[0].function.name == "f" and calls[0].function.arguments == ""
+    assert [c.function.arguments for c in calls[1:]] == ["a", "b", "c"]  # the fake engine spells "abc"
+    assert all(c.index == 0 and c.id is None for c in calls[1:])
+    assert chunks[-1].choices[0].finish_reason == "length"  # cut by max_tokens, as the engine said

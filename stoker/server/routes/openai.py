@@ -41,7 +41,7 @@ from stoker.server.serving import (
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import Constraint, requested_constraint
-from stoker.server.tools import parse_reply, plan_tools, prepare_messages
+from stoker.server.tools import new_call, parse_reply, plan_tools, prepare_messages
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
@@ -272,14 +272,27 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return msg, ("tool_calls" if calls and c.finish_reason is FinishReason.STOP else _reason(c))
 
     def render_tool_delta(job: Job, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
-        """With tools, a reply is parsed once finished: its role goes first, then
-        its content and each call (id, name, whole arguments), then the finish."""
+        """With a named function the reply is its arguments: the call (id, name)
+        opens the stream and the arguments follow in fragments, as OpenAI
+        streams them. Otherwise a reply is parsed once finished: its role goes
+        first, then its content and each call (id, name, whole arguments)."""
         chunks: list[dict[str, Any]] = []
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
             choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish}
             chunks.append({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
 
+        if plan.mode == "named":
+            if d.index not in sent_role:
+                sent_role.add(d.index)
+                chunk({"role": "assistant", "content": None})
+                call = new_call(plan.named or "", "")
+                chunk({"tool_calls": [{"index": 0, **call}]})
+            if d.new_text:
+                chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.new_text}}]})
+            if d.finished:
+                chunk({}, "tool_calls" if d.finish_reason is FinishReason.STOP else _reason_of(d))
+            return chunks
         if d.index not in sent_role:
             sent_role.add(d.index)
             chunk({"role": "assistant", "content": ""})
@@ -345,6 +358,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 def _grammar(constraint: Constraint | None) -> str | None:
     return constraint.grammar if constraint is not None else None
+
+
+def _reason_of(d: EngineCoreOutput) -> str | None:
+    return d.finish_reason.value if d.finish_reason else None
 
 
 def _reason(c: CompletionOutput) -> str | None:
