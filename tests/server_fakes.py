@@ -9,10 +9,11 @@ control behaviour (priority order, 504 at a deadline) can be tested in seconds.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.params import (
@@ -33,6 +34,21 @@ class FakeTokenizer:
 
     eos_token_ids: ClassVar[list[int]] = [EOS]
     vocab_size = 256 + OFFSET
+    chat_template: str | None = None
+    """No Jinja template: tools, when asked for, are listed in a system message."""
+
+    @functools.cached_property
+    def hf(self) -> Any:
+        """The same byte tokens as a Hugging Face fast tokenizer: what the front
+        end's grammar check wraps (the fake engine itself ignores grammars)."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": 0, "<s>": 1, "</s>": EOS} | {ch: b + OFFSET for b, ch in _byte_chars().items()}
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        backend.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", bos_token="<s>", pad_token="<pad>")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return [b + OFFSET for b in text.encode()]
@@ -48,6 +64,13 @@ class FakeTokenizer:
         if add_generation_prompt:
             text += "<assistant>"
         return self.encode(text) if tokenize else text
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as a printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    extra = (b for b in range(256) if b not in printable)
+    return {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(extra)}
 
 
 def model_config() -> ModelConfig:

@@ -29,6 +29,7 @@ from stoker.engine.params import (
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.scheduler import Scheduler
+from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.loader import load_model, weights_stay_quantized
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
@@ -124,6 +125,8 @@ class EngineCore:
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
         self.last_step_tokens = 0
+        self._grammars: GrammarCompiler | None = None
+        self.num_constrained_requests = 0
         self.load_seconds = time.perf_counter() - started
         log.info(
             "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), loaded in %.1fs",
@@ -141,6 +144,16 @@ class EngineCore:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.kv.num_blocks * self.kv.block_size
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Built on the first constrained request (wrapping the tokenizer takes
+        ~0.4 s, which servers that never constrain should not pay at start)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(
+                self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids) or None
+            )
+        return self._grammars
 
     # ----------------------------------------------------------- requests
 
@@ -178,6 +191,12 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if params.grammar is not None:
+            try:
+                self.grammars.compile(params.grammar)
+            except GrammarError as exc:
+                raise ValueError(f"grammar: {exc}") from None
+            self.num_constrained_requests += 1
         samples = []
         for index in range(params.n):
             # Each sample samples from its own generator, so its tokens never depend on
@@ -198,6 +217,8 @@ class EngineCore:
                 generator,
             )
             r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
+            if params.grammar is not None:
+                r.grammar = SequenceGrammar(self.grammars.matcher(params.grammar), vocab, self.tokenizer.eos_token_id)
             samples.append(r)
         self.requests[req.request_id] = samples
         for r in samples:
@@ -262,6 +283,11 @@ class EngineCore:
             generation_tokens=self.scheduler.num_generation_tokens,
             steps=self.num_steps,
             last_step_tokens=self.last_step_tokens,
+            constrained_requests=self.num_constrained_requests,
+            grammar_mask_steps=self.scheduler.num_mask_steps,
+            grammar_mask_seconds=list(self.scheduler.mask_seconds),
+            grammar_compiles=self._grammars.num_compiled if self._grammars else 0,
+            grammar_compile_seconds=list(self._grammars.compile_seconds) if self._grammars else [],
         )
 
     def reset_prefix_cache(self) -> int:

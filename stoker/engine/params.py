@@ -52,6 +52,10 @@ class SamplingParams:
     """None: none. k >= 0: each prompt token's logprob plus the top k alternatives
     (the first token's entry is None). Such a prompt is always computed in full,
     never served from the prefix cache."""
+    grammar: str | None = None
+    """An llguidance grammar the output must match (stoker/engine/grammars.py
+    builds it from a JSON schema, regex, choice list or Lark/GBNF grammar);
+    the sequence stops (finish_reason "stop") when the grammar is complete."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -123,6 +127,8 @@ class SamplingParams:
             bad("logprobs", "must be between 0 and 20")
         if self.prompt_logprobs is not None and not 0 <= integer("prompt_logprobs") <= 20:
             bad("prompt_logprobs", "must be between 0 and 20")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            bad("grammar", "must be a non-empty grammar string")
 
     @property
     def greedy(self) -> bool:
@@ -264,6 +270,16 @@ class EngineStats:
     steps: int = 0
     last_step_tokens: int = 0
     """Tokens scheduled in the most recent step."""
+    constrained_requests: int = 0
+    """Requests with an output grammar accepted (cumulative)."""
+    grammar_mask_steps: int = 0
+    """Steps that computed grammar bitmasks (cumulative)."""
+    grammar_mask_seconds: list[float] = field(default_factory=list)
+    """Bitmask time of each of the latest such steps, oldest first."""
+    grammar_compiles: int = 0
+    """Grammars compiled in the engine, cache misses only (cumulative)."""
+    grammar_compile_seconds: list[float] = field(default_factory=list)
+    """Duration of each of the latest compiles, oldest first."""
 
     @property
     def kv_usage(self) -> float:

@@ -18,6 +18,7 @@ from stoker.engine.params import (
 
 if TYPE_CHECKING:
     from stoker.engine.detokenizer import IncrementalDetokenizer
+    from stoker.engine.structured import SequenceGrammar
 
 
 class RequestStatus(Enum):
@@ -76,6 +77,9 @@ class Request:
         (the first has no context, so None). Sample 0 alone scores and sends
         them, with its first delta; samples 1..n-1 share its cached prompt."""
         self.prompt_logprobs_sent = False
+        self.grammar: SequenceGrammar | None = None
+        """With params.grammar: this sequence's matcher, advanced by every appended
+        token (by the scheduler); kept across preemption, which keeps the tokens."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -125,7 +129,9 @@ class Request:
         stop_reason: int | str | None = None
         if self.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
-        elif self.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in eos_token_ids:
+        elif (self.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in eos_token_ids) or (
+            self.grammar is not None and self.grammar.done  # the grammar is complete
+        ):
             reason = FinishReason.STOP
         elif self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             reason = FinishReason.LENGTH

@@ -2,6 +2,7 @@
 temperature / min-p / top-k / top-p, per-request seeds and logprobs.
 
 Order of operations per row (as vLLM v1):
+  -  grammar-constrained rows: tokens outside the grammar's bitmask to -inf
   0. logit_bias added to its token ids
   1. repetition penalty (HF/CTRL style, over prompt + output tokens)
   2. presence / frequency penalties (OpenAI style, over output tokens)
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from stoker.engine.params import SamplingParams, TokenLogprob
+from stoker.engine.structured import allowed_tokens
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
 _MIN_TEMPERATURE = 1e-5
@@ -59,6 +61,9 @@ class SampleRow:
     """Suppressed with params.stop_token_ids while output is shorter than
     min_tokens; not when params.ignore_eos (eos then does not end the
     sequence, so there is nothing to hold back)."""
+    token_bitmask: torch.Tensor | None = None
+    """For a grammar-constrained sequence: the tokens it may sample, as int32
+    words (stoker/engine/structured.py); every other token is set to -inf."""
 
 
 @dataclass
@@ -71,7 +76,8 @@ class SampledToken:
 def _suppressed_ids(row: SampleRow) -> list[int]:
     """Token ids to mask this step because min_tokens is not yet reached."""
     p = row.params
-    if len(row.output_token_ids) >= p.min_tokens:
+    if len(row.output_token_ids) >= p.min_tokens or row.token_bitmask is not None:
+        # A grammar decides when its output may end; min_tokens does not hold it open.
         return []
     ids = list(p.stop_token_ids)
     if not p.ignore_eos:
@@ -101,14 +107,17 @@ class Sampler:
             or r.params.frequency_penalty != 0.0
         ]
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
-        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress)):
+        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress) or constrained):
             return [SampledToken(t, None) for t in _argmax(x).tolist()]
 
-        if penalised or biased or any(suppress):
+        if penalised or biased or any(suppress) or constrained:
             # Never modify the caller's tensor (the runner may reuse it).
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
+            if constrained:
+                _apply_grammar(x, rows, constrained)
             if biased:
                 _apply_logit_bias(x, rows, biased)
             if penalised:
@@ -194,6 +203,17 @@ def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], which: list[int]) 
     ri = _index([i for i, _, _ in pairs], x)
     ti = _index([t for _, t, _ in pairs], x)
     x.index_put_((ri, ti), torch.tensor([b for _, _, b in pairs], device=x.device), accumulate=True)
+
+
+def _apply_grammar(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
+    """Tokens outside each constrained row's bitmask to -inf (only those rows)."""
+    masks = torch.stack([m for i in which if (m := rows[i].token_bitmask) is not None])
+    vocab = x.shape[1]
+    allowed = allowed_tokens(masks.to(x.device), min(vocab, masks.shape[1] * 32))
+    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    idx = _index(which, x)
+    x[idx] = x[idx].masked_fill_(~allowed, -math.inf)
 
 
 def _apply_suppression(x: torch.Tensor, suppress: list[list[int]]) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 
 from stoker.engine.kv_cache import Block, KVCacheManager
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
@@ -22,6 +23,9 @@ from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
 from stoker.engine.sampler import SampleRow
+
+RECENT_STEPS = 256
+"""Per-step timings kept for the metrics poller, which reads them every second or so."""
 
 
 class Scheduler:
@@ -50,6 +54,11 @@ class Scheduler:
         self.num_prompt_tokens = 0
         """Prompt tokens of sequences that sampled their first token (cumulative)."""
         self.num_generation_tokens = 0
+        self.num_mask_steps = 0
+        """Steps in which constrained sequences sampled (cumulative)."""
+        self.mask_seconds: deque[float] = deque(maxlen=RECENT_STEPS)
+        """Time spent computing grammar bitmasks in each of the latest such steps."""
+        self._step_mask_seconds = 0.0
         self._arrivals = itertools.count()
 
     def add(self, request: Request) -> None:
@@ -99,12 +108,18 @@ class Scheduler:
         end = num_computed + num_new
         sampling = None
         if end == request.num_tokens:
+            bitmask = None
+            if request.grammar is not None:
+                started = time.perf_counter()
+                bitmask = request.grammar.next_bitmask()
+                self._step_mask_seconds += time.perf_counter() - started
             sampling = SampleRow(
                 request.params,
                 request.prompt_token_ids,
                 request.output_token_ids,
                 request.generator,
                 self._eos_list,
+                bitmask,
             )
         targets: list[int] = []
         if request.needs_prompt_logprobs:
@@ -122,6 +137,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._step_mask_seconds = 0.0
         budget = [self.max_num_batched_tokens]
         # Decodes before prefill chunks, so a long prompt never stalls token streams.
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.service_key(r)))
@@ -145,6 +161,9 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         # Decodes first so the runner can batch them in one attention call.
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        if self._step_mask_seconds:
+            self.mask_seconds.append(self._step_mask_seconds)
+            self.num_mask_steps += 1
         return out
 
     def _leader_prefilling(self, request: Request) -> bool:
@@ -254,6 +273,11 @@ class Scheduler:
                 if logprobs is not None:
                     r.pending_logprobs.append(logprobs[i])
                 self.num_generation_tokens += 1
+                if r.grammar is not None:
+                    r.grammar.accept(token)
+                    if r.grammar.error is not None:  # the mask allowed it, so never expected
+                        r.finish(FinishReason.ABORT, error=f"grammar: {r.grammar.error}")
+                        break
                 r.check_stop(self.eos_token_ids, self.max_model_len)
                 if r.is_finished:
                     break

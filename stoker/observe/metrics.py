@@ -13,6 +13,7 @@ again from zero) never makes a Prometheus counter go backwards.
 from __future__ import annotations
 
 from itertools import pairwise
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -82,6 +83,9 @@ _CUMULATIVE = (
     "prompt_tokens",
     "generation_tokens",
     "steps",
+    "constrained_requests",
+    "grammar_mask_steps",
+    "grammar_compiles",
 )
 
 
@@ -163,6 +167,26 @@ class Metrics:
         )
 
         # -- stoker ----------------------------------------------------------
+        self.constrained_requests = Counter(
+            "stoker:structured_requests",
+            "Requests whose output is constrained (JSON schema, regex, choice, grammar, tool call).",
+            m,
+            registry=r,
+        )
+        self.grammar_mask_time = Histogram(
+            "stoker:grammar_mask_seconds",
+            "Per engine step with constrained sequences: seconds spent computing their token bitmasks.",
+            m,
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25),
+            registry=r,
+        )
+        self.grammar_compile_time = Histogram(
+            "stoker:grammar_compile_seconds",
+            "Seconds to compile an output grammar in the engine (cache misses).",
+            m,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         self.prompt_tokens_computed = Counter(
             "stoker:prompt_tokens_computed",
             "Prompt tokens computed by the model (prefix-cache hits excluded).",
@@ -262,6 +286,11 @@ class Metrics:
                 mean = rest / (steps - 1)
                 for _ in range(min(steps - 1, 1000)):
                     self.iteration_tokens.labels(name).observe(mean)
+        self.constrained_requests.labels(name).inc(delta["constrained_requests"])
+        _observe_latest(self.grammar_mask_time.labels(name), stats.grammar_mask_seconds, delta["grammar_mask_steps"])
+        _observe_latest(
+            self.grammar_compile_time.labels(name), stats.grammar_compile_seconds, delta["grammar_compiles"]
+        )
         self._last = stats
 
     # -- requests -----------------------------------------------------------------
@@ -303,3 +332,9 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """(body, content type) for GET /metrics."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def _observe_latest(histogram: Any, recent: list[float], new: int) -> None:
+    """Observe the `new` latest values (the engine keeps a bounded window of them)."""
+    for value in recent[len(recent) - min(new, len(recent)) :]:
+        histogram.observe(value)

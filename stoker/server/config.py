@@ -63,6 +63,10 @@ class ServerConfig(BaseModel):
     """Seconds in-flight requests may take to finish after SIGTERM; past it they end with finish_reason "abort"."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest accepted request body; bigger ones get 413."""
+    max_grammar_bytes: int = Field(256 * 1024, ge=1024)
+    """Largest output constraint (JSON schema, regex, grammar, tool schemas) as a compiled-grammar string; bigger ones get 400."""
+    grammar_compile_timeout: float = Field(10.0, gt=0)
+    """Seconds an output constraint may take to compile before the request gets 400."""
     engine_startup_timeout: float = Field(900.0, gt=0)
     """Seconds the engine may take to load and warm up before startup fails."""
     log_level: Literal["debug", "info", "warning", "error"] = "info"

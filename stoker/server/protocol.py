@@ -73,6 +73,43 @@ MAX_PRIORITY = 100
 MAX_TIMEOUT_S = 86400.0
 
 
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    """The JSON schema the reply must satisfy (omitted: any JSON value)."""
+    strict: bool | None = None
+    """Accepted for compatibility: stoker always enforces the whole schema, and
+    answers 400 for a keyword it cannot enforce."""
+
+
+class ResponseFormat(BaseModel):
+    """text (the default), json_object (any JSON object) or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's newer form of the guided_* fields: exactly one of them."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(_Request):
     """Sampling fields shared by chat and completions (OpenAI names, then vLLM's
     extras), with the ranges OpenAI and vLLM accept. Everything the server
@@ -110,6 +147,15 @@ class SamplingFields(_Request):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
+    # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    """A JSON schema (object or string) the output must satisfy."""
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, with `root ::=`)."""
+    structured_outputs: StructuredOutputs | None = None
     # stoker's scheduling fields
     priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | Literal["interactive", "batch"] | None = None
     """Lower is served first (0 interactive, 1 batch); a key's class caps how high a request may go."""
@@ -136,10 +182,26 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    """Only plain text: json_object and json_schema are not supported yet."""
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON schema of the arguments (omitted: an object with any properties)."""
+    strict: bool | None = None
 
-    type: Literal["text"]
+
+class Tool(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -152,8 +214,6 @@ class ChatCompletionRequest(SamplingFields):
     )
 
     _unsupported: ClassVar[tuple[str, ...]] = (
-        "tools",
-        "tool_choice",
         "functions",
         "function_call",
         "audio",
@@ -168,7 +228,11 @@ class ChatCompletionRequest(SamplingFields):
     """Newer OpenAI name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    """Default: "auto" with tools, "none" without (as OpenAI)."""
+    parallel_tool_calls: bool | None = None
+    """With tool_choice "required": whether the reply may hold several calls (default true)."""
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:

@@ -13,6 +13,7 @@ from stoker.errors import APIError
 from stoker.server.config import ServerConfig
 from stoker.server.hooks import ServerHooks
 from stoker.server.protocol import unavailable
+from stoker.server.structured import GrammarChecker
 
 if TYPE_CHECKING:
     from stoker.models.embedding import EmbeddingBatcher
@@ -38,6 +39,16 @@ class ServerState:
     engine_ids_in_use: set[str] = field(default_factory=set)
     """Engine request ids (bases) of jobs in flight; see serving.run_job."""
     _token_text: dict[int, str] = field(default_factory=dict)
+    _grammars: GrammarChecker | None = None
+
+    @property
+    def grammars(self) -> GrammarChecker:
+        """Checks output constraints compile (built on the first constrained request)."""
+        if self._grammars is None:
+            self._grammars = GrammarChecker(
+                self.engine.tokenizer, self.config.max_grammar_bytes, self.config.grammar_compile_timeout
+            )
+        return self._grammars
 
     @property
     def ready(self) -> bool:

@@ -140,3 +140,30 @@ def test_registries_are_independent():
     a, b = Metrics("a"), Metrics("b")
     a.engine_restarted()
     assert value(b, "stoker:engine_restarts_total") == 0
+
+
+def test_structured_output_counters_and_histograms_take_only_new_samples():
+    m = Metrics("smol")
+    m.update_from_engine_stats(
+        EngineStats(
+            constrained_requests=2,
+            grammar_mask_steps=3,
+            grammar_mask_seconds=[0.001, 0.002, 0.003],
+            grammar_compiles=1,
+            grammar_compile_seconds=[0.004],
+        )
+    )
+    # The engine's window still holds the old values; only the 2 new steps are observed.
+    m.update_from_engine_stats(
+        EngineStats(
+            constrained_requests=5,
+            grammar_mask_steps=5,
+            grammar_mask_seconds=[0.002, 0.003, 0.010, 0.020],
+            grammar_compiles=1,
+            grammar_compile_seconds=[0.004],
+        )
+    )
+    assert value(m, "stoker:structured_requests_total", model_name="smol") == 5
+    assert value(m, "stoker:grammar_mask_seconds_count", model_name="smol") == 5
+    assert abs(value(m, "stoker:grammar_mask_seconds_sum", model_name="smol") - 0.036) < 1e-9
+    assert value(m, "stoker:grammar_compile_seconds_count", model_name="smol") == 1

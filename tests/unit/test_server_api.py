@@ -110,9 +110,9 @@ def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param:
         {"messages": []},
         {"messages": [{"role": "robot", "content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-        {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+        {"messages": CHAT, "functions": [{"name": "f"}]},
         {"messages": CHAT, "top_logprobs": 2},
-        {"messages": CHAT, "response_format": {"type": "json_object"}},
+        {"messages": CHAT, "response_format": {"type": "xml"}},
     ],
 )
 def test_chat_client_errors_are_400(http: httpx.Client, body: dict) -> None:

@@ -14,6 +14,7 @@ from stoker.engine.client import EngineUnavailableError
 from stoker.engine.params import (
     CompletionOutput,
     EngineCoreOutput,
+    FinishReason,
     SamplingParams,
     TokenLogprob,
 )
@@ -39,13 +40,19 @@ from stoker.server.serving import (
 )
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse
+from stoker.server.structured import Constraint, requested_constraint
+from stoker.server.tools import new_call, parse_reply, plan_tools, prepare_messages
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
 
 
 def sampling_params(
-    body: SamplingFields, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    body: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None = None,
+    grammar: str | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -67,6 +74,7 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
             prompt_logprobs=prompt_logprobs,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -236,18 +244,70 @@ def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     model = state.check_model(body.model)
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    tokenizer = state.engine.tokenizer
+    constraint = requested_constraint(body)
+    plan = plan_tools(body, constraint)
+    constraint = plan.constraint or constraint
+    if constraint is not None:
+        await state.grammars.check(constraint)
+    messages, template_kwargs = prepare_messages(
+        [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
+    )
     try:
-        ids = state.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(str(exc), param="messages") from None
     max_tokens = resolve_max_tokens(state, [ids], body.max_completion_tokens or body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    job = Job("chat", model, [ids], sampling_params(body, max_tokens, logprobs), [None])
+    params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
+    job = Job("chat", model, [ids], params, [None])
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     sent_role: set[int] = set()
 
+    def message(c: CompletionOutput) -> tuple[dict[str, Any], str | None]:
+        content, calls = parse_reply(c.text, plan)
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            msg["tool_calls"] = calls
+        return msg, ("tool_calls" if calls and c.finish_reason is FinishReason.STOP else _reason(c))
+
+    def render_tool_delta(job: Job, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
+        """With a named function the reply is its arguments: the call (id, name)
+        opens the stream and the arguments follow in fragments, as OpenAI
+        streams them. Otherwise a reply is parsed once finished: its role goes
+        first, then its content and each call (id, name, whole arguments)."""
+        chunks: list[dict[str, Any]] = []
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
+            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            chunks.append({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
+
+        if plan.mode == "named":
+            if d.index not in sent_role:
+                sent_role.add(d.index)
+                chunk({"role": "assistant", "content": None})
+                call = new_call(plan.named or "", "")
+                chunk({"tool_calls": [{"index": 0, **call}]})
+            if d.new_text:
+                chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.new_text}}]})
+            if d.finished:
+                chunk({}, "tool_calls" if d.finish_reason is FinishReason.STOP else _reason_of(d))
+            return chunks
+        if d.index not in sent_role:
+            sent_role.add(d.index)
+            chunk({"role": "assistant", "content": ""})
+        if d.finished:
+            msg, finish = message(job.outputs[0].outputs[d.index])
+            if msg["content"]:
+                chunk({"content": msg["content"]})
+            for k, call in enumerate(msg.get("tool_calls", [])):
+                chunk({"tool_calls": [{"index": k, **call}]})
+            chunk({}, finish)
+        return chunks
+
     def render_delta(job: Job, _p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
+        if plan.active:
+            return render_tool_delta(job, d, head)
         delta: dict[str, Any] = {"content": d.new_text} if d.new_text or d.finished else {}
         if d.index not in sent_role:
             sent_role.add(d.index)
@@ -263,15 +323,17 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
 
     def render_final(job: Job) -> dict[str, Any]:
-        choices = [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(state, c.logprobs),
-                "finish_reason": _reason(c),
-            }
-            for c in job.outputs[0].outputs
-        ]
+        choices = []
+        for c in job.outputs[0].outputs:
+            msg, finish = message(c)
+            choices.append(
+                {
+                    "index": c.index,
+                    "message": msg,
+                    "logprobs": chat_logprobs(state, c.logprobs),
+                    "finish_reason": finish,
+                }
+            )
         return {
             "id": f"chatcmpl-{job.request_id}",
             "object": "chat.completion",
@@ -292,6 +354,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         "chat.completion.chunk" if body.stream else "chat.completion",
         body,
     )
+
+
+def _grammar(constraint: Constraint | None) -> str | None:
+    return constraint.grammar if constraint is not None else None
+
+
+def _reason_of(d: EngineCoreOutput) -> str | None:
+    return d.finish_reason.value if d.finish_reason else None
 
 
 def _reason(c: CompletionOutput) -> str | None:
@@ -366,6 +436,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     model = state.check_model(body.model)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens 0 needs echo: true (the answer is then the prompt alone)", param="max_tokens")
+    constraint = requested_constraint(body)
+    if constraint is not None:
+        await state.grammars.check(constraint)
     tokenizer = state.engine.tokenizer
     prompts: list[list[int]] = []
     texts: list[str | None] = []
@@ -381,7 +454,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     # echo + logprobs scores the prompt too: the engine's prompt_logprobs, at the larger top-N asked for.
     asked = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
-    params = sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None)
+    params = sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None, _grammar(constraint))
     job = Job("completion", model, prompts, params, texts)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     echoed: set[int] = set()

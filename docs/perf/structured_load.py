@@ -1,0 +1,76 @@
+"""c=16 chat load against a running server: rounds of 16 unconstrained then 16 json_schema requests (the 20 schemas of tests/e2e/structured_schemas.py); prints tok/s, validity and the grammar metrics.
+
+python docs/perf/structured_load.py http://127.0.0.1:8000 [rounds]
+"""
+
+import json
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import jsonschema_rs
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tests" / "e2e"))
+from structured_schemas import SCHEMAS
+
+URL = sys.argv[1]
+C, ROUNDS, MAXT = 16, int(sys.argv[2]) if len(sys.argv) > 2 else 2, 64
+client = httpx.Client(base_url=URL, timeout=600)
+
+
+def one(i, constrained):
+    name, prompt, schema = SCHEMAS[i % len(SCHEMAS)]
+    body = {
+        "messages": [{"role": "user", "content": prompt + " Answer in JSON."}],
+        "max_tokens": MAXT,
+        "temperature": 1.0,
+        "seed": i,
+    }
+    if constrained:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+    r = client.post("/v1/chat/completions", json=body).json()
+    c = r["choices"][0]
+    ok = None
+    if constrained and c["finish_reason"] == "stop":
+        try:
+            jsonschema_rs.validate(schema, json.loads(c["message"]["content"]))
+            ok = True
+        except Exception:
+            ok = False
+    return r["usage"]["completion_tokens"], c["finish_reason"], ok
+
+
+def metric(text, name):
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+totals = {True: [0, 0.0], False: [0, 0.0]}
+valid = [0, 0, 0]
+for rnd in range(ROUNDS):
+    for constrained in (False, True):
+        t = time.perf_counter()
+        with ThreadPoolExecutor(C) as pool:
+            res = list(pool.map(lambda i, base=rnd * C, c=constrained: one(i + base, c), range(C)))
+        dt = time.perf_counter() - t
+        toks = sum(r[0] for r in res)
+        totals[constrained][0] += toks
+        totals[constrained][1] += dt
+        if constrained:
+            valid[0] += sum(r[2] is True for r in res)
+            valid[1] += sum(r[2] is False for r in res)
+            valid[2] += sum(r[1] == "length" for r in res)
+        print(f"round {rnd} constrained={constrained}: {toks} tokens in {dt:.1f}s = {toks / dt:.1f} tok/s", flush=True)
+for k, (toks, dt) in totals.items():
+    print(f"constrained={k}: {toks / dt:.1f} tok/s overall")
+print(
+    f"ratio constrained/unconstrained: {(totals[True][0] / totals[True][1]) / (totals[False][0] / totals[False][1]):.3f}"
+)
+print(f"constrained finished 'stop': valid {valid[0]}, invalid {valid[1]}; cut by max_tokens={MAXT}: {valid[2]}")
+m = client.get("/metrics").text
+n = metric(m, "stoker:grammar_mask_seconds_count")
+s = metric(m, "stoker:grammar_mask_seconds_sum")
+print(
+    f"grammar mask: {n:.0f} steps, mean {1e3 * s / max(n, 1):.2f} ms/step; compiles {metric(m, 'stoker:grammar_compile_seconds_count'):.0f}, mean {1e3 * metric(m, 'stoker:grammar_compile_seconds_sum') / max(1, metric(m, 'stoker:grammar_compile_seconds_count')):.2f} ms; structured requests {metric(m, 'stoker:structured_requests_total'):.0f}"
+)
+print(f"iteration steps total {metric(m, 'vllm:iteration_tokens_total_count'):.0f}")

@@ -1,0 +1,164 @@
+"""Structured output and tools with the official openai client against a real
+`stoker serve` on the default model: every reply parses and validates."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema_rs
+import openai
+import pytest
+from conftest import ServerProcess
+from pydantic import BaseModel, Field
+from structured_schemas import SCHEMAS
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+MODEL = "smollm2-135m-instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 30}}, "required": ["tz"]},
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(real_server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{real_server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def _json_schema_reply(client: openai.OpenAI, name: str, prompt: str, schema: dict, temperature: float) -> tuple:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"{prompt} Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}},
+        temperature=temperature,
+        seed=7,
+        max_tokens=300,
+    )
+    return name, schema, r.choices[0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_schema_reply_validates(client: openai.OpenAI, temperature: float) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda s: _json_schema_reply(client, *s, temperature), SCHEMAS))
+    for name, schema, choice in replies:
+        assert choice.finish_reason == "stop", (name, choice.message.content)
+        jsonschema_rs.validate(schema, json.loads(choice.message.content))
+
+
+def test_json_object_and_completions_guided_fields(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": 'Describe a cat as a JSON object with keys "name" and "age".'}],
+        response_format={"type": "json_object"},
+        max_tokens=200,
+        temperature=0,
+    )
+    assert r.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    c = client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=10, extra_body={"guided_choice": ["blue", "green"]}
+    )
+    assert c.choices[0].text in ("blue", "green")
+    c = client.completions.create(
+        model=MODEL, prompt="A date:", max_tokens=20, extra_body={"guided_regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}
+    )
+    assert len(c.choices[0].text) == 10 and c.choices[0].text.startswith("20")
+
+
+class Step(BaseModel):
+    explanation: str = Field(max_length=80)
+    output: str = Field(max_length=40)
+
+
+class MathAnswer(BaseModel):
+    steps: list[Step] = Field(max_length=3)
+    final_answer: int
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    r = client.chat.completions.parse(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Solve 8x + 7 = -23 step by step."}],
+        response_format=MathAnswer,
+        max_tokens=400,
+        temperature=0,
+    )
+    parsed = r.choices[0].message.parsed
+    assert isinstance(parsed, MathAnswer) and len(parsed.steps) <= 3
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_tool_calls_are_valid(client: openai.OpenAI, choice: str, stream: bool) -> None:
+    tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice, max_tokens=200)
+    for temperature in (0.0, 1.0):
+        if stream:
+            with client.chat.completions.stream(**kwargs, temperature=temperature) as s:
+                for _ in s:
+                    pass
+                final = s.get_final_completion()
+        else:
+            final = client.chat.completions.create(**kwargs, temperature=temperature)
+        choice0 = final.choices[0]
+        assert choice0.finish_reason == "tool_calls"
+        calls = choice0.message.tool_calls
+        assert calls and all(c.id.startswith("call_") for c in calls)
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+        for call in calls:
+            if choice == "named":
+                assert call.function.name == "get_weather"
+            jsonschema_rs.validate(schemas[call.function.name], json.loads(call.function.arguments))
+
+
+def test_tool_results_in_the_history(client: openai.OpenAI) -> None:
+    first = client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=100, temperature=0
+    )
+    call = first.choices[0].message.tool_calls[0]
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21, "sky": "clear"}'},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL, messages=history, tools=[WEATHER], tool_choice="none", max_tokens=40, temperature=0
+    )
+    assert second.choices[0].message.content and second.choices[0].message.tool_calls is None
+
+
+def test_a_bad_schema_is_a_400_and_the_server_keeps_serving(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="Unknown format"):
+        client.chat.completions.create(
+            model=MODEL,
+            messages=ASK,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "string", "format": "nope"}},
+            },
+        )
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}
+        )
+    ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3)
+    assert ok.choices[0].message.content is not None
