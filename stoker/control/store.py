@@ -51,6 +51,9 @@ PERIOD = 60.0
 # A request waits at most about this long on an unreachable Redis before its 503.
 SOCKET_TIMEOUT = 1.0
 STORE_RETRY_AFTER = 2.0
+MAX_CONNECTIONS = 16
+# Longest wait for a free connection under a burst before the request gets its 503.
+POOL_WAIT = 5.0
 
 _PRELUDE = """
 local function clock(arg)
@@ -208,15 +211,20 @@ class RedisRateLimiter:
         self.lease_ttl = lease_ttl
         self.prefix = prefix
         self._clock = clock
+        # A burst of requests waits for one of a few connections (Redis runs the
+        # scripts one at a time anyway) rather than failing when a pool runs out.
         # One quick retry on a fresh connection (a pooled one may be stale after a
         # Redis restart), then fail: a request must not hang on a dead store.
-        self._redis = aioredis.Redis.from_url(
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=POOL_WAIT,
             socket_connect_timeout=SOCKET_TIMEOUT,
             socket_timeout=SOCKET_TIMEOUT,
             retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
             health_check_interval=10,
         )
+        self._redis = aioredis.Redis.from_pool(pool)
         self._acquire = self._redis.register_script(ACQUIRE)
         self._release = self._redis.register_script(RELEASE)
         self._renew = self._redis.register_script(RENEW)

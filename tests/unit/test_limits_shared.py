@@ -223,6 +223,19 @@ async def test_tpm_debt_is_shared_across_replicas(redis_server):
     await b.aclose()
 
 
+async def test_a_burst_waits_for_a_connection_instead_of_failing(redis_server):
+    lim = redis_limiter(redis_server)
+    k = key(rpm=10**6)
+    leases = await asyncio.gather(*(lim.acquire(k, 1) for _ in range(300)))  # far more than the pool's connections
+    assert len({lease.store_id for lease in leases}) == 300
+    assert leases[-1].headers["x-ratelimit-limit-requests"] == str(10**6)
+    for lease in leases:
+        lim.release(lease, 1)
+    await lim.settle()
+    assert await lim.in_flight(k.id) == 0
+    await lim.aclose()
+
+
 async def test_a_dead_replicas_slots_expire_and_a_live_ones_are_renewed(redis_server):
     dead = redis_limiter(redis_server, lease_ttl=1.0)
     live = redis_limiter(redis_server, lease_ttl=1.0, prefix=dead.prefix)
