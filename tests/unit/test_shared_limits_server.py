@@ -10,6 +10,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -34,6 +35,7 @@ def replicas(tmp_path_factory):
         "rpm": store.create("rpm", rpm=5)[1],
         "concurrent": store.create("concurrent", max_concurrent=2)[1],
         "plain": store.create("plain")[1],
+        "tpm": store.create("tpm", tpm=2000)[1],
     }
     args = ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--redis-url", redis.url]
     env = {"STOKER_DB": db, "STOKER_FAKE_STEP_S": "0.02"}
@@ -62,6 +64,29 @@ def test_rpm_holds_across_replicas(replicas) -> None:
     statuses = [chat(servers[i % 2], secrets["rpm"]).status_code for i in range(12)]
     # rpm=5 refills one request every 12 s; these 12 take well under that.
     assert statuses.count(200) == 5 and statuses.count(429) == 7, statuses
+
+
+async def test_tpm_holds_across_replicas(replicas) -> None:
+    servers, _, secrets = replicas
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=30) as http:
+        responses = await asyncio.gather(
+            *(
+                http.post(
+                    f"{servers[i % 2].url}/v1/chat/completions",
+                    json={"messages": CHAT, "max_tokens": 50},
+                    headers={"Authorization": f"Bearer {secrets['tpm']}"},
+                )
+                for i in range(40)
+            )
+        )
+    elapsed = time.monotonic() - started
+    assert {r.status_code for r in responses} <= {200, 429}
+    used = [r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200]
+    cost = used[0]  # every request here costs the same: its estimate, fully used
+    assert set(used) == {cost} and cost > 50
+    # Together the replicas admit what one bucket of 2000 (+ its refill meanwhile) holds, no more.
+    assert 2000 // cost <= len(used) <= (2000 + 2000 / 60 * elapsed) // cost, (len(used), cost, elapsed)
 
 
 async def test_concurrency_holds_across_replicas(replicas) -> None:
