@@ -80,7 +80,9 @@ end
 local function save(b, sig)
   redis.call('HSET', b.key, 'tokens', string.format('%.17g', b.tokens),
              'updated', string.format('%.17g', b.updated), 'sig', sig)
-  redis.call('PEXPIRE', b.key, math.ceil((b.cap - b.tokens) / b.rate * 1000) + 1000)
+  -- Capped at a year (a debt beyond is forgotten); %d: PEXPIRE refuses 1e+20.
+  local ms = math.min(math.ceil((b.cap - b.tokens) / b.rate * 1000) + 1000, 31536000000)
+  redis.call('PEXPIRE', b.key, string.format('%d', ms))
 end
 local function fmt(x) return string.format('%.17g', x) end
 """
@@ -114,7 +116,7 @@ if outcome == 'ok' then
   if req then req.tokens = req.tokens - 1; save(req, sig) end
   if tok then tok.tokens = tok.tokens - cost; save(tok, sig) end
   redis.call('ZADD', KEYS[3], fmt(now + ttl), ARGV[6])
-  redis.call('PEXPIRE', KEYS[3], math.ceil(ttl * 1000) + 1000)
+  redis.call('PEXPIRE', KEYS[3], string.format('%d', math.ceil(ttl * 1000) + 1000))
   in_flight = in_flight + 1
 end
 local out = {outcome, fmt(wait), tostring(in_flight)}
@@ -151,7 +153,7 @@ RENEW = """
 local now = ARGV[1]
 if now == '' then local t = redis.call('TIME'); now = tonumber(t[1]) + tonumber(t[2]) / 1000000 end
 local n = redis.call('ZADD', KEYS[1], 'XX', 'CH', string.format('%.17g', tonumber(now) + tonumber(ARGV[3])), ARGV[2])
-redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[3]) * 1000) + 1000)
+redis.call('PEXPIRE', KEYS[1], string.format('%d', math.ceil(tonumber(ARGV[3]) * 1000) + 1000))
 return n
 """
 

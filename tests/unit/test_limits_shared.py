@@ -122,6 +122,16 @@ async def test_tpm_debt_admits_an_oversized_request_then_delays_the_next(make):
     await lim.acquire(k, 10)
 
 
+async def test_a_debt_of_years_is_kept(make):
+    clock = Clock()
+    lim = make(clock)
+    k = key(tpm=1)
+    await lim.acquire(k, 2**40)  # a bucket that takes ~2 million years to refill
+    with pytest.raises(ControlError) as err:
+        await lim.acquire(k, 1)
+    assert int(err.value.headers["Retry-After"]) == 60 * 2**40
+
+
 async def test_actual_usage_above_estimate_is_charged(make):
     clock = Clock()
     lim = make(clock)
