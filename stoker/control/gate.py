@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from stoker.control.admission import AdmissionController, Ticket
 from stoker.control.keys import ApiKey
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end
-from stoker.control.limits import Lease, RateLimiter
+from stoker.control.limits import Lease, Limiter
 from stoker.engine.params import RequestTimes
 from stoker.errors import APIError
 from stoker.observe.logs import RequestLogger, RequestLogRecord
@@ -53,7 +53,7 @@ class Admission:
 class RequestGate:
     def __init__(
         self,
-        limiter: RateLimiter,
+        limiter: Limiter,
         admission: AdmissionController,
         ledger: UsageLedger | None = None,
         metrics: Metrics | None = None,
@@ -106,7 +106,7 @@ class RequestGate:
                         reason="model",
                     )
                 await self._check_budget(key, arrival)
-            lease = self.limiter.acquire(key, estimate)
+            lease = await self.limiter.acquire(key, estimate)
             try:
                 ticket = self.admission.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
             except APIError:

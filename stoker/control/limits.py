@@ -8,8 +8,11 @@ debt: a request bigger than what is left is admitted when the bucket is full
 (or holds at least its cost), and the debt delays the next ones. Without that
 a request larger than the per-minute limit could never run at all.
 
-State lives in the server process and is touched only from its event loop,
-so no locks; it is per process, which matches one API server per engine.
+Two limiters keep these semantics behind one protocol (`Limiter`), chosen at
+start: `RateLimiter` here keeps its state in the server process, touched only
+from its event loop, so no locks (one replica); `RedisRateLimiter`
+(control/store.py, --redis-url) keeps it in Redis behind atomic scripts, so
+replicas sharing one Redis enforce a key's limits together.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from stoker.control.keys import ApiKey
 from stoker.errors import APIError
@@ -94,9 +98,31 @@ class Lease:
     headers: dict[str, str] = field(default_factory=dict)
     """x-ratelimit-* headers to send with the response."""
     done: bool = False
+    store_id: str | None = None
+    """The lease's id in a shared store (its concurrency reservation there); None in process."""
+
+
+class Limiter(Protocol):
+    """What the request gate needs from a rate limiter."""
+
+    async def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+        """Take one request and estimated_tokens from the key's limits and a concurrency
+        slot, or raise APIError: 429 (the key's quota), 503 (the limits cannot be checked)."""
+        ...
+
+    def release(self, lease: Lease, actual_tokens: int | None) -> None:
+        """End a lease (idempotent): give back the concurrency slot and reconcile the
+        estimate with actual_tokens; None means the request never ran: refund it all."""
+        ...
+
+    async def aclose(self) -> None:
+        """Let pending releases land and stop background work (at shutdown)."""
+        ...
 
 
 class RateLimiter:
+    """The in-process Limiter (one replica)."""
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._state: dict[str, KeyState] = {}
@@ -129,7 +155,10 @@ class RateLimiter:
             out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.reset_time(now))
         return out
 
-    def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+    async def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+        return self.acquire_now(key, estimated_tokens)
+
+    def acquire_now(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
         """Take one request and estimated_tokens from the key's buckets, or
         raise APIError(429) saying how long to wait."""
         if key is None:
@@ -193,6 +222,9 @@ class RateLimiter:
                 state.tokens.give(lease.estimated_tokens, now)
         elif state.tokens is not None:
             state.tokens.give(lease.estimated_tokens - actual_tokens, now)
+
+    async def aclose(self) -> None:
+        return None
 
     def in_flight(self, key_id: str) -> int:
         state = self._state.get(key_id)

@@ -24,7 +24,7 @@ from stoker.control.db import default_db_url, open_db
 from stoker.control.gate import Admission, RequestGate
 from stoker.control.keys import ApiKey, KeyStore
 from stoker.control.ledger import UsageLedger
-from stoker.control.limits import RateLimiter
+from stoker.control.limits import Limiter, RateLimiter
 from stoker.control.policy import DEADLINE_HEADER, resolve_deadline, resolve_priority
 from stoker.control.settings import ControlSettings
 from stoker.engine.params import EngineStats
@@ -42,6 +42,23 @@ class AuthRequiredButNoKeys(StartupRefused):
     """--require-auth without an active key: `stoker serve` exits 2 with this message."""
 
 
+def open_limiter(settings: ControlSettings) -> Limiter:
+    """In process, or in the Redis of --redis-url (checked now: StartupRefused if unusable)."""
+    if settings.redis_url is None:
+        return RateLimiter()
+    from stoker.control.store import RedisRateLimiter, check_redis_url, redact
+
+    check_redis_url(settings.redis_url)
+    log.info(
+        "rate limits and concurrency in Redis at %s (shared with every replica using it; on failure: %s)",
+        redact(settings.redis_url),
+        settings.on_store_failure,
+    )
+    return RedisRateLimiter(
+        settings.redis_url, on_failure=settings.on_store_failure, lease_ttl=settings.redis_lease_ttl
+    )
+
+
 class ControlPlane:
     def __init__(
         self,
@@ -51,6 +68,7 @@ class ControlPlane:
         metrics: Metrics,
         tracer: RequestTracer,
         request_log: RequestLogger,
+        limiter: Limiter | None = None,
     ) -> None:
         self.settings = settings
         self.keys = keys
@@ -58,7 +76,7 @@ class ControlPlane:
         self.metrics = metrics
         self.tracer = tracer
         self.request_log = request_log
-        self.limiter = RateLimiter()
+        self.limiter: Limiter = limiter or RateLimiter()
         self.admission = AdmissionController(
             max_queued_requests=settings.max_queued_requests,
             max_queued_tokens=settings.max_queued_tokens,
@@ -79,6 +97,7 @@ class ControlPlane:
         """Open the database (migrating it), start the ledger writer, check the auth mode.
         Raises AuthRequiredButNoKeys when require_auth is set and no key exists."""
         settings = settings or ControlSettings()
+        limiter = open_limiter(settings)
         engine = open_db(settings.db)
         keys = KeyStore(engine, cache_ttl=settings.key_cache_ttl)
         ledger = UsageLedger(engine, flush_interval=settings.ledger_flush_interval)
@@ -89,6 +108,7 @@ class ControlPlane:
             Metrics(settings.model_name, settings.metrics_per_key),
             tracer or RequestTracer(settings.otlp_endpoint),
             request_log or RequestLogger(),
+            limiter,
         )
         active = keys.count_active()
         if settings.require_auth and active == 0:
@@ -173,6 +193,10 @@ class ControlPlane:
         """Refuse new requests (503) while in-flight ones finish."""
         self.admission.draining = True
         self.metrics.draining.set(1)
+
+    async def aclose(self) -> None:
+        """Let the limiter's last releases land (a shared store) and stop its background work."""
+        await self.limiter.aclose()
 
     def close(self) -> None:
         """Flush the usage ledger and traces. Call after in-flight requests have finished."""

@@ -230,6 +230,7 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
             feeder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await feeder
+            await plane.aclose()
             plane.close()  # after the drain: every usage row is written
 
     app.router.lifespan_context = lifespan

@@ -5,6 +5,8 @@ metrics and tracing stacks. stoker.server.config turns each field into a
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -16,6 +18,12 @@ class ControlSettings(BaseModel):
 
     db: str | None = None
     """Key and usage database: SQLite file path or SQLAlchemy URL (postgresql://...); default ~/.stoker/stoker.db."""
+    redis_url: str | None = None
+    """Redis (redis://, rediss://, unix://) holding per-key rate limits and concurrency, shared by every replica using it; default: in this process."""
+    on_store_failure: Literal["closed", "open"] = "closed"
+    """When the Redis of --redis-url is unreachable: closed refuses requests with 503 + Retry-After; open admits them without limits (logged)."""
+    redis_lease_ttl: float = Field(30.0, ge=1)
+    """Seconds a request's concurrency slot lives in Redis unless renewed (every third of it while the request runs): a dead replica's slots free themselves within it."""
     require_auth: bool = False
     """Refuse to start unless the database holds an active API key (otherwise the server runs open while none exists)."""
     metrics_require_auth: bool = False

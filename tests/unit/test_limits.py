@@ -40,10 +40,10 @@ def test_rpm_limit_429_with_retry_after_and_headers():
     clock = Clock()
     lim = RateLimiter(clock)
     k = key(rpm=2)
-    lim.acquire(k, 10)
-    lim.acquire(k, 10)
+    lim.acquire_now(k, 10)
+    lim.acquire_now(k, 10)
     with pytest.raises(ControlError) as err:
-        lim.acquire(k, 10)
+        lim.acquire_now(k, 10)
     e = err.value
     assert e.status == 429 and e.type == "rate_limit_exceeded" and e.reason == "requests"
     assert e.headers["Retry-After"] == "30"  # 1 request at 2/min
@@ -52,21 +52,21 @@ def test_rpm_limit_429_with_retry_after_and_headers():
     assert e.headers["x-ratelimit-reset-requests"] == "1m0s"
     assert e.body()["error"]["code"] == "rate_limit_exceeded"
     clock.t += 30
-    lim.acquire(k, 10)
+    lim.acquire_now(k, 10)
 
 
 def test_tpm_limit_and_reconcile_refunds_unused():
     clock = Clock()
     lim = RateLimiter(clock)
     k = key(tpm=1000)
-    lease = lim.acquire(k, 900)  # prompt 100 + max_tokens 800
+    lease = lim.acquire_now(k, 900)  # prompt 100 + max_tokens 800
     with pytest.raises(ControlError) as err:
-        lim.acquire(k, 200)
+        lim.acquire_now(k, 200)
     assert err.value.reason == "tokens"
     assert err.value.headers["x-ratelimit-remaining-tokens"] == "100"
     assert err.value.headers["Retry-After"] == "6"  # 100 missing at 1000/60 per s
     lim.release(lease, 150)  # it really used 150
-    lease2 = lim.acquire(k, 200)
+    lease2 = lim.acquire_now(k, 200)
     assert lease2.headers["x-ratelimit-remaining-tokens"] == str(1000 - 150 - 200)
 
 
@@ -74,7 +74,7 @@ def test_actual_usage_above_estimate_is_charged():
     clock = Clock()
     lim = RateLimiter(clock)
     k = key(tpm=1000)
-    lim.release(lim.acquire(k, 100), 600)
+    lim.release(lim.acquire_now(k, 100), 600)
     assert lim.headers(k)["x-ratelimit-remaining-tokens"] == "400"
 
 
@@ -82,9 +82,9 @@ def test_concurrency_limit_and_refund_when_never_run():
     clock = Clock()
     lim = RateLimiter(clock)
     k = key(max_concurrent=1, rpm=10)
-    lease = lim.acquire(k, 5)
+    lease = lim.acquire_now(k, 5)
     with pytest.raises(ControlError) as err:
-        lim.acquire(k, 5)
+        lim.acquire_now(k, 5)
     assert err.value.reason == "concurrency" and "Retry-After" in err.value.headers
     lim.release(lease, None)  # refused later (e.g. 503): the request is refunded too
     lim.release(lease, None)  # idempotent
@@ -94,15 +94,15 @@ def test_concurrency_limit_and_refund_when_never_run():
 
 def test_no_limits_no_headers_and_open_mode():
     lim = RateLimiter(Clock())
-    assert lim.acquire(key(), 10**6).headers == {}
-    assert lim.acquire(None, 10).key_id is None
+    assert lim.acquire_now(key(), 10**6).headers == {}
+    assert lim.acquire_now(None, 10).key_id is None
 
 
 def test_changed_limits_take_effect():
     clock = Clock()
     lim = RateLimiter(clock)
-    lim.acquire(key(rpm=1), 1)
-    lim.acquire(key(rpm=5), 1)  # new limits: fresh buckets
+    lim.acquire_now(key(rpm=1), 1)
+    lim.acquire_now(key(rpm=5), 1)  # new limits: fresh buckets
 
 
 @pytest.mark.parametrize("seconds,text", [(0.02, "20ms"), (1.5, "1.5s"), (360, "6m0s"), (3723, "1h2m3s"), (0, "0ms")])
