@@ -163,6 +163,12 @@ class Metrics:
         )
 
         # -- stoker ----------------------------------------------------------
+        self.kv_capacity = Gauge(
+            "stoker:kv_cache_capacity_tokens",
+            "Tokens the KV cache holds over all running requests (its blocks x block size).",
+            m,
+            registry=r,
+        )
         self.prompt_tokens_computed = Counter(
             "stoker:prompt_tokens_computed",
             "Prompt tokens computed by the model (prefix-cache hits excluded).",
@@ -241,6 +247,7 @@ class Metrics:
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(stats.num_waiting)
         self.kv_usage.labels(name).set(stats.kv_usage)
+        self.kv_capacity.labels(name).set(stats.kv_blocks_total * stats.block_size)
         last = self._last
         if any(getattr(stats, f) < getattr(last, f) for f in _CUMULATIVE):
             last = EngineStats()  # counters went back: the engine restarted without telling us

@@ -140,3 +140,9 @@ def test_registries_are_independent():
     a, b = Metrics("a"), Metrics("b")
     a.engine_restarted()
     assert value(b, "stoker:engine_restarts_total") == 0
+
+
+def test_kv_capacity_in_tokens_is_exported():
+    m = Metrics("smol")
+    m.update_from_engine_stats(EngineStats(kv_blocks_total=100, kv_blocks_used=25, block_size=16))
+    assert value(m, "stoker:kv_cache_capacity_tokens", model_name="smol") == 1600
