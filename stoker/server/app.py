@@ -209,9 +209,10 @@ def create_app(
     state = ServerState(config=config, engine=engine, extras=dict(extras or {}))
 
     def fatal(message: str) -> None:
-        logger.error("startup failed: %s", message)
-        if on_fatal is not None:
-            on_fatal(message)
+        if on_fatal is None:
+            logger.error("startup failed: %s", message)
+        else:
+            on_fatal(message)  # `stoker serve` prints it: one line, not a log line and a print of the same
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
