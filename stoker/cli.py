@@ -16,10 +16,23 @@ SUBCOMMAND_MODULES = [
 ]
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMAND_MODULES = {
+    "generate": "stoker.engine.cli",
+    "chat": "stoker.engine.cli",
+    "serve": "stoker.server.cli",
+    "bench": "stoker.bench.cli",
+    "keys": "stoker.control.cli",
+}
+"""Which module registers a command, so running one imports only its module: `stoker
+serve` must not pay for `stoker bench kernels`' torch import before it spawns its engine."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every subcommand, or only `command`'s module's when it is a known command."""
     parser = argparse.ArgumentParser(prog="stoker", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in SUBCOMMAND_MODULES:
+    modules = [COMMAND_MODULES[command]] if command in COMMAND_MODULES else SUBCOMMAND_MODULES
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as exc:
@@ -31,7 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

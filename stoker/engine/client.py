@@ -258,7 +258,8 @@ class AsyncEngineClient:
                     engine.ready.set_result(proto.info_decoder.decode(payload))
             elif kind == proto.FATAL:
                 self.last_error = payload.decode(errors="replace")
-                logger.error("engine failed:\n%s", self.last_error)
+                if engine.ready.done():  # before ready, the starter reports it (EngineStartupError)
+                    logger.error("engine failed:\n%s", self.last_error)
 
     def _dispatch(self, outputs: list[EngineCoreOutput]) -> None:
         # One queue item per request per step keeps the event loop's work

@@ -12,7 +12,6 @@ progress, stop conditions and token times are the scheduler's
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 
@@ -21,6 +20,7 @@ import torch
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer
 from stoker.engine.kv_cache import KVCacheManager
+from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
 from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -66,12 +66,6 @@ def resolve_dtype(name: str, device: torch.device, quantized_weights: bool = Fal
     )
 
 
-def _total_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None) -> None:
         # model_validate rather than EngineConfig(): mypy, without pydantic's plugin, wants every field.
@@ -100,17 +94,8 @@ class EngineCore:
 
         block_size = config.block_size
         per_block = kv_bytes_per_block(self.model_config, block_size, kv_dtype)
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = config.kv_cache_memory_bytes or int(
-                _total_memory_bytes(self.device) * config.kv_cache_memory_fraction
-            )
-            num_blocks = budget // per_block
-        # Never more than every running sequence at full context could use.
-        num_blocks = min(num_blocks, config.max_num_seqs * -(-self.max_model_len // block_size) + 1)
-        if num_blocks < 2:
-            raise ValueError(f"KV cache too small: {num_blocks} blocks of {per_block} bytes")
+        kv_size = size_kv_cache(config, per_block, self.max_model_len, total_memory_bytes(self.device))
+        num_blocks = kv_size.num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
         self.scheduler = Scheduler(
@@ -129,7 +114,7 @@ class EngineCore:
         self.num_constrained_requests = 0
         self.load_seconds = time.perf_counter() - started
         log.info(
-            "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB), loaded in %.1fs",
+            "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB, by %s), loaded in %.1fs",
             self.served_model_name,
             self.model_config.architecture,
             str(self.dtype).removeprefix("torch."),
@@ -138,6 +123,7 @@ class EngineCore:
             block_size,
             self.kv_capacity_tokens,
             self.kv.num_blocks * per_block / 2**20,
+            kv_size.rule,
             self.load_seconds,
         )
 

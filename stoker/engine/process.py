@@ -139,7 +139,15 @@ def run_engine(config: EngineConfig, core_spec: str, input_addr: str, output_add
     out.connect(output_addr)
     try:
         start = time.monotonic()
-        core = load_core_factory(core_spec)(config)
+        try:
+            core = load_core_factory(core_spec)(config)
+        except (ValueError, OSError) as exc:
+            # What the user gave (a missing, corrupt or truncated file, a tensor type or
+            # setting this machine cannot serve): the loader's message names it, so
+            # that one line is the report, not a traceback through the loader.
+            out.send_multipart([FATAL, " ".join(str(exc).split()).encode()])
+            out.close(linger=2000)
+            raise SystemExit(1) from None
         warm_up(core)
         info = EngineInfo(
             max_model_len=int(core.max_model_len),

@@ -332,7 +332,7 @@ def _gguf_weights(
         elif meta["permute_qk"] and ".self_attn.k_proj." in t["hf"]:
             heads = config.num_kv_heads
         if qtype in keep and data.ndim == 2:
-            q = GGMLTensor(from_numpy_readonly(data), qtype, _row_elements(t))
+            q = GGMLTensor(from_numpy_readonly(data), qtype, _row_elements(t), file_mapped=True)
             # The permutation moves whole rows, so it applies to blocks as to floats (one copy of q and k).
             weights[t["hf"]] = q if heads is None else q.take_rows(_unpermute(torch.arange(q.rows), heads))
             continue

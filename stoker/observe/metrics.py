@@ -187,6 +187,13 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=r,
         )
+
+        self.kv_capacity = Gauge(
+            "stoker:kv_cache_capacity_tokens",
+            "Tokens the KV cache holds over all running requests (its blocks x block size).",
+            m,
+            registry=r,
+        )
         self.prompt_tokens_computed = Counter(
             "stoker:prompt_tokens_computed",
             "Prompt tokens computed by the model (prefix-cache hits excluded).",
@@ -265,6 +272,7 @@ class Metrics:
         self.running.labels(name).set(stats.num_running)
         self.waiting.labels(name).set(stats.num_waiting)
         self.kv_usage.labels(name).set(stats.kv_usage)
+        self.kv_capacity.labels(name).set(stats.kv_blocks_total * stats.block_size)
         last = self._last
         if any(getattr(stats, f) < getattr(last, f) for f in _CUMULATIVE):
             last = EngineStats()  # counters went back: the engine restarted without telling us

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
+from stoker.engine.process import EngineInfo
 from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
@@ -120,9 +121,11 @@ async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callab
     """Start the engine and the embedding model; announce where we serve."""
     start = time.monotonic()
     try:
-        info = await state.engine.start()
-        if state.config.embedding_model:
-            state.embedder = await asyncio.to_thread(_load_embedder, state)
+        # The front end's own loading (torch and transformers imports, the embedding
+        # model) runs while the engine process loads, not after it.
+        front_end = asyncio.to_thread(_prepare_front_end, state)
+        info: EngineInfo
+        info, state.embedder = await asyncio.gather(state.engine.start(), front_end)
     except (EngineStartupError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))
@@ -137,6 +140,19 @@ async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callab
         f"ready in {time.monotonic() - start:.1f} s",
         flush=True,
     )
+
+
+def _prepare_front_end(state: ServerState) -> Any:
+    """What the front end needs besides the engine: the tokenizer's class (the
+    engine sends its tokenizer pickled; unpickling imports transformers, 1-2 s)
+    and the embedding model, if any (returned)."""
+    import torch
+    import transformers
+
+    # The engine process owns the cores; the front end's torch work (embeddings) stays small.
+    torch.set_num_threads(1)
+    _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
+    return _load_embedder(state) if state.config.embedding_model else None
 
 
 def _load_embedder(state: ServerState) -> Any:
@@ -193,9 +209,10 @@ def create_app(
     state = ServerState(config=config, engine=engine, extras=dict(extras or {}))
 
     def fatal(message: str) -> None:
-        logger.error("startup failed: %s", message)
-        if on_fatal is not None:
-            on_fatal(message)
+        if on_fatal is None:
+            logger.error("startup failed: %s", message)
+        else:
+            on_fatal(message)  # `stoker serve` prints it: one line, not a log line and a print of the same
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

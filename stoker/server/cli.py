@@ -117,15 +117,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict[str, Any] | None = None) -> int:
-    import torch
     import uvicorn
 
     from stoker.server.app import create_app, drain
     from stoker.server.http_protocol import HTTP1Protocol
 
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The engine process owns the cores; the front end's torch work (embeddings) stays small.
-    torch.set_num_threads(1)
 
     class Server(uvicorn.Server):
         """uvicorn, with SIGTERM/SIGINT starting a drain instead of an immediate stop."""

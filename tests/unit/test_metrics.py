@@ -167,3 +167,9 @@ def test_structured_output_counters_and_histograms_take_only_new_samples():
     assert value(m, "stoker:grammar_mask_seconds_count", model_name="smol") == 5
     assert abs(value(m, "stoker:grammar_mask_seconds_sum", model_name="smol") - 0.036) < 1e-9
     assert value(m, "stoker:grammar_compile_seconds_count", model_name="smol") == 1
+
+
+def test_kv_capacity_in_tokens_is_exported():
+    m = Metrics("smol")
+    m.update_from_engine_stats(EngineStats(kv_blocks_total=100, kv_blocks_used=25, block_size=16))
+    assert value(m, "stoker:kv_cache_capacity_tokens", model_name="smol") == 1600

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from stoker.models.layers import Linear
+from stoker.models.quant.mapping import release_mapped_pages
 
 log = logging.getLogger("stoker.models.quant")
 
@@ -72,6 +73,8 @@ class GGMLTensor:
     qtype: GGMLQuantizationType
     cols: int
     """Logical columns (elements per row)."""
+    file_mapped: bool = False
+    """data views the read-only mapping of a GGUF file (np.memmap), not memory of its own."""
 
     def __post_init__(self) -> None:
         block, type_size = GGML_QUANT_SIZES[self.qtype]
@@ -93,8 +96,11 @@ class GGMLTensor:
         return self.data.numel()
 
     def take_rows(self, index: torch.Tensor) -> GGMLTensor:
-        """Rows reordered or selected (a copy: q/k un-permutation)."""
-        return GGMLTensor(self.data[index].contiguous(), self.qtype, self.cols)
+        """Rows reordered or selected (a copy: q/k un-permutation); a mapped original's pages are given back."""
+        copy = GGMLTensor(self.data[index].contiguous(), self.qtype, self.cols)
+        if self.file_mapped:
+            release_mapped_pages(self.data)
+        return copy
 
     def dequantize(self, dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
         """All rows (or the given ones) as dense [r, cols]: the kernels' rows path, else gguf's numpy one."""
@@ -200,7 +206,16 @@ def _join_same_type(parts: Sequence[GGMLTensor]) -> list[GGMLTensor]:
             runs[-1].append(p)
         else:
             runs.append([p])
-    return [r[0] if len(r) == 1 else GGMLTensor(torch.cat([t.data for t in r]), r[0].qtype, r[0].cols) for r in runs]
+    joined = []
+    for run in runs:
+        if len(run) == 1:
+            joined.append(run[0])
+            continue
+        joined.append(GGMLTensor(torch.cat([t.data for t in run]), run[0].qtype, run[0].cols))
+        for t in run:
+            if t.file_mapped:  # the copy replaces them: resident memory stays the file's size
+                release_mapped_pages(t.data)
+    return joined
 
 
 @cache
