@@ -18,13 +18,16 @@ def _obj(props: dict[str, Any], required: list[str] | None = None, closed: bool 
     return schema
 
 
+# Every value bounded (strings, numbers, arrays, extra properties): a weak model
+# at temperature 1 can otherwise emit digits or characters until max_tokens,
+# which no grammar engine can turn into a complete reply.
 NAME = {"type": "string", "maxLength": 40}
 SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
     ("person", "Describe a person.", _obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 130}})),
     (
         "city",
         "Describe a city.",
-        _obj({"city": NAME, "country": NAME, "population": {"type": "integer", "minimum": 0}}),
+        _obj({"city": NAME, "country": NAME, "population": {"type": "integer", "minimum": 0, "maximum": 40_000_000}}),
     ),
     ("colors", "List some colors.", _obj({"colors": {"type": "array", "items": NAME, "minItems": 2, "maxItems": 4}})),
     ("sentiment", "Is 'I love it' positive?", _obj({"sentiment": {"enum": ["positive", "negative", "neutral"]}})),
@@ -38,7 +41,7 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
     (
         "optional",
         "Describe a book.",
-        _obj({"title": NAME, "author": NAME, "year": {"type": "integer"}}, required=["title"]),
+        _obj({"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 0, "maximum": 2100}}, required=["title"]),
     ),
     (
         "nested",
@@ -134,10 +137,19 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
     (
         "union",
         "Give an id.",
-        _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "string", "maxLength": 12}]}}),
+        _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999_999}, {"type": "string", "maxLength": 12}]}}),
     ),
     ("pattern", "Give a US zip code.", _obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}})),
-    ("open", "Describe a car.", _obj({"make": NAME, "model": NAME}, closed=False)),
+    (
+        "open",  # extra properties allowed, but bounded: an unbounded object may not end before max_tokens at T=1
+        "Describe a car.",
+        {
+            **_obj({"make": NAME, "model": NAME}, closed=False),
+            "maxProperties": 4,
+            "patternProperties": {"^[a-z_]{1,20}$": NAME},
+            "additionalProperties": False,
+        },
+    ),
     (
         "array_root",
         "List three numbers.",
