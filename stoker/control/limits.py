@@ -27,6 +27,37 @@ from stoker.control.keys import ApiKey
 from stoker.errors import APIError
 
 
+def concurrency_exceeded(key: ApiKey, headers: dict[str, str]) -> APIError:
+    """The 429 for a key at its concurrent-request cap (both limiters answer it alike)."""
+    return APIError(
+        429,
+        f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
+        "rate_limit_exceeded",
+        code="rate_limit_exceeded",
+        reason="concurrency",
+        headers=headers,
+        # The wait depends on running requests we cannot predict; 1s is the shortest honest hint.
+        retry_after=1,
+    )
+
+
+def rate_exceeded(
+    kind: str, limit: int | None, estimated_tokens: int, wait: float, headers: dict[str, str]
+) -> APIError:
+    """The 429 for an empty requests (kind "requests") or tokens bucket."""
+    return APIError(
+        429,
+        f"Rate limit reached for {kind} per minute (limit {limit}); "
+        f"this request needs {1 if kind == 'requests' else estimated_tokens}. "
+        f"Retry after {wait:.1f}s.",
+        "rate_limit_exceeded",
+        code="rate_limit_exceeded",
+        reason=kind,
+        headers=headers,
+        retry_after=wait,
+    )
+
+
 class TokenBucket:
     """capacity tokens, refilled continuously at capacity per `period` seconds."""
 
@@ -166,16 +197,7 @@ class RateLimiter:
         now = self._clock()
         state = self._get(key, now)
         if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
-            raise APIError(
-                429,
-                f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
-                "rate_limit_exceeded",
-                code="rate_limit_exceeded",
-                reason="concurrency",
-                # The wait depends on running requests we cannot predict; 1s is the shortest honest hint.
-                headers=self.headers(key, now),
-                retry_after=1,
-            )
+            raise concurrency_exceeded(key, self.headers(key, now))
         waits = []
         if state.requests is not None:
             waits.append(("requests", state.requests.wait_time(1, now), key.rpm))
@@ -184,18 +206,7 @@ class RateLimiter:
         blocking = [(kind, wait, limit) for kind, wait, limit in waits if wait > 0]
         if blocking:
             kind, wait, limit = max(blocking, key=lambda w: w[1])
-            unit = "requests" if kind == "requests" else "tokens"
-            raise APIError(
-                429,
-                f"Rate limit reached for {unit} per minute (limit {limit}); "
-                f"this request needs {1 if kind == 'requests' else estimated_tokens}. "
-                f"Retry after {wait:.1f}s.",
-                "rate_limit_exceeded",
-                code="rate_limit_exceeded",
-                reason=kind,
-                headers=self.headers(key, now),
-                retry_after=wait,
-            )
+            raise rate_exceeded(kind, limit, estimated_tokens, wait, self.headers(key, now))
         if state.requests is not None:
             state.requests.take(1, now)
         if state.tokens is not None:

@@ -43,7 +43,7 @@ from redis.retry import Retry
 
 from stoker.control.keys import ApiKey
 from stoker.control.limit_scripts import ACQUIRE, RELEASE, RENEW
-from stoker.control.limits import Lease, format_duration
+from stoker.control.limits import Lease, concurrency_exceeded, format_duration, rate_exceeded
 from stoker.errors import APIError, StartupRefused
 
 log = logging.getLogger("stoker.control.store")
@@ -160,29 +160,10 @@ class RedisRateLimiter:
         outcome, wait, _in_flight, *buckets = (v.decode() if isinstance(v, bytes) else str(v) for v in raw)
         headers = _headers(buckets)
         if outcome == "concurrency":
-            raise APIError(
-                429,
-                f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
-                "rate_limit_exceeded",
-                code="rate_limit_exceeded",
-                reason="concurrency",
-                headers=headers,
-                retry_after=1,
-            )
+            raise concurrency_exceeded(key, headers)
         if outcome != "ok":
             limit = key.rpm if outcome == "requests" else key.tpm
-            seconds = float(wait)
-            raise APIError(
-                429,
-                f"Rate limit reached for {outcome} per minute (limit {limit}); "
-                f"this request needs {1 if outcome == 'requests' else estimated_tokens}. "
-                f"Retry after {seconds:.1f}s.",
-                "rate_limit_exceeded",
-                code="rate_limit_exceeded",
-                reason=outcome,
-                headers=headers,
-                retry_after=seconds,
-            )
+            raise rate_exceeded(outcome, limit, estimated_tokens, float(wait), headers)
         self._held[lease_id] = _Held(keys[2], (rpm, tpm))
         self._ensure_renewer()
         return Lease(key.id, estimated_tokens, headers=headers, store_id=lease_id)
