@@ -41,7 +41,10 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
     (
         "optional",
         "Describe a book.",
-        _obj({"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 0, "maximum": 2100}}, required=["title"]),
+        _obj(
+            {"title": NAME, "author": NAME, "year": {"type": "integer", "minimum": 0, "maximum": 2100}},
+            required=["title"],
+        ),
     ),
     (
         "nested",
@@ -137,7 +140,16 @@ SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
     (
         "union",
         "Give an id.",
-        _obj({"id": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999_999}, {"type": "string", "maxLength": 12}]}}),
+        _obj(
+            {
+                "id": {
+                    "anyOf": [
+                        {"type": "integer", "minimum": 0, "maximum": 999_999},
+                        {"type": "string", "maxLength": 12},
+                    ]
+                }
+            }
+        ),
     ),
     ("pattern", "Give a US zip code.", _obj({"zip": {"type": "string", "pattern": "^[0-9]{5}$"}})),
     (
