@@ -201,7 +201,7 @@ class TorchSDPAAttention:
             self.decode(q[:nd], k_cache, v_cache, meta, scale, out[:nd])
         for chunk in meta.prefills:
             s, n = chunk.query_start, chunk.query_len
-            out[s : s + n] = self.prefill(q[s : s + n], k[s : s + n], v[s : s + n], k_cache, v_cache, chunk, scale)
+            self.prefill(q[s : s + n], k[s : s + n], v[s : s + n], k_cache, v_cache, chunk, scale, out[s : s + n])
         return out.reshape(num_tokens, heads * head_dim)
 
     def decode(
@@ -233,8 +233,9 @@ class TorchSDPAAttention:
         v_cache: torch.Tensor,
         chunk: PrefillChunk,
         scale: float,
-    ) -> torch.Tensor:
-        """One chunk's causal attention: [n, heads, head_dim]."""
+        out: torch.Tensor,
+    ) -> None:
+        """One chunk's causal attention, written into out [n, heads, head_dim] (contiguous)."""
         gqa = q.shape[1] != k_cache.shape[2]
         qs = q.transpose(0, 1).unsqueeze(0)
         if chunk.causal_mask is None:
@@ -244,7 +245,7 @@ class TorchSDPAAttention:
             ks = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             vs = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa)
-        return o.squeeze(0).transpose(0, 1)
+        out.copy_(o.squeeze(0).transpose(0, 1))
 
 
 class CPUPagedAttention(TorchSDPAAttention):
@@ -293,15 +294,15 @@ class CPUPagedAttention(TorchSDPAAttention):
         v_cache: torch.Tensor,
         chunk: PrefillChunk,
         scale: float,
-    ) -> torch.Tensor:
+        out: torch.Tensor,
+    ) -> None:
         if not self.direct_prefill:
-            return super().prefill(q, k, v, k_cache, v_cache, chunk, scale)
-        out = torch.empty_like(q)
+            return super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out)
+        # The kernel writes straight into the step's output rows: no temporary, no copy.
         if not paged_prefill_attention(
             q.contiguous(), k_cache, v_cache, chunk.block_ids, chunk.context_len, scale, out
         ):
             raise RuntimeError("the C prefill kernel could not serve a step it was chosen for")
-        return out
 
 
 def select_attention_backend(
