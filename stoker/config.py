@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 @dataclass
@@ -115,6 +115,30 @@ class EngineConfig(BaseModel):
     generator seeded by the stream's next draw, so the same requests in the same order
     give the same text on a server started with the same seed (two identical requests
     still differ). A request's `seed` alone decides its samples, whatever the batch."""
+
+    speculative_method: Literal["auto", "ngram", "none"] = "auto"
+    """Speculative decoding (docs/speculative.md). ngram: guess each sequence's next tokens from its own
+    prompt and output (prompt lookup) and verify the guesses in the ordinary step; auto: the same, adapted per
+    sequence to how often its guesses are accepted and switched off while more than speculative_max_batch
+    sequences decode; none: off. Output is the same either way (greedy: identical tokens)."""
+    num_speculative_tokens: int = Field(4, ge=0, le=16)
+    """Most draft tokens verified per sequence and step (0: off)."""
+    speculative_ngram_min: int = Field(2, ge=1, le=16)
+    """Shortest n-gram that may match for a prompt-lookup guess."""
+    speculative_ngram_max: int = Field(4, ge=1, le=16)
+    """Longest n-gram tried first for a prompt-lookup guess."""
+    speculative_max_batch: int = Field(4, ge=0)
+    """auto: no drafts while more than this many sequences decode in a step (there a step is bound by
+    arithmetic, and rejected guesses cost about what they weigh)."""
+
+    @model_validator(mode="after")
+    def _ngram_sizes(self) -> EngineConfig:
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed "
+                f"speculative_ngram_max ({self.speculative_ngram_max})"
+            )
+        return self
 
     def resolved_model_path(self) -> str:
         return self.model if self.model is not None else default_model_path()

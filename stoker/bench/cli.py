@@ -86,6 +86,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", default="128", help="max_tokens: N, A:B or normal:MEAN:STD")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos so every answer is max_tokens long")
     g.add_argument("--temperature", type=float, default=None, help="sent only when given")
+    g.add_argument(
+        "--workload",
+        choices=["random", "grounded"],
+        default="random",
+        help="random: random words; grounded: a passage then 'copy it' (answers repeat their prompt: "
+        "the workload where speculative decoding pays)",
+    )
     g.add_argument("--dataset", default=None, help='JSONL of {"prompt": ...} or {"messages": [...]}')
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of common prefix (prefix-cache workload)")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, used round robin")
@@ -204,6 +211,10 @@ def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Ca
         return lambda k: [
             rows[(k * args.num_requests + i) % len(rows)] for i in range(min(len(rows), args.num_requests))
         ]
+    if getattr(args, "workload", "random") == "grounded":
+        return lambda k: workload.grounded(
+            tok, args.num_requests, LengthDist.parse(args.input_len), out_len, args.seed, variant=k
+        )
     overhead = tok.chat_overhead() if args.endpoint == "chat" and hasattr(tok, "chat_overhead") else 0
     return lambda k: workload.synthetic(
         tok,

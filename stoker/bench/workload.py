@@ -1,5 +1,5 @@
 """Benchmark workloads: synthetic prompts of exact token lengths, shared-prefix
-prompts, and JSONL datasets.
+prompts, grounded (copy/quote) prompts, and JSONL datasets.
 
 Synthetic text is random words from a built-in list (no downloads), measured
 with the served model's tokenizer so `--input-len 100:1000` means tokens, not
@@ -207,6 +207,42 @@ def synthetic(
         specs.append(
             RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i], prefix_group=group)
         )
+    return specs
+
+
+_SUBJECTS = ["the captain", "a teacher", "the old doctor", "our neighbour", "the station master", "a young engineer"]
+_VERBS = ["repaired", "measured", "carried", "explained", "remembered", "followed", "gathered", "divided"]
+_OBJECTS = ["the copper lantern", "a wooden bridge", "the library records", "the railway signal", "a silver engine"]
+_PLACES = ["near the harbour", "in the quiet valley", "beyond the north border", "before the winter", "at the market"]
+_GROUNDED_ASKS = [
+    "Copy the passage above word for word.",
+    "Repeat the passage above exactly, without changing anything.",
+    "Quote the passage above in full.",
+]
+
+
+def _sentence(rng: random.Random) -> str:
+    return f"{rng.choice(_SUBJECTS).capitalize()} {rng.choice(_VERBS)} {rng.choice(_OBJECTS)} {rng.choice(_PLACES)}."
+
+
+def grounded(
+    tok: Tokenizer, num: int, input_len: LengthDist, output_len: LengthDist | None, seed: int = 0, variant: int = 0
+) -> list[RequestSpec]:
+    """Copy/quote requests: a passage of plain sentences of about input_len
+    tokens, then an instruction to repeat it, so the answer restates its
+    context (the RAG, extraction and code-editing shape where prompt-lookup
+    speculative decoding pays). Each `variant` draws new passages."""
+    rng = random.Random(f"grounded/{seed}/{variant}")
+    in_lens = input_len.sample(rng, num)
+    out_lens = output_len.sample(rng, num) if output_len else [None] * num
+    specs = []
+    for i in range(num):
+        ask = rng.choice(_GROUNDED_ASKS)
+        sentences: list[str] = []
+        while len(tok.encode(" ".join(sentences) + "\n\n" + ask)) < in_lens[i]:
+            sentences.append(_sentence(rng))
+        text = " ".join(sentences) + "\n\n" + ask
+        specs.append(RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i]))
     return specs
 
 

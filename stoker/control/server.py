@@ -172,8 +172,22 @@ def _finished(record: Any) -> None:
         log_extra={
             "endpoint": record.endpoint,
             "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None,
+            **_speculation(record),
         },
     )
+
+
+def _speculation(record: Any) -> dict[str, Any]:
+    """Draft tokens and acceptance for the request log line, where it speculated."""
+    drafted = getattr(record, "draft_tokens", 0)
+    if not drafted:
+        return {}
+    accepted = record.accepted_draft_tokens
+    return {
+        "spec_draft_tokens": drafted,
+        "spec_accepted_tokens": accepted,
+        "spec_acceptance": round(accepted / drafted, 3),
+    }
 
 
 async def _metrics(request: Request) -> Response:

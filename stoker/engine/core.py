@@ -29,6 +29,7 @@ from stoker.engine.params import (
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.scheduler import Scheduler
+from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.loader import load_model, weights_stay_quantized
@@ -98,6 +99,13 @@ class EngineCore:
         num_blocks = kv_size.num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
+        self.speculator = Speculator.build(
+            config.speculative_method,
+            config.num_speculative_tokens,
+            config.speculative_ngram_min,
+            config.speculative_ngram_max,
+            config.speculative_max_batch,
+        )
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -105,6 +113,7 @@ class EngineCore:
             config.scheduling_policy,
             self.eos_token_ids,
             self.max_model_len,
+            self.speculator,
         )
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
@@ -255,6 +264,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         waiting = self.scheduler.waiting
+        spec = self.speculator
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting),
@@ -274,6 +284,10 @@ class EngineCore:
             grammar_mask_seconds=list(self.scheduler.mask_seconds),
             grammar_compiles=self._grammars.num_compiled if self._grammars else 0,
             grammar_compile_seconds=list(self._grammars.compile_seconds) if self._grammars else [],
+            spec_drafts=spec.num_drafts if spec else 0,
+            spec_draft_tokens=spec.num_draft_tokens if spec else 0,
+            spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
+            spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
         )
 
     def reset_prefix_cache(self) -> int:

@@ -29,7 +29,8 @@ class ScheduledRequest:
 
     key: RequestKey
     token_ids: list[int]
-    """The tokens to compute this step (a prefill chunk, or the one decode token)."""
+    """The tokens to compute this step: a prefill chunk, or the one decode token
+    followed by num_draft_tokens speculative guesses to verify."""
     num_computed_tokens: int
     """Tokens whose KV is already in the cache, prefix-cache hits included:
     the position of token_ids[0]."""
@@ -44,6 +45,10 @@ class ScheduledRequest:
     prompt_logprob_targets: list[int] = field(default_factory=list)
     """The prompt tokens this chunk predicts: position num_computed_tokens + i
     predicts prompt_logprob_targets[i] (prompt token num_computed_tokens + 1 + i)."""
+    num_draft_tokens: int = 0
+    """Speculative tokens at the end of token_ids (stoker/engine/spec/): each
+    position is sampled, and the runner keeps the drafts up to the first that
+    the target model's own sample disagrees with, plus that sample."""
 
     @property
     def request_id(self) -> str:
@@ -57,11 +62,21 @@ class ScheduledRequest:
     def samples(self) -> bool:
         return self.sampling is not None
 
+    @property
+    def is_decode(self) -> bool:
+        """One token to compute after the cache (plus drafts): attention runs it,
+        and each draft, as a decode row of its own position."""
+        return self.num_new_tokens - self.num_draft_tokens == 1
+
+    @property
+    def draft_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_draft_tokens :]
+
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
-    """Decodes (one new token) first, then prefill chunks."""
+    """Decodes (one new token, perhaps with drafts) first, then prefill chunks."""
     preempted: list[RequestKey] = field(default_factory=list)
     """Sequences preempted while scheduling this step (freed; they recompute later)."""
 
@@ -77,8 +92,8 @@ class ModelRunnerOutput:
     sampled_keys: list[RequestKey] = field(default_factory=list)
     """The sequences that sampled, in the SchedulerOutput's order."""
     sampled_token_ids: list[list[int]] = field(default_factory=list)
-    """Per sampled sequence, its new tokens: one today; several once speculative
-    decoding accepts more than one per step."""
+    """Per sampled sequence, its new tokens: the accepted drafts (if any) and
+    then the target model's own sample, so always at least one."""
     logprobs: list[list[TokenLogprob] | None] = field(default_factory=list)
     """Per sampled sequence, one entry per sampled token (None: not asked for)."""
     prompt_logprobs: dict[RequestKey, list[TokenLogprob]] = field(default_factory=dict)

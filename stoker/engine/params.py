@@ -192,6 +192,10 @@ class EngineCoreOutput:
     """Attached when the sample finishes."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With SamplingParams.prompt_logprobs, once, on the first delta that has a token."""
+    num_draft_tokens: int = 0
+    """On the finishing delta: speculative tokens verified for this sample."""
+    num_accepted_draft_tokens: int = 0
+    """On the finishing delta: how many of them were accepted."""
 
     @property
     def finished(self) -> bool:
@@ -207,6 +211,9 @@ class CompletionOutput:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     times: RequestTimes | None = None
+    num_draft_tokens: int = 0
+    """Speculative tokens verified for this sample (set when it finishes)."""
+    num_accepted_draft_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -241,6 +248,8 @@ class RequestOutput:
             out.finish_reason = delta.finish_reason
             out.stop_reason = delta.stop_reason
             out.times = delta.times
+            out.num_draft_tokens = delta.num_draft_tokens
+            out.num_accepted_draft_tokens = delta.num_accepted_draft_tokens
         self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if delta.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = delta.prompt_logprobs
@@ -280,6 +289,14 @@ class EngineStats:
     """Grammars compiled in the engine, cache misses only (cumulative)."""
     grammar_compile_seconds: list[float] = field(default_factory=list)
     """Duration of each of the latest compiles, oldest first."""
+    spec_drafts: int = 0
+    """Speculative proposals verified (cumulative; vllm:spec_decode_num_drafts)."""
+    spec_draft_tokens: int = 0
+    """Draft tokens verified (cumulative)."""
+    spec_accepted_tokens: int = 0
+    """Draft tokens accepted (cumulative)."""
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+    """Accepted drafts by position in their proposal (cumulative)."""
 
     @property
     def kv_usage(self) -> float:

@@ -77,6 +77,9 @@ class Request:
         (the first has no context, so None). Sample 0 alone scores and sends
         them, with its first delta; samples 1..n-1 share its cached prompt."""
         self.prompt_logprobs_sent = False
+        self.num_draft_tokens = 0
+        """Speculative tokens verified for this sequence (stoker/engine/spec/)."""
+        self.num_accepted_draft_tokens = 0
         self.grammar: SequenceGrammar | None = None
         """With params.grammar: this sequence's matcher, advanced by every appended
         token (by the scheduler); kept across preemption, which keeps the tokens."""
@@ -169,6 +172,8 @@ class Request:
             error=self.error,
             times=self.times if self.is_finished else None,
             prompt_logprobs=prompt_logprobs,
+            num_draft_tokens=self.num_draft_tokens if self.is_finished else 0,
+            num_accepted_draft_tokens=self.num_accepted_draft_tokens if self.is_finished else 0,
         )
         self.pending_token_ids, self.pending_logprobs, self.pending_text = [], [], ""
         return out

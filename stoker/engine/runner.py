@@ -8,7 +8,7 @@ KV cache manager, and changes no request state."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from stoker.config import ModelConfig
 from stoker.engine.kv_cache import NULL_BLOCK_ID
 from stoker.engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import TokenLogprob
-from stoker.engine.sampler import Sampler
+from stoker.engine.sampler import SampledToken, Sampler, SampleRow, is_greedy
 from stoker.models.attention import AttentionInputs, AttentionMetadata, PrefillChunk, select_attention_backend
 from stoker.models.registry import DecoderModel
 
@@ -101,14 +101,17 @@ class ModelRunner:
             input_ids.extend(s.token_ids)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            n_blocks = -(-end // bs)
-            if s.num_new_tokens == 1:
-                decode_tables.append(table[:n_blocks])
-                decode_lens.append(end)
+            if s.is_decode:
+                # A draft is a decode row of its own position (its context ends at
+                # itself), so it computes exactly what decoding it would: the
+                # same kernel and arithmetic, which keeps speculation exact.
+                for p in range(start, end):
+                    decode_tables.append(table[: p // bs + 1])
+                    decode_lens.append(p + 1)
             else:
-                prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[:n_blocks])))
+                prefills.append(PrefillChunk(query_start, s.num_new_tokens, end, self._tensor(table[: -(-end // bs)])))
             if s.samples:
-                logits_indices.append(len(input_ids) - 1)
+                logits_indices.extend(range(len(input_ids) - 1 - s.num_draft_tokens, len(input_ids)))
             prompt_indices.extend(range(query_start, query_start + len(s.prompt_logprob_targets)))
 
         meta = self.attention.build_metadata(
@@ -135,13 +138,23 @@ class ModelRunner:
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         logits = self.execute(step)
         sampling = [s for s in step.scheduled if s.sampling is not None]
-        rows = [s.sampling for s in sampling if s.sampling is not None]
+        rows: list[SampleRow] = []
+        for s in sampling:
+            rows.extend(verification_rows(s) if s.num_draft_tokens else [s.sampling] if s.sampling else [])
+        generators = _generator_states(sampling)
         sampled = self.sampler(logits[: len(rows)], rows) if rows else []
-        out = ModelRunnerOutput(
-            sampled_keys=[s.key for s in sampling],
-            sampled_token_ids=[[t.token_id] for t in sampled],
-            logprobs=[[t.logprob] if t.logprob is not None else None for t in sampled],
-        )
+        out = ModelRunnerOutput(sampled_keys=[s.key for s in sampling])
+        row = 0
+        for s in sampling:
+            tokens = sampled[row : row + 1 + s.num_draft_tokens]
+            row += len(tokens)
+            if s.num_draft_tokens:
+                tokens = accept(tokens, s.draft_token_ids)
+                if s.key in generators:
+                    _rewind(generators[s.key], len(tokens))
+            out.sampled_token_ids.append([t.token_id for t in tokens])
+            logprobs = [t.logprob for t in tokens if t.logprob is not None]
+            out.logprobs.append(logprobs if logprobs else None)
         row = len(rows)
         for s in step.scheduled:
             count = len(s.prompt_logprob_targets)
@@ -149,6 +162,51 @@ class ModelRunner:
                 out.prompt_logprobs[s.key] = score_prompt(logits[row : row + count], s, s.num_prompt_logprobs)
                 row += count
         return out
+
+
+def verification_rows(s: ScheduledRequest) -> list[SampleRow]:
+    """One sampling row per position of a decode with drafts: row j samples the
+    token after draft j - 1, as if drafts 0 .. j - 1 had been generated (so
+    penalties and min_tokens see them)."""
+    first = s.sampling
+    if first is None:
+        raise ValueError("drafts on a sequence that does not sample")
+    drafts = s.draft_token_ids
+    return [first] + [
+        replace(first, output_token_ids=first.output_token_ids + drafts[:j]) for j in range(1, len(drafts) + 1)
+    ]
+
+
+def accept(sampled: list[SampledToken], drafts: list[int]) -> list[SampledToken]:
+    """The drafts the target model's own samples agree with, then its sample at
+    the first disagreement (or after the last draft). For a guess that is one
+    token (n-gram, greedy drafts) this is exact rejection sampling: a draft d
+    is kept with probability p(d), and on rejection the sample is p's draw
+    conditioned on not being d, i.e. the residual distribution."""
+    kept = 0
+    while kept < len(drafts) and sampled[kept].token_id == drafts[kept]:
+        kept += 1
+    return sampled[: kept + 1]
+
+
+def _generator_states(sampling: list[ScheduledRequest]) -> dict[tuple[str, int], tuple[torch.Generator, torch.Tensor]]:
+    """Generator states of sampled sequences with drafts, before the sampler draws
+    one uniform per position from each."""
+    states = {}
+    for s in sampling:
+        row = s.sampling
+        if s.num_draft_tokens and row is not None and row.generator is not None and not is_greedy(row.params):
+            states[s.key] = (row.generator, row.generator.get_state())
+    return states
+
+
+def _rewind(saved: tuple[torch.Generator, torch.Tensor], num_tokens: int) -> None:
+    """Leave the generator as if it had drawn for the kept tokens only, so a
+    seeded request samples the same tokens with speculation as without."""
+    generator, state = saved
+    generator.set_state(state)
+    for _ in range(num_tokens):
+        torch.rand(1, generator=generator, device=generator.device)
 
 
 def score_prompt(logits: torch.Tensor, s: ScheduledRequest, top_k: int) -> list[TokenLogprob]:

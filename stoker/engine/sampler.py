@@ -85,7 +85,7 @@ def _suppressed_ids(row: SampleRow) -> list[int]:
     return ids
 
 
-def _is_greedy(p: SamplingParams) -> bool:
+def is_greedy(p: SamplingParams) -> bool:
     return p.temperature < _MIN_TEMPERATURE
 
 
@@ -109,7 +109,7 @@ class Sampler:
         biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
         constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        greedy = [i for i, r in enumerate(rows) if _is_greedy(r.params)]
+        greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
         if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress) or constrained):
             return [SampledToken(t, None) for t in _argmax(x).tolist()]
 
@@ -129,7 +129,7 @@ class Sampler:
             picked = _argmax(x if len(greedy) == len(rows) else x[_index(greedy, x)])
             for i, t in zip(greedy, picked.tolist()):
                 token_ids[i] = t
-        random_rows = [i for i in range(len(rows)) if not _is_greedy(rows[i].params)]
+        random_rows = [i for i in range(len(rows)) if not is_greedy(rows[i].params)]
         if random_rows:
             sampled = _sample_random(x, [rows[i] for i in random_rows], random_rows)
             for i, t in zip(random_rows, sampled):

@@ -23,6 +23,7 @@ from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
 from stoker.engine.sampler import SampleRow
+from stoker.engine.spec.speculator import Speculator
 
 RECENT_STEPS = 256
 """Per-step timings kept for the metrics poller, which reads them every second or so."""
@@ -37,6 +38,7 @@ class Scheduler:
         policy: str = "priority",
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 2**31,
+        speculator: Speculator | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -45,6 +47,7 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self._eos_list = sorted(eos_token_ids)
         self.max_model_len = max_model_len
+        self.speculator = speculator
         self.waiting = make_queue(policy)
         self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
@@ -75,6 +78,8 @@ class Scheduler:
             self.waiting.remove(request)
         self.requests.pop(request.key, None)
         self.kv.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request.key)
 
     def abort(self, request: Request, error: str | None = None) -> EngineCoreOutput:
         """Finish a sequence from outside the step (cancel, deadline, drain)."""
@@ -103,7 +108,9 @@ class Scheduler:
         self.num_preemptions += 1
         out.preempted.append(victim.key)
 
-    def _scheduled(self, request: Request, num_computed: int, num_new: int) -> ScheduledRequest:
+    def _scheduled(
+        self, request: Request, num_computed: int, num_new: int, drafts: list[int] | None = None
+    ) -> ScheduledRequest:
         """Snapshot what the runner needs; called once the request's blocks are allocated."""
         end = num_computed + num_new
         sampling = None
@@ -127,13 +134,29 @@ class Scheduler:
             targets = request.prompt_token_ids[num_computed + 1 : min(end + 1, request.num_prompt_tokens)]
         return ScheduledRequest(
             key=request.key,
-            token_ids=request.token_ids[num_computed:end],
+            token_ids=request.token_ids[num_computed:end] + (drafts or []),
             num_computed_tokens=num_computed,
             block_ids=self.kv.block_ids(request),
             sampling=sampling,
             num_prompt_logprobs=request.params.prompt_logprobs if targets else None,
             prompt_logprob_targets=targets,
+            num_draft_tokens=len(drafts or ()),
         )
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """Speculative tokens for a decoding sequence: never past its max_tokens
+        (the last position of a step always yields one token of the model's own),
+        the context, or the step's token budget; none for grammar-constrained ones."""
+        if self.speculator is None or request.grammar is not None:
+            return []
+        limit = min(
+            budget - 1,
+            request.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        if limit <= 0:
+            return []
+        return self.speculator.drafts(request.key, request.token_ids, limit)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -142,12 +165,22 @@ class Scheduler:
         # Decodes before prefill chunks, so a long prompt never stalls token streams.
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.service_key(r)))
 
+        speculate = self.speculator is not None and self.speculator.step_allows(
+            sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+        )
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             if num_new <= 0:
                 continue
+            if speculate and request.num_tokens - request.num_computed_tokens == 1:
+                drafts = self._drafts(request, budget[0])
+                # Drafts only take free blocks: never preempt anyone for a guess.
+                if drafts and self.kv.allocate(request, 1 + len(drafts)):
+                    out.scheduled.append(self._scheduled(request, request.num_computed_tokens, 1, drafts))
+                    budget[0] -= 1 + len(drafts)
+                    continue
             while not self.kv.allocate(request, num_new):
                 victim = max(self.running, key=self.victim_key)
                 self._preempt(victim, out, budget)
@@ -160,7 +193,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_waiting(out, budget)
         # Decodes first so the runner can batch them in one attention call.
-        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        out.scheduled.sort(key=lambda s: not s.is_decode)
         if self._step_mask_seconds:
             self.mask_seconds.append(self._step_mask_seconds)
             self.num_mask_steps += 1
@@ -248,10 +281,16 @@ class Scheduler:
         tokens advance (prefix-cache hits included), full blocks are hashed
         for the prefix cache, prompt logprobs and sampled tokens are appended,
         stop conditions finish sequences. Returns one delta per sampled sequence."""
+        drafted: dict[RequestKey, int] = {}
         for s in step.scheduled:
             r = self.requests[s.key]
             r.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
-            self.kv.cache_full_blocks(r, r.num_computed_tokens)
+            if s.num_draft_tokens:
+                # Hashed once the accepted drafts are appended (below): the blocks
+                # must be keyed by the tokens that stay, not by rejected guesses.
+                drafted[s.key] = s.num_draft_tokens
+            else:
+                self.kv.cache_full_blocks(r, r.num_computed_tokens)
             scored = result.prompt_logprobs.get(s.key)
             if scored:
                 # scored[0] is prompt token num_computed_tokens + 1; after a
@@ -263,6 +302,16 @@ class Scheduler:
         outputs = []
         for key, token_ids, logprobs in zip(result.sampled_keys, result.sampled_token_ids, result.logprobs):
             r = self.requests[key]
+            num_drafts = drafted.get(key, 0)
+            if num_drafts:
+                accepted = len(token_ids) - 1
+                # KV of rejected drafts sits past num_computed_tokens, in slots the
+                # next tokens overwrite; the blocks stay with the sequence.
+                r.num_computed_tokens -= num_drafts - accepted
+                r.num_draft_tokens += num_drafts
+                r.num_accepted_draft_tokens += accepted
+                if self.speculator is not None:
+                    self.speculator.record(key, num_drafts, accepted)
             if r.num_output_tokens == 0:
                 self.num_prompt_tokens += r.num_prompt_tokens
             if r.max_tokens == 0:  # the prompt only (scored for prompt_logprobs): nothing to keep
@@ -281,6 +330,10 @@ class Scheduler:
                 r.check_stop(self.eos_token_ids, self.max_model_len)
                 if r.is_finished:
                     break
+            if num_drafts:
+                # A stop inside the accepted run leaves later drafts' KV unkept.
+                r.num_computed_tokens = min(r.num_computed_tokens, r.num_tokens)
+                self.kv.cache_full_blocks(r, r.num_computed_tokens)
             if r.is_finished:
                 self.remove(r)
             outputs.append(r.take_delta())

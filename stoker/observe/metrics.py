@@ -86,6 +86,9 @@ _CUMULATIVE = (
     "constrained_requests",
     "grammar_mask_steps",
     "grammar_compiles",
+    "spec_drafts",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
 )
 
 
@@ -119,6 +122,21 @@ class Metrics:
         )
         self.prefix_hits = Counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", m, registry=r
+        )
+        self.spec_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts (proposals verified).", m, registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens verified.", m, registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted draft tokens.", m, registry=r
+        )
+        self.spec_accepted_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens by their position in the proposal.",
+            m + ["position"],
+            registry=r,
         )
         self.ttft = Histogram(
             "vllm:time_to_first_token_seconds",
@@ -294,6 +312,14 @@ class Metrics:
                 mean = rest / (steps - 1)
                 for _ in range(min(steps - 1, 1000)):
                     self.iteration_tokens.labels(name).observe(mean)
+        self.spec_drafts.labels(name).inc(delta["spec_drafts"])
+        self.spec_draft_tokens.labels(name).inc(delta["spec_draft_tokens"])
+        self.spec_accepted_tokens.labels(name).inc(delta["spec_accepted_tokens"])
+        before = last.spec_accepted_per_position
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            grown = count - (before[position] if position < len(before) else 0)
+            if grown > 0:
+                self.spec_accepted_per_pos.labels(name, str(position)).inc(grown)
         self.constrained_requests.labels(name).inc(delta["constrained_requests"])
         _observe_latest(self.grammar_mask_time.labels(name), stats.grammar_mask_seconds, delta["grammar_mask_steps"])
         _observe_latest(

@@ -67,6 +67,9 @@ class FinishedRecord:
     """time.time() when the server received the request."""
     http_request: Request | None = None
     """For request.state set by the before/admit hooks (key id, trace span, ...)."""
+    draft_tokens: int = 0
+    """Speculative draft tokens verified for the request's samples (0: none)."""
+    accepted_draft_tokens: int = 0
     engine_request_id: str | None = None
     """The engine's id for the request: request_id, suffixed if a client reused
     an id still in flight; "-<i>" is appended per prompt when there are several."""

@@ -109,6 +109,8 @@ class Job:
             started=self.started,
             http_request=request,
             engine_request_id=self.engine_request_id,
+            draft_tokens=sum(c.num_draft_tokens for c in samples),
+            accepted_draft_tokens=sum(c.num_accepted_draft_tokens for c in samples),
         )
 
 

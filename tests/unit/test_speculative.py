@@ -1,0 +1,337 @@
+"""Speculative decoding (stoker/engine/spec/): n-gram proposals verified in the
+ordinary step. On tiny random-weight models, which fall into loops that the
+n-gram proposer then predicts, so drafts are both accepted and rejected:
+outputs must equal decoding without speculation token for token (greedy and
+seeded sampling, logprobs, penalties, stops), batched, with preemption, on
+the dense torch path and the fused quantized decoder; block tables and the
+prefix cache stay consistent after rejections; cancelling frees everything."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest
+import torch
+from tiny_models import make_tiny_hf_model
+
+from stoker import LLM, SamplingParams
+from stoker.config import EngineConfig
+from stoker.engine.params import EngineCoreRequest
+from stoker.engine.runner import accept, verification_rows
+from stoker.engine.sampler import Sampler, SampleRow
+from stoker.engine.spec.ngram import NgramProposer
+from stoker.engine.spec.policy import SpeculationPolicy
+
+NUM_PROMPTS = 24
+
+
+def _prompts(vocab: int, count: int = NUM_PROMPTS) -> list[list[int]]:
+    """Prompts that repeat a phrase (what a copy/quote request looks like) and plain random ones."""
+    g = torch.Generator().manual_seed(11)
+    prompts = []
+    for i in range(count):
+        phrase = torch.randint(3, vocab, (3 + i % 5,), generator=g).tolist()
+        noise = torch.randint(3, vocab, (i % 7,), generator=g).tolist()
+        prompts.append(noise + phrase * (2 + i % 4) if i % 3 else noise + phrase)
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("spec"))
+
+
+def _llm(path: Path, method: str, **args: object) -> LLM:
+    settings: dict[str, object] = {"dtype": "float32", "num_kv_blocks": 128, "block_size": 8}
+    settings.update(args)
+    return LLM(str(path), speculative_method=method, num_speculative_tokens=4, **settings)
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _assert_speculated(llm: LLM) -> None:
+    stats = llm.engine.stats()
+    assert stats.spec_draft_tokens > 0, "no drafts were verified: the test exercised nothing"
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, (
+        f"want both accepted and rejected drafts, got {stats.spec_accepted_tokens}/{stats.spec_draft_tokens}"
+    )
+
+
+# ------------------------------------------------------------------ proposer
+
+
+def test_ngram_proposes_what_followed_the_latest_match() -> None:
+    proposer = NgramProposer(min_n=2, max_n=3)
+    tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
+    # [1, 2, 3] last occurred before position 8: 5, 6 followed it, then 1, 2.
+    assert proposer.propose(("a", 0), tokens, 4) == [5, 6, 1, 2]
+    assert proposer.propose(("a", 0), tokens, 1) == [5]
+    # Incremental: one more token, the index catches up without a rebuild.
+    tokens.append(5)
+    assert proposer.propose(("a", 0), tokens, 3) == [6, 1, 2]
+    assert proposer.propose(("b", 0), [7, 8, 9], 4) == []
+    assert proposer.propose(("a", 0), tokens, 0) == []
+
+
+def test_ngram_prefers_the_longest_match() -> None:
+    proposer = NgramProposer(min_n=1, max_n=3)
+    # 1-gram [3] last followed by 7; the 3-gram [1, 2, 3] by 4.
+    tokens = [1, 2, 3, 4, 0, 3, 7, 1, 2, 3]
+    assert proposer.propose(("a", 0), tokens, 1) == [4]
+    proposer.forget(("a", 0))
+    assert proposer._indexes == {}
+    with pytest.raises(ValueError, match="n-gram sizes"):
+        NgramProposer(min_n=3, max_n=2)
+
+
+def test_auto_policy_backs_off_a_sequence_whose_guesses_fail() -> None:
+    policy = SpeculationPolicy("auto", num_tokens=4, max_batch=4)
+    key = ("r", 0)
+    assert policy.step_allows(4) and not policy.step_allows(5)
+    assert SpeculationPolicy("ngram", 4, 4).step_allows(64)
+    assert policy.num_drafts(key) >= 1
+    for _ in range(10):
+        if policy.num_drafts(key) == 0:
+            break
+        policy.record(key, 4, 0)
+    paused = [policy.num_drafts(key) for _ in range(8)]
+    assert paused == [0] * 8 or paused.count(0) >= 7, paused
+    # A sequence whose guesses are always right asks for the most.
+    good = ("g", 0)
+    for _ in range(10):
+        policy.record(good, policy.num_drafts(good), policy.num_drafts(good))
+    assert policy.num_drafts(good) == 4
+
+
+# ------------------------------------------------------------- verification
+
+
+def test_accept_keeps_drafts_up_to_the_first_disagreement() -> None:
+    from stoker.engine.sampler import SampledToken
+
+    sampled = [SampledToken(t, None) for t in (5, 6, 9, 4)]
+    assert [t.token_id for t in accept(sampled, [5, 6, 7])] == [5, 6, 9]
+    assert [t.token_id for t in accept(sampled, [1, 6, 7])] == [5]
+    assert [t.token_id for t in accept(sampled, [5, 6, 9])] == [5, 6, 9, 4]
+
+
+def test_verification_is_exact_rejection_sampling() -> None:
+    """The target distribution p over 6 tokens; a fixed draft d. Sampling the
+    verification row and keeping d only when the sample is d must give tokens
+    distributed as p: P(d) = p(d) (accepted), and the rest in proportion."""
+    from stoker.engine.outputs import ScheduledRequest
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 1.5, -30.0, -30.0]])
+    p = torch.softmax(logits[0], dim=-1)
+    draft = 5
+    counts: Counter[int] = Counter()
+    trials = 6000
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=1.0, max_tokens=8)
+    for _ in range(trials):
+        row = SampleRow(params, [1], [], g, [])
+        s = ScheduledRequest(("r", 0), [1, draft], 0, [1], row, num_draft_tokens=1)
+        rows = verification_rows(s)
+        sampled = sampler(logits.expand(len(rows), -1).clone(), rows)
+        counts[accept(sampled, [draft])[0].token_id] += 1
+    observed = torch.tensor([counts[i] for i in range(8)], dtype=torch.float64)
+    expected = p.double() * trials
+    mask = expected > 5
+    chi2 = float((((observed - expected) ** 2) / expected)[mask].sum())
+    # 5 degrees of freedom: the 0.999 quantile is 20.5.
+    assert chi2 < 20.5, (chi2, observed.tolist(), expected.tolist())
+    assert observed[~mask].sum() == 0
+
+
+# ------------------------------------------------------------ engine: exact
+
+
+def test_greedy_identical_with_and_without_speculation_batched(tiny: Path) -> None:
+    base = _llm(tiny, "none")
+    prompts = _prompts(base.tokenizer.vocab_size)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = _generate(base, prompts, greedy)
+    spec = _llm(tiny, "ngram")
+    assert _generate(spec, prompts, greedy) == expected
+    _assert_speculated(spec)
+    # One at a time too (single stream: every step speculates).
+    assert [_generate(spec, [p], greedy)[0] for p in prompts[:6]] == expected[:6]
+
+
+def test_seeded_sampling_penalties_and_logprobs_identical(tiny: Path) -> None:
+    """Same seed, same tokens: each position draws the uniform it would draw
+    without speculation, and the generator is rewound past rejected drafts.
+    Low temperatures (still the random path, not greedy) because a random
+    model's sampled text repeats too little for n-gram guesses at 1.0."""
+    prompts = _prompts(make_vocab(tiny))[:12]
+    params = [
+        SamplingParams(
+            max_tokens=32,
+            temperature=0.05 if i % 2 else 0.1,
+            top_p=0.9 if i % 3 == 0 else 1.0,
+            top_k=20 if i % 4 == 1 else -1,
+            repetition_penalty=1.1 if i % 5 == 2 else 1.0,
+            frequency_penalty=0.3 if i % 5 == 3 else 0.0,
+            min_tokens=10,
+            seed=100 + i,
+            logprobs=2,
+            ignore_eos=i % 2 == 0,
+        )
+        for i in range(len(prompts))
+    ]
+    outs = {}
+    for method in ("none", "ngram"):
+        llm = _llm(tiny, method)
+        outs[method] = llm.generate(prompts, params)
+        if method == "ngram":
+            assert llm.engine.stats().spec_draft_tokens > 0
+    for a, b in zip(outs["none"], outs["ngram"]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        la, lb = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert la is not None and lb is not None and len(la) == len(lb)
+        for x, y in zip(la, lb):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-5)
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+
+
+def make_vocab(path: Path) -> int:
+    return LLM(str(path), dtype="float32", num_kv_blocks=8, speculative_method="none").tokenizer.vocab_size
+
+
+def test_stops_and_max_tokens_hold_inside_an_accepted_run(tiny: Path) -> None:
+    base, spec = _llm(tiny, "none"), _llm(tiny, "ngram")
+    prompts = _prompts(base.tokenizer.vocab_size)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    full = _generate(base, prompts, greedy)
+    # Stop on a token the loop repeats, and cut at odd lengths: both land inside accepted runs.
+    for i, tokens in enumerate(full[:10]):
+        stop_token = tokens[len(tokens) // 2]
+        params = SamplingParams(max_tokens=7 + i, temperature=0, stop_token_ids=[stop_token], ignore_eos=True)
+        a = base.generate([prompts[i]], params)[0].outputs[0]
+        b = spec.generate([prompts[i]], params)[0].outputs[0]
+        assert (a.token_ids, a.finish_reason) == (b.token_ids, b.finish_reason)
+        assert len(b.token_ids) <= 7 + i
+
+
+def test_quantized_fused_decoder_greedy_identical(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stoker.models.quant import kernels
+
+    if kernels._library("portable") is None:
+        pytest.skip("no C compiler")
+    from test_quant_model import T, write_quant_gguf
+
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_quant_gguf(tmp_path / "tiny-q8.gguf", "qwen2", {}, T.Q8_0)
+    base = _llm(path, "none", quantization="auto")
+    assert base.engine.runner.model.fused is not None
+    prompts = _prompts(base.engine.model_config.vocab_size, 16)
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    expected = _generate(base, prompts, greedy)
+    spec = _llm(path, "ngram", quantization="auto")
+    assert _generate(spec, prompts, greedy) == expected
+    _assert_speculated(spec)
+
+
+# ------------------------------------------------- engine: cache and lifecycle
+
+
+def _check_consistent(llm: LLM) -> None:
+    """Every running sequence: computed KV never past its tokens, hashed blocks
+    keyed by exactly its tokens, chained from the first block."""
+    kv = llm.engine.kv
+    for r in llm.engine.scheduler.running:
+        assert r.num_computed_tokens <= r.num_tokens
+        blocks = kv.req_blocks.get(r.key, [])
+        parent = None
+        for i in range(kv.num_hashed.get(r.key, 0)):
+            block = blocks[i]
+            assert (i + 1) * kv.block_size <= r.num_computed_tokens
+            assert block.token_ids == tuple(r.token_ids[i * kv.block_size : (i + 1) * kv.block_size])
+            assert block.parent_hash == parent
+            parent = block.block_hash
+
+
+def test_block_tables_and_prefix_cache_consistent_after_rejections(tiny: Path) -> None:
+    spec = _llm(tiny, "ngram", block_size=4)
+    prompts = _prompts(spec.tokenizer.vocab_size, 8)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    core = spec.engine
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"r{i}", p, greedy, 0.0))
+    outputs: dict[str, list[int]] = {}
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+        _check_consistent(spec)
+    _assert_speculated(spec)
+    assert core.kv.num_used_blocks == 0
+    # The prefix cache now holds these sequences' blocks: prompts + outputs as new
+    # prompts must hit it and still continue exactly as a cold engine does.
+    continued = [p + outputs[f"r{i}"] for i, p in enumerate(prompts)]
+    cold = _generate(_llm(tiny, "none", block_size=4, enable_prefix_caching=False), continued, greedy)
+    warm = spec.generate(continued, greedy)
+    assert [o.outputs[0].token_ids for o in warm] == cold
+    assert sum(o.num_cached_tokens for o in warm) > 0
+
+
+def test_preemption_during_speculation_loses_nothing(tiny: Path) -> None:
+    prompts = _prompts(make_vocab(tiny), 12)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = _generate(_llm(tiny, "none"), prompts, greedy)
+    small = _llm(tiny, "ngram", num_kv_blocks=24, block_size=8, max_num_batched_tokens=64)
+    assert _generate(small, prompts, greedy) == expected
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_speculated(small)
+
+
+def test_cancel_during_speculation_frees_everything(tiny: Path) -> None:
+    spec = _llm(tiny, "ngram")
+    core = spec.engine
+    prompts = _prompts(spec.tokenizer.vocab_size, 6)
+    for i, p in enumerate(prompts):
+        core.add_request(EngineCoreRequest(f"c{i}", p, SamplingParams(max_tokens=60, temperature=0), 0.0))
+    for _ in range(12):
+        core.step()
+    assert core.stats().spec_draft_tokens > 0
+    core.abort_requests([f"c{i}" for i in range(len(prompts))])
+    assert not core.has_unfinished_requests()
+    assert core.kv.num_used_blocks == 0
+    assert core.speculator is not None and core.speculator.proposer._indexes == {}  # type: ignore[attr-defined]
+
+
+def test_counters_and_per_sample_totals(tiny: Path) -> None:
+    spec = _llm(tiny, "ngram")
+    prompts = _prompts(spec.tokenizer.vocab_size, 8)
+    outs = spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    stats = spec.engine.stats()
+    drafted = sum(o.outputs[0].num_draft_tokens for o in outs)
+    accepted = sum(o.outputs[0].num_accepted_draft_tokens for o in outs)
+    assert drafted == stats.spec_draft_tokens and accepted == stats.spec_accepted_tokens
+    per_position = stats.spec_accepted_per_position
+    assert len(per_position) == 4 and sum(per_position) == accepted
+    assert per_position == sorted(per_position, reverse=True)  # a draft is kept only after its predecessors
+    assert stats.spec_drafts > 0
+
+
+def test_off_and_auto_config() -> None:
+    with pytest.raises(ValueError, match="speculative_ngram_min"):
+        EngineConfig(speculative_ngram_min=5, speculative_ngram_max=3)
+    with pytest.raises(ValueError):
+        EngineConfig(num_speculative_tokens=17)
+    with pytest.raises(ValueError):
+        EngineConfig.model_validate({"speculative_method": "medusa"})
+
+
+def test_none_and_zero_tokens_never_draft(tiny: Path) -> None:
+    prompts = _prompts(make_vocab(tiny), 4)
+    for llm in (_llm(tiny, "none"), LLM(str(tiny), dtype="float32", num_kv_blocks=64, num_speculative_tokens=0)):
+        llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+        assert llm.engine.speculator is None and llm.engine.stats().spec_draft_tokens == 0
