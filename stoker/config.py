@@ -116,11 +116,16 @@ class EngineConfig(BaseModel):
     give the same text on a server started with the same seed (two identical requests
     still differ). A request's `seed` alone decides its samples, whatever the batch."""
 
-    speculative_method: Literal["auto", "ngram", "none"] = "auto"
+    speculative_method: Literal["auto", "ngram", "draft", "none"] = "auto"
     """Speculative decoding (docs/speculative.md). ngram: guess each sequence's next tokens from its own
-    prompt and output (prompt lookup) and verify the guesses in the ordinary step; auto: the same, adapted per
-    sequence to how often its guesses are accepted and switched off while more than speculative_max_batch
-    sequences decode; none: off. Output is the same either way (greedy: identical tokens)."""
+    prompt and output (prompt lookup); draft: a smaller model of the same vocabulary (speculative_model)
+    guesses them; either way the guesses are verified in the ordinary step. auto: draft when
+    speculative_model is set, else ngram, adapted per sequence to how often its guesses are accepted and
+    switched off while more than speculative_max_batch sequences decode; none: off. Output is the same
+    either way (greedy: identical tokens)."""
+    speculative_model: str | None = None
+    """GGUF file or Hugging Face folder of the draft model (speculative_method draft or auto); its vocabulary
+    must be the served model's. Loaded with the served model's quantization setting."""
     num_speculative_tokens: int = Field(4, ge=0, le=16)
     """Most draft tokens verified per sequence and step (0: off)."""
     speculative_ngram_min: int = Field(2, ge=1, le=16)
@@ -132,7 +137,11 @@ class EngineConfig(BaseModel):
     arithmetic, and rejected guesses cost about what they weigh)."""
 
     @model_validator(mode="after")
-    def _ngram_sizes(self) -> EngineConfig:
+    def _speculation(self) -> EngineConfig:
+        if self.speculative_method == "draft" and not self.speculative_model:
+            raise ValueError(
+                "speculative_method draft needs a draft model: set speculative_model (--speculative-model)"
+            )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(
                 f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed "

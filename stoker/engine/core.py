@@ -29,6 +29,9 @@ from stoker.engine.params import (
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.scheduler import Scheduler
+from stoker.engine.spec import Proposer
+from stoker.engine.spec.draft import DraftProposer
+from stoker.engine.spec.ngram import NgramProposer
 from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
@@ -102,9 +105,8 @@ class EngineCore:
         self.speculator = Speculator.build(
             config.speculative_method,
             config.num_speculative_tokens,
-            config.speculative_ngram_min,
-            config.speculative_ngram_max,
             config.speculative_max_batch,
+            lambda: self._proposer(config),
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -135,6 +137,28 @@ class EngineCore:
             kv_size.rule,
             self.load_seconds,
         )
+
+    def _proposer(self, config: EngineConfig) -> Proposer:
+        """The draft model when one is given (method draft, or auto), else prompt lookup."""
+        if config.speculative_model and config.speculative_method in ("draft", "auto"):
+            proposer = DraftProposer.load(
+                config.speculative_model,
+                config.quantization,
+                self.device,
+                self.model_config.vocab_size,
+                self.kv_capacity_tokens,
+                self.kv.block_size,
+            )
+            log.info("speculative decoding: draft model %s", config.speculative_model)
+            return proposer
+        log.info(
+            "speculative decoding: %s (n-grams %d..%d, up to %d tokens)",
+            config.speculative_method,
+            config.speculative_ngram_min,
+            config.speculative_ngram_max,
+            config.num_speculative_tokens,
+        )
+        return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -143,20 +143,22 @@ class Scheduler:
             num_draft_tokens=len(drafts or ()),
         )
 
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """Speculative tokens for a decoding sequence: never past its max_tokens
-        (the last position of a step always yields one token of the model's own),
-        the context, or the step's token budget; none for grammar-constrained ones."""
-        if self.speculator is None or request.grammar is not None:
-            return []
-        limit = min(
-            budget - 1,
-            request.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
-        )
-        if limit <= 0:
-            return []
-        return self.speculator.drafts(request.key, request.token_ids, limit)
+    def _drafts(self) -> dict[RequestKey, list[int]]:
+        """Speculative tokens for this step's decoding sequences: never past a
+        sequence's max_tokens (the last position of a step always yields one
+        token of the model's own) or the context; none for grammar-constrained
+        ones. Empty when the speculator is off or the step is too full for it."""
+        if self.speculator is None:
+            return {}
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not self.speculator.step_allows(len(decoding)):
+            return {}
+        wanted = []
+        for r in decoding:
+            limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            if limit > 0 and r.grammar is None:
+                wanted.append((r.key, r.token_ids, limit))
+        return self.speculator.drafts(wanted)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -165,22 +167,19 @@ class Scheduler:
         # Decodes before prefill chunks, so a long prompt never stalls token streams.
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.service_key(r)))
 
-        speculate = self.speculator is not None and self.speculator.step_allows(
-            sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
-        )
+        all_drafts = self._drafts()
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget[0])
             if num_new <= 0:
                 continue
-            if speculate and request.num_tokens - request.num_computed_tokens == 1:
-                drafts = self._drafts(request, budget[0])
-                # Drafts only take free blocks: never preempt anyone for a guess.
-                if drafts and self.kv.allocate(request, 1 + len(drafts)):
-                    out.scheduled.append(self._scheduled(request, request.num_computed_tokens, 1, drafts))
-                    budget[0] -= 1 + len(drafts)
-                    continue
+            drafts = all_drafts.get(request.key, [])[: budget[0] - 1]
+            # Drafts only take free blocks: never preempt anyone for a guess.
+            if drafts and num_new == 1 and self.kv.allocate(request, 1 + len(drafts)):
+                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, 1, drafts))
+                budget[0] -= 1 + len(drafts)
+                continue
             while not self.kv.allocate(request, num_new):
                 victim = max(self.running, key=self.victim_key)
                 self._preempt(victim, out, budget)

@@ -16,7 +16,7 @@ import sys
 from types import FrameType
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from stoker.config import EngineConfig
 from stoker.errors import StartupRefused
@@ -106,11 +106,28 @@ def resolve_extension_settings(args: argparse.Namespace) -> dict[str, BaseModel]
     }
 
 
+def describe_validation_error(exc: ValidationError) -> list[str]:
+    """One line per bad setting, named as the flag that sets it (--kv-cache-tokens:
+    must be >= 1, got 0), instead of pydantic's multi-line report."""
+    lines = []
+    for error in exc.errors():
+        field = ".".join(str(part) for part in error["loc"])
+        flag = f"--{field.replace('_', '-')}" if field else "settings"
+        given = f", got {error['input']!r}" if field and "input" in error else ""
+        message = str(error["msg"]).removeprefix("Value error, ")
+        lines.append(f"{flag}: {message}{given}" if field else message)
+    return lines
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         engine_config, server_config = resolve_configs(args)
         extras = resolve_extension_settings(args)
-    except (ValueError, OSError) as exc:  # pydantic's ValidationError is a ValueError
+    except ValidationError as exc:
+        for line in describe_validation_error(exc):
+            print(f"stoker serve: {line}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
     return serve(engine_config, server_config, extras)

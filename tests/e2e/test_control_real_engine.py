@@ -71,7 +71,8 @@ async def test_priority_and_deadline_in_the_real_engine(served) -> None:
             finished.append(name)
             return r
 
-        blocker = asyncio.create_task(call("blocker", "interactive", 64))
+        # Long enough to outlast the deadline below even at speculative speed (counting is easy to guess).
+        blocker = asyncio.create_task(call("blocker", "interactive", 256))
         await wait_for(lambda: engine_stats(server)["num_running"] == 1, 30, "blocker running")
         tasks = [asyncio.create_task(call(f"batch-{i}", "batch", 3)) for i in range(2)]
         await asyncio.sleep(0.1)
@@ -117,6 +118,33 @@ async def test_metrics_move_with_the_real_engine(served) -> None:
     assert ttft_sum > 0
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert re.search(rf"^{gauge}{{", after, re.MULTILINE), gauge
+
+
+async def test_speculation_counters_and_log_line(served) -> None:
+    """A copy request speculates (auto, one stream): vLLM's spec_decode counters
+    move, and the request's log line carries its acceptance."""
+    server, secrets, _ = served
+    passage = "The captain repaired the copper lantern near the harbour. " * 6
+    request = {"prompt": passage + "\nRepeat the sentence above:\n", "max_tokens": 40, "temperature": 0}
+    names = ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total"]
+    names += ["vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+        before = (await http.get("/metrics")).text
+        r = await http.post(
+            "/v1/completions", json=request, headers={**auth(secrets["interactive"]), "X-Request-Id": "spec-1"}
+        )
+        assert r.status_code == 200, r.text
+        await asyncio.sleep(0.6)
+        after = (await http.get("/metrics")).text
+    delta = {n: sample(after, n) - sample(before, n) for n in names}
+    assert delta["vllm:spec_decode_num_drafts_total"] > 0, delta
+    assert 0 < delta["vllm:spec_decode_num_accepted_tokens_total"] <= delta["vllm:spec_decode_num_draft_tokens_total"]
+    assert (
+        delta["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+        == delta["vllm:spec_decode_num_accepted_tokens_total"]
+    )
+    line = next(line for line in server.log().splitlines() if '"request_id":"spec-1"' in line)
+    assert '"spec_draft_tokens":' in line and '"spec_acceptance":' in line, line
 
 
 def test_usage_rows_after_sigterm(served) -> None:

@@ -173,3 +173,26 @@ def test_kv_capacity_in_tokens_is_exported():
     m = Metrics("smol")
     m.update_from_engine_stats(EngineStats(kv_blocks_total=100, kv_blocks_used=25, block_size=16))
     assert value(m, "stoker:kv_cache_capacity_tokens", model_name="smol") == 1600
+
+
+def test_speculative_decoding_counters_follow_the_engine():
+    m = Metrics("smol")
+    m.update_from_engine_stats(
+        EngineStats(
+            spec_drafts=3, spec_draft_tokens=12, spec_accepted_tokens=7, spec_accepted_per_position=[3, 2, 1, 1]
+        )
+    )
+    m.update_from_engine_stats(
+        EngineStats(
+            spec_drafts=5, spec_draft_tokens=20, spec_accepted_tokens=9, spec_accepted_per_position=[5, 2, 1, 1]
+        )
+    )
+    assert value(m, "vllm:spec_decode_num_drafts_total") == 5
+    assert value(m, "vllm:spec_decode_num_draft_tokens_total") == 20
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == 9
+    per_position = [value(m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(4)]
+    assert per_position == [5, 2, 1, 1]
+    # An engine restart starts its counters again from zero: nothing goes back.
+    m.engine_restarted()
+    m.update_from_engine_stats(EngineStats(spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=4))
+    assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == 13

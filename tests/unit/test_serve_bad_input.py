@@ -103,3 +103,48 @@ def test_quantization_this_machine_cannot_do(tmp_path: Path, cache_dir: Path, ti
     # Quantizing at load needs the CPU int8 kernels; refused before any device is touched.
     line = failure_line(serve(tmp_path, cache_dir, str(tiny_gguf), "--quantization", "q8_0", "--device", "cuda"))
     assert "quantization='q8_0'" in line and "not on cuda" in line and "choices: auto, none, q8_0" in line
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--num-speculative-tokens", "99"],
+            "--num-speculative-tokens: Input should be less than or equal to 16, got 99",
+        ),
+        (["--num-speculative-tokens", "-1"], "--num-speculative-tokens: Input should be greater than or equal to 0"),
+        (["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"], "must not exceed speculative_ngram_max"),
+        (["--kv-cache-tokens", "0"], "--kv-cache-tokens: Input should be greater than or equal to 1, got 0"),
+    ],
+)
+def test_setting_out_of_range_names_the_flag(
+    tmp_path: Path, cache_dir: Path, tiny_gguf: Path, args: list[str], expected: str
+) -> None:
+    result = serve(tmp_path, cache_dir, str(tiny_gguf), *args)
+    assert result.returncode == 2
+    assert expected in failure_line(result)
+
+
+def test_speculative_method_not_a_choice(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
+    result = serve(tmp_path, cache_dir, str(tiny_gguf), "--speculative-method", "medusa")
+    assert result.returncode == 2
+    assert (
+        "--speculative-method: invalid choice: 'medusa' (choose from 'auto', 'ngram', 'draft', 'none')" in result.stderr
+    )
+
+
+def test_draft_model_with_another_vocabulary(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
+    from dataclasses import replace
+
+    other = write_llama_gguf(tmp_path / "other-vocab.gguf", replace(TINY, vocab=400))
+    result = serve(
+        tmp_path, cache_dir, str(tiny_gguf), "--speculative-method", "draft", "--speculative-model", str(other)
+    )
+    line = failure_line(result)
+    assert f"--speculative-model {other}: its vocabulary has 400 tokens, the served model's 300" in line, line
+
+
+def test_draft_method_without_a_draft_model(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
+    result = serve(tmp_path, cache_dir, str(tiny_gguf), "--speculative-method", "draft")
+    assert result.returncode == 2
+    assert "set speculative_model (--speculative-model)" in failure_line(result)

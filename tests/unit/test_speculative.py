@@ -70,20 +70,20 @@ def test_ngram_proposes_what_followed_the_latest_match() -> None:
     proposer = NgramProposer(min_n=2, max_n=3)
     tokens = [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3]
     # [1, 2, 3] last occurred before position 8: 5, 6 followed it, then 1, 2.
-    assert proposer.propose(("a", 0), tokens, 4) == [5, 6, 1, 2]
-    assert proposer.propose(("a", 0), tokens, 1) == [5]
+    assert proposer.propose_one(("a", 0), tokens, 4) == [5, 6, 1, 2]
+    assert proposer.propose_one(("a", 0), tokens, 1) == [5]
     # Incremental: one more token, the index catches up without a rebuild.
     tokens.append(5)
-    assert proposer.propose(("a", 0), tokens, 3) == [6, 1, 2]
-    assert proposer.propose(("b", 0), [7, 8, 9], 4) == []
-    assert proposer.propose(("a", 0), tokens, 0) == []
+    assert proposer.propose_one(("a", 0), tokens, 3) == [6, 1, 2]
+    assert proposer.propose_one(("b", 0), [7, 8, 9], 4) == []
+    assert proposer.propose_one(("a", 0), tokens, 0) == []
 
 
 def test_ngram_prefers_the_longest_match() -> None:
     proposer = NgramProposer(min_n=1, max_n=3)
     # 1-gram [3] last followed by 7; the 3-gram [1, 2, 3] by 4.
     tokens = [1, 2, 3, 4, 0, 3, 7, 1, 2, 3]
-    assert proposer.propose(("a", 0), tokens, 1) == [4]
+    assert proposer.propose_one(("a", 0), tokens, 1) == [4]
     proposer.forget(("a", 0))
     assert proposer._indexes == {}
     with pytest.raises(ValueError, match="n-gram sizes"):
@@ -335,3 +335,50 @@ def test_none_and_zero_tokens_never_draft(tiny: Path) -> None:
     for llm in (_llm(tiny, "none"), LLM(str(tiny), dtype="float32", num_kv_blocks=64, num_speculative_tokens=0)):
         llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
         assert llm.engine.speculator is None and llm.engine.stats().spec_draft_tokens == 0
+
+
+# ---------------------------------------------------------------- draft model
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same shapes and tokenizer, other random weights: a draft that guesses badly."""
+    return make_tiny_hf_model("llama", tmp_path_factory.mktemp("spec-other"), seed=5)
+
+
+@pytest.mark.parametrize("draft_kind", ["same", "other"])
+def test_draft_model_greedy_identical_batched_with_preemption(tiny: Path, other_tiny: Path, draft_kind: str) -> None:
+    """A draft identical to the target guesses nearly always right; another
+    random model nearly always wrong. Both: the target's tokens, unchanged,
+    through a small cache that preempts."""
+    draft = tiny if draft_kind == "same" else other_tiny
+    prompts = _prompts(make_vocab(tiny), 12)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    expected = _generate(_llm(tiny, "none"), prompts, greedy)
+    spec = _llm(tiny, "draft", speculative_model=str(draft), num_kv_blocks=24, max_num_batched_tokens=64)
+    assert _generate(spec, prompts, greedy) == expected
+    assert spec.engine.scheduler.num_preemptions > 0
+    stats = spec.engine.stats()
+    assert stats.spec_draft_tokens > 0
+    if draft_kind == "same":
+        assert stats.spec_accepted_tokens > 0.8 * stats.spec_draft_tokens, stats
+    else:
+        assert stats.spec_accepted_tokens < 0.5 * stats.spec_draft_tokens, stats
+    # Seeded sampling: the same tokens as without speculation.
+    seeded = [SamplingParams(max_tokens=20, temperature=0.7, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    assert _generate(spec, prompts, seeded) == _generate(_llm(tiny, "none"), prompts, seeded)
+    proposer = spec.engine.speculator.proposer  # type: ignore[union-attr]
+    assert proposer._sequences == {} and proposer.kv.num_used_blocks == 0  # type: ignore[attr-defined]
+
+
+def test_draft_model_bad_settings(tiny: Path, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="speculative_model"):
+        EngineConfig(speculative_method="draft")
+    from stoker.bench.synthetic_gguf import LlamaShape, write_llama_gguf
+
+    shape = LlamaShape(hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2, vocab=300, context=256)
+    other_vocab = write_llama_gguf(tmp_path / "other-vocab.gguf", shape)
+    with pytest.raises(ValueError, match=r"--speculative-model .*vocabulary has \d+ tokens"):
+        _llm(tiny, "draft", speculative_model=str(other_vocab))
+    with pytest.raises((ValueError, OSError)):
+        _llm(tiny, "draft", speculative_model=str(tmp_path / "missing.gguf"))

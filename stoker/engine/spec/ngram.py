@@ -8,6 +8,7 @@ index per sequence.
 from __future__ import annotations
 
 from stoker.engine.outputs import RequestKey
+from stoker.engine.spec import DraftRequest
 
 
 class _SequenceIndex:
@@ -50,7 +51,10 @@ class NgramProposer:
         self.max_n = max_n
         self._indexes: dict[RequestKey, _SequenceIndex] = {}
 
-    def propose(self, key: RequestKey, token_ids: list[int], k: int) -> list[int]:
+    def propose(self, batch: list[DraftRequest]) -> list[list[int]]:
+        return [self.propose_one(r.key, r.token_ids, r.num_tokens) for r in batch]
+
+    def propose_one(self, key: RequestKey, token_ids: list[int], k: int) -> list[int]:
         if k <= 0:
             return []
         index = self._indexes.get(key)

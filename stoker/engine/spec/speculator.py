@@ -4,13 +4,13 @@ counters for the vllm:spec_decode_* metrics live here too."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from stoker.engine.outputs import RequestKey
-from stoker.engine.spec import Proposer
-from stoker.engine.spec.ngram import NgramProposer
+from stoker.engine.spec import DraftRequest, Proposer
 from stoker.engine.spec.policy import SpeculationPolicy
 
-SPECULATIVE_METHODS = ("auto", "ngram", "none")
-MAX_SPECULATIVE_TOKENS = 16
+SPECULATIVE_METHODS = ("auto", "ngram", "draft", "none")
 
 
 class Speculator:
@@ -25,22 +25,32 @@ class Speculator:
         """How often the draft token at each position was accepted (cumulative)."""
 
     @classmethod
-    def build(cls, method: str, num_tokens: int, ngram_min: int, ngram_max: int, max_batch: int) -> Speculator | None:
+    def build(
+        cls, method: str, num_tokens: int, max_batch: int, make_proposer: Callable[[], Proposer]
+    ) -> Speculator | None:
         """None when speculation is off (method none or no tokens)."""
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method {method!r}: choose one of {', '.join(SPECULATIVE_METHODS)}")
         if method == "none" or num_tokens == 0:
             return None
-        return cls(NgramProposer(ngram_min, ngram_max), SpeculationPolicy(method, num_tokens, max_batch))
+        return cls(make_proposer(), SpeculationPolicy(method, num_tokens, max_batch))
 
     def step_allows(self, num_decoding: int) -> bool:
         return self.policy.step_allows(num_decoding)
 
-    def drafts(self, key: RequestKey, token_ids: list[int], limit: int) -> list[int]:
-        """Draft tokens for a decoding sequence, at most `limit` (what its
-        max_tokens, the context and the step's token budget leave room for)."""
-        k = min(limit, self.policy.num_drafts(key))
-        return self.proposer.propose(key, token_ids, k) if k > 0 else []
+    def drafts(self, wanted: list[tuple[RequestKey, list[int], int]]) -> dict[RequestKey, list[int]]:
+        """Guesses for decoding sequences, given as (key, tokens so far, limit):
+        at most `limit` each (what its max_tokens and the context leave room
+        for), fewer where the policy says so. One proposer call for the step,
+        so a draft model runs the sequences as one batch."""
+        batch = []
+        for key, token_ids, limit in wanted:
+            k = min(limit, self.policy.num_drafts(key))
+            if k > 0:
+                batch.append(DraftRequest(key, token_ids, k))
+        if not batch:
+            return {}
+        return {r.key: drafts for r, drafts in zip(batch, self.proposer.propose(batch)) if drafts}
 
     def record(self, key: RequestKey, drafted: int, accepted: int) -> None:
         self.num_drafts += 1
