@@ -19,19 +19,23 @@ import torch
 
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer
-from stoker.engine.kv_cache import KVCacheManager
+from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
+from stoker.engine.outputs import ScheduledRequest, SchedulerOutput
 from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
+    SamplingParams,
 )
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
+from stoker.engine.sampler import SampleRow
 from stoker.engine.scheduler import Scheduler
 from stoker.engine.spec import Proposer
 from stoker.engine.spec.draft import DraftProposer
 from stoker.engine.spec.ngram import NgramProposer
+from stoker.engine.spec.policy import row_costs
 from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
@@ -108,6 +112,7 @@ class EngineCore:
             config.speculative_max_batch,
             lambda: self._proposer(config),
         )
+        self._measure_row_costs()
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -136,6 +141,28 @@ class EngineCore:
             self.kv.num_blocks * per_block / 2**20,
             kv_size.rule,
             self.load_seconds,
+        )
+
+    def _measure_row_costs(self) -> None:
+        """auto chooses draft lengths from what steps of 1 .. k + 1 rows cost on
+        this machine: measured here once (a few hundred ms on the default model),
+        on throwaway rows written into the null block."""
+        spec = self.speculator
+        if spec is None or not spec.policy.adaptive:
+            return
+        bs = self.kv.block_size
+        greedy = SampleRow(SamplingParams(temperature=0.0), [], [], None, [])
+
+        def run(rows: int) -> None:
+            table = [NULL_BLOCK_ID] * -(-rows // bs)
+            step = ScheduledRequest(("__row_costs__", 0), [0] * rows, 0, table, greedy, num_draft_tokens=rows - 1)
+            self.runner.execute(SchedulerOutput([step]))
+
+        spec.policy.costs = row_costs(run, spec.policy.num_tokens + 1)
+        log.info(
+            "speculative decoding: step ms by rows 1..%d: %s",
+            len(spec.policy.costs),
+            " ".join(f"{c * 1000:.1f}" for c in spec.policy.costs),
         )
 
     def _proposer(self, config: EngineConfig) -> Proposer:

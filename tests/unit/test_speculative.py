@@ -109,6 +109,26 @@ def test_auto_policy_backs_off_a_sequence_whose_guesses_fail() -> None:
     assert policy.num_drafts(good) == 4
 
 
+def test_draft_length_follows_acceptance_and_row_costs() -> None:
+    from stoker.engine.spec.policy import best_draft_length, row_costs
+
+    measured = [8.8, 10.2, 13.4, 18.0, 23.0]  # ms for 1..5 rows, the default model on Zen 4
+    assert best_draft_length(0.3, measured, 4) == 1
+    assert best_draft_length(0.8, measured, 4) == 2
+    assert best_draft_length(0.95, measured, 4) == 2  # rows 4 and 5 cost more than they are worth here
+    assert best_draft_length(0.95, [1.0] * 5, 4) == 4  # free rows: as many as allowed
+    assert best_draft_length(0.95, measured, 2) == 2
+    calls: list[int] = []
+    costs = row_costs(calls.append, 3, repeats=2)
+    assert len(costs) == 3 and calls == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    policy = SpeculationPolicy("auto", num_tokens=4, max_batch=4)
+    policy.costs = [1.0, 1.1, 1.2, 1.3, 1.4]  # rows nearly free (a wide machine)
+    key = ("r", 0)
+    for _ in range(6):
+        policy.record(key, 2, 2)  # always right: acceptance -> 1
+    assert policy.num_drafts(key) == 4
+
+
 # ------------------------------------------------------------- verification
 
 

@@ -1,27 +1,34 @@
 """How many draft tokens each sequence gets this step.
 
 A verified draft token costs a row of every matmul; it pays only when it is
-accepted often enough and the step is bound by reading weights rather than by
-arithmetic. `ngram` always asks for k tokens. `auto` (the default) adapts:
+accepted often enough. `ngram` and `draft` always ask for k tokens. `auto`
+(the default) adapts:
 
-- per sequence, an running acceptance rate decides the draft length (about the
-  expected accepted run plus one); a sequence whose guesses keep failing stops
-  speculating for a while (doubling each time) and then tries again;
+- per sequence, a running estimate of the chance that each next guess is
+  accepted (accepted guesses over verified positions up to the first
+  rejection, so a long draft does not bias it down);
+- the draft length that gives the most expected tokens per unit of step time,
+  from what steps of 1 .. k + 1 rows cost on this machine (measured once at
+  start, `row_costs`): on a CPU, rows beyond the first few cost nearly what
+  they weigh, so two or three good guesses beat four mediocre ones;
+- a sequence whose guesses keep failing stops speculating for a while
+  (doubling each time) and then tries again;
 - per step, nothing is drafted while more than `max_batch` sequences decode:
-  there a step is compute-bound, so rejected rows cost nearly what they
-  weigh (docs/perf/speculative.md has the measurements behind the default).
+  there the step is compute-bound and every rejected row is a loss
+  (docs/perf/speculative.md has the measurements behind the defaults).
 """
 
 from __future__ import annotations
 
-import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from stoker.engine.outputs import RequestKey
 
 _PRIOR_ACCEPTANCE = 0.5
-_SMOOTHING = 0.3
-"""Weight of the latest step in the running acceptance rate."""
+_DECAY = 0.7
+"""Weight of the past in the running acceptance counts."""
 _MIN_ACCEPTANCE = 0.15
 _FIRST_PAUSE = 8
 _MAX_PAUSE = 256
@@ -29,10 +36,45 @@ _MAX_PAUSE = 256
 
 @dataclass
 class _SequenceStats:
-    acceptance: float = _PRIOR_ACCEPTANCE
+    accepted: float = _PRIOR_ACCEPTANCE
+    trials: float = 1.0
     pause: int = 0
     """Steps left without drafts."""
     next_pause: int = _FIRST_PAUSE
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.trials
+
+
+def row_costs(run_rows: Callable[[int], object], max_rows: int, repeats: int = 3) -> list[float]:
+    """Seconds a step of r decode rows of one sequence takes, r = 1 .. max_rows
+    (index r - 1): the best of `repeats` after one unmeasured run."""
+    costs = []
+    for rows in range(1, max_rows + 1):
+        run_rows(rows)
+        best = float("inf")
+        for _ in range(repeats):
+            started = time.perf_counter()
+            run_rows(rows)
+            best = min(best, time.perf_counter() - started)
+        costs.append(best)
+    return costs
+
+
+def best_draft_length(acceptance: float, costs: list[float], most: int) -> int:
+    """The k in 1 .. most with the most expected tokens per second: a step
+    with k guesses yields 1 + a + a^2 + ... + a^k tokens (a = acceptance)
+    and costs costs[k] (k + 1 rows)."""
+    best_k, best_rate = 1, 0.0
+    expected, term = 1.0, 1.0
+    for k in range(1, min(most, len(costs) - 1) + 1):
+        term *= acceptance
+        expected += term
+        rate = expected / costs[k]
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
 
 
 class SpeculationPolicy:
@@ -40,38 +82,50 @@ class SpeculationPolicy:
         self.method = method
         self.num_tokens = num_tokens
         self.max_batch = max_batch
+        self.costs: list[float] = []
+        """Step seconds by rows (row_costs); empty: unknown, draft about the expected accepted run."""
         self._stats: dict[RequestKey, _SequenceStats] = {}
 
     @property
     def enabled(self) -> bool:
         return self.method != "none" and self.num_tokens > 0
 
+    @property
+    def adaptive(self) -> bool:
+        return self.method == "auto"
+
     def step_allows(self, num_decoding: int) -> bool:
         """Whether this step drafts at all, given how many sequences decode in it."""
         if not self.enabled:
             return False
-        return self.method != "auto" or num_decoding <= self.max_batch
+        return not self.adaptive or num_decoding <= self.max_batch
 
     def num_drafts(self, key: RequestKey) -> int:
-        if self.method != "auto":
+        if not self.adaptive:
             return self.num_tokens
         stats = self._stats.setdefault(key, _SequenceStats())
         if stats.pause > 0:
             stats.pause -= 1
             return 0
-        expected_run = stats.acceptance / max(1e-6, 1.0 - stats.acceptance)
-        return max(1, min(self.num_tokens, math.ceil(expected_run) + 1))
+        a = stats.acceptance
+        if len(self.costs) > 1:
+            return best_draft_length(a, self.costs, self.num_tokens)
+        expected_run = a / max(1e-6, 1.0 - a)
+        return max(1, min(self.num_tokens, int(expected_run) + 1))
 
     def record(self, key: RequestKey, drafted: int, accepted: int) -> None:
         """A verified proposal: `accepted` of its `drafted` tokens were kept."""
-        if drafted <= 0 or self.method != "auto":
+        if drafted <= 0 or not self.adaptive:
             return
         stats = self._stats.setdefault(key, _SequenceStats())
-        stats.acceptance += _SMOOTHING * (accepted / drafted - stats.acceptance)
+        # Positions tried: every accepted guess, and the first rejected one.
+        trials = accepted + (1 if accepted < drafted else 0)
+        stats.accepted = _DECAY * stats.accepted + accepted
+        stats.trials = _DECAY * stats.trials + trials
         if stats.acceptance < _MIN_ACCEPTANCE:
             stats.pause = stats.next_pause
             stats.next_pause = min(_MAX_PAUSE, stats.next_pause * 2)
-            stats.acceptance = _PRIOR_ACCEPTANCE
+            stats.accepted, stats.trials = _PRIOR_ACCEPTANCE, 1.0
         elif accepted == drafted:
             stats.next_pause = _FIRST_PAUSE
 
