@@ -134,7 +134,14 @@ class AsyncEngineClient:
         out.bind(out_addr)
         process = self._mp.Process(
             target=proto.run_engine,
-            args=(self.config, self.core_spec, in_addr, out_addr, os.getpid()),
+            args=(
+                self.config,
+                self.core_spec,
+                in_addr,
+                out_addr,
+                os.getpid(),
+                logging.getLogger("stoker").getEffectiveLevel(),
+            ),
             name=f"stoker-engine-{self._generation}",
             daemon=True,
         )

@@ -125,8 +125,19 @@ def _kv_capacity_tokens(core: Any) -> int:
     return stats.kv_blocks_total * stats.block_size
 
 
-def run_engine(config: EngineConfig, core_spec: str, input_addr: str, output_addr: str, parent_pid: int) -> None:
-    """Entry point of the engine process (multiprocessing target)."""
+def run_engine(
+    config: EngineConfig,
+    core_spec: str,
+    input_addr: str,
+    output_addr: str,
+    parent_pid: int,
+    log_level: int = logging.WARNING,
+) -> None:
+    """Entry point of the engine process (multiprocessing target). log_level is
+    the server's: a spawned process starts with no logging configured, and the
+    engine's start-up lines (weights and kernel path, attention backend, KV
+    cache, speculative decoding) would otherwise be dropped."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # Signals sent to the whole process group (Ctrl-C, systemd's SIGTERM) must
     # not kill the engine under a draining front end: the front end alone
     # decides when the engine stops, by message, or by SIGKILL as a last resort.

@@ -143,7 +143,11 @@ async def test_speculation_counters_and_log_line(served) -> None:
         delta["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
         == delta["vllm:spec_decode_num_accepted_tokens_total"]
     )
-    line = next(line for line in server.log().splitlines() if '"request_id":"spec-1"' in line)
+    log = server.log()
+    # The engine process logs its start-up choices into the server's log.
+    for said in ("quantized matmul:", "attention backend:", "speculative decoding: step ms by rows"):
+        assert said in log, said
+    line = next(line for line in log.splitlines() if '"request_id":"spec-1"' in line)
     assert '"spec_draft_tokens":' in line and '"spec_acceptance":' in line, line
 
 
