@@ -1,5 +1,5 @@
 """Speculative decoding on the default model (SmolLM2-135M Q4_1, fused
-quantized decoder) with its real tokenizer: 24 grounded prompts (a passage,
+quantized decoder) with its real tokenizer: 20 grounded prompts (a passage,
 then "copy it"), greedy, all in one batch and then one at a time, give exactly
 the tokens that decoding without speculation gives, and most drafts are accepted."""
 
@@ -12,12 +12,12 @@ from stoker.bench.workload import HFTokenizer, LengthDist, grounded
 
 pytestmark = pytest.mark.integration
 
-NUM_PROMPTS = 24
-NEW_TOKENS = 48
+NUM_PROMPTS = 20
+NEW_TOKENS = 32
 
 
 def _prompts(llm: LLM) -> list[list[int]]:
-    specs = grounded(HFTokenizer(llm.tokenizer.hf), NUM_PROMPTS, LengthDist.parse("60:250"), None, seed=3)
+    specs = grounded(HFTokenizer(llm.tokenizer.hf), NUM_PROMPTS, LengthDist.parse("40:120"), None, seed=3)
     return [llm.tokenizer.apply_chat_template([{"role": "user", "content": s.prompt}], tokenize=True) for s in specs]
 
 

@@ -133,17 +133,6 @@ def test_speculative_method_not_a_choice(tmp_path: Path, cache_dir: Path, tiny_g
     )
 
 
-def test_draft_model_with_another_vocabulary(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
-    from dataclasses import replace
-
-    other = write_llama_gguf(tmp_path / "other-vocab.gguf", replace(TINY, vocab=400))
-    result = serve(
-        tmp_path, cache_dir, str(tiny_gguf), "--speculative-method", "draft", "--speculative-model", str(other)
-    )
-    line = failure_line(result)
-    assert f"--speculative-model {other}: its vocabulary has 400 tokens, the served model's 300" in line, line
-
-
 def test_draft_method_without_a_draft_model(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
     result = serve(tmp_path, cache_dir, str(tiny_gguf), "--speculative-method", "draft")
     assert result.returncode == 2
