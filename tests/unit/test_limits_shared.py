@@ -10,25 +10,13 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from redis_server import RedisServer
+from test_limits import Clock, key
 
 from stoker.control.errors import ControlError
-from stoker.control.keys import ApiKey
 from stoker.control.limits import Lease, Limiter, RateLimiter
 from stoker.control.store import RedisRateLimiter
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def key(**kw) -> ApiKey:
-    return ApiKey(id=kw.pop("id", "k1"), name="k", prefix="sk-stoker-k1", **kw)
 
 
 @pytest.fixture(scope="module")
