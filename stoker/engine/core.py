@@ -35,7 +35,7 @@ from stoker.engine.scheduler import Scheduler
 from stoker.engine.spec import Proposer
 from stoker.engine.spec.draft import DraftProposer
 from stoker.engine.spec.ngram import NgramProposer
-from stoker.engine.spec.policy import row_costs
+from stoker.engine.spec.policy import SpeculationPolicy, row_costs
 from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
@@ -106,12 +106,12 @@ class EngineCore:
         num_blocks = kv_size.num_blocks
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
-        self.speculator = Speculator.build(
-            config.speculative_method,
-            config.num_speculative_tokens,
-            config.speculative_max_batch,
-            lambda: self._proposer(config),
-        )
+        self.speculator: Speculator | None = None
+        if config.speculative_method != "none" and config.num_speculative_tokens > 0:
+            policy = SpeculationPolicy(
+                config.speculative_method, config.num_speculative_tokens, config.speculative_max_batch
+            )
+            self.speculator = Speculator(self._proposer(config), policy)
         self._measure_row_costs()
         self.scheduler = Scheduler(
             self.kv,

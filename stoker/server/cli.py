@@ -112,10 +112,12 @@ def describe_validation_error(exc: ValidationError) -> list[str]:
     lines = []
     for error in exc.errors():
         field = ".".join(str(part) for part in error["loc"])
-        flag = f"--{field.replace('_', '-')}" if field else "settings"
-        given = f", got {error['input']!r}" if field and "input" in error else ""
         message = str(error["msg"]).removeprefix("Value error, ")
-        lines.append(f"{flag}: {message}{given}" if field else message)
+        if not field:  # a check across settings: its message names them
+            lines.append(message)
+            continue
+        given = f", got {error['input']!r}" if "input" in error else ""
+        lines.append(f"--{field.replace('_', '-')}: {message}{given}")
     return lines
 
 

@@ -4,13 +4,9 @@ counters for the vllm:spec_decode_* metrics live here too."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from stoker.engine.outputs import RequestKey
 from stoker.engine.spec import DraftRequest, Proposer
 from stoker.engine.spec.policy import SpeculationPolicy
-
-SPECULATIVE_METHODS = ("auto", "ngram", "draft", "none")
 
 
 class Speculator:
@@ -23,17 +19,6 @@ class Speculator:
         self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * policy.num_tokens
         """How often the draft token at each position was accepted (cumulative)."""
-
-    @classmethod
-    def build(
-        cls, method: str, num_tokens: int, max_batch: int, make_proposer: Callable[[], Proposer]
-    ) -> Speculator | None:
-        """None when speculation is off (method none or no tokens)."""
-        if method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative method {method!r}: choose one of {', '.join(SPECULATIVE_METHODS)}")
-        if method == "none" or num_tokens == 0:
-            return None
-        return cls(make_proposer(), SpeculationPolicy(method, num_tokens, max_batch))
 
     def step_allows(self, num_decoding: int) -> bool:
         return self.policy.step_allows(num_decoding)
