@@ -13,6 +13,7 @@ SUBCOMMAND_MODULES = [
     "stoker.server.cli",  # serve
     "stoker.bench.cli",  # bench offline | serve
     "stoker.control.cli",  # keys
+    "stoker.server.models_cli",  # models (admin API client)
 ]
 
 
@@ -22,6 +23,7 @@ COMMAND_MODULES = {
     "serve": "stoker.server.cli",
     "bench": "stoker.bench.cli",
     "keys": "stoker.control.cli",
+    "models": "stoker.server.models_cli",
 }
 """Which module registers a command, so running one imports only its module: `stoker
 serve` must not pay for `stoker bench kernels`' torch import before it spawns its engine."""

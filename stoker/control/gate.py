@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from stoker.control.admission import AdmissionController, Ticket
+from stoker.control.admission import AdmissionController, QueueView, Ticket
 from stoker.control.keys import ApiKey
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end
 from stoker.control.limits import Lease, Limiter
@@ -62,6 +62,8 @@ class RequestGate:
     ) -> None:
         self.limiter = limiter
         self.admission = admission
+        self.model_admission: dict[str, AdmissionController] = {}
+        """Each model's own queue bound, once the server serves several (others use `admission`)."""
         self.ledger = ledger
         self.metrics = metrics
         self.request_log = request_log
@@ -71,6 +73,17 @@ class RequestGate:
         self.in_flight = 0
 
     # -- admission ---------------------------------------------------------------
+
+    def admission_for(self, model: str) -> AdmissionController:
+        return self.model_admission.get(model, self.admission)
+
+    def controllers(self) -> list[AdmissionController]:
+        return [self.admission, *(c for c in self.model_admission.values() if c is not self.admission)]
+
+    def queue(self) -> QueueView:
+        """What waits for every model's engine together."""
+        views = [c.queue() for c in self.controllers()]
+        return QueueView(sum(v.requests for v in views), sum(v.tokens for v in views))
 
     async def admit(
         self,
@@ -108,7 +121,8 @@ class RequestGate:
                 await self._check_budget(key, arrival)
             lease = await self.limiter.acquire(key, estimate)
             try:
-                ticket = self.admission.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
+                queue = self.admission_for(model)
+                ticket = queue.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
             except APIError:
                 self.limiter.release(lease, None)
                 raise
@@ -130,7 +144,7 @@ class RequestGate:
         self.in_flight += 1
         if self.metrics:
             self.metrics.in_flight.set(self.in_flight)
-            q = self.admission.queue()
+            q = self.queue()
             self.metrics.queued_requests.set(q.requests)
             self.metrics.queued_tokens.set(q.tokens)
         return Admission(
@@ -241,9 +255,10 @@ class RequestGate:
                 self._reserved[adm.key.id] = left
             else:
                 self._reserved.pop(adm.key.id, None)
-        self.admission.mark_visible(adm.ticket)
+        queue = self.admission_for(adm.model)
+        queue.mark_visible(adm.ticket)
         if ran and generation:
-            self.admission.record_finished(prompt, now)
+            queue.record_finished(prompt, now)
         self.in_flight -= 1
         if self.ledger is not None:
             self.ledger.record(
@@ -321,9 +336,11 @@ class RequestGate:
             m.deadline_drops.labels("running" if started else "queue").inc()
         if observe and status < 400:
             # Token histograms once per request; latencies and outcomes once per sample.
-            m.observe_finished(samples[0] if samples else None, prompt, completion, reasons[0] if reasons else None)
+            m.observe_finished(
+                samples[0] if samples else None, prompt, completion, reasons[0] if reasons else None, adm.model
+            )
             for i, t in enumerate(samples[1:], start=1):
-                m.observe_sample(t, reasons[i] if i < len(reasons) else None)
+                m.observe_sample(t, reasons[i] if i < len(reasons) else None, adm.model)
         elif status >= 400:
             m.observe_error(status)
         if adm.key is not None and adm.key.budget_tokens is not None and self.ledger is not None:

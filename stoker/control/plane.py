@@ -177,21 +177,53 @@ class ControlPlane:
 
     # -- engine and lifecycle ---------------------------------------------------------
 
-    def update_engine_stats(self, stats: EngineStats, taken_at: float | None = None) -> None:
-        """Feed every fresh EngineStats snapshot here (admission + metrics)."""
-        self.admission.update(stats, taken_at)
-        self.metrics.update_from_engine_stats(stats)
-        q = self.admission.queue()
+    def track_model(self, name: str) -> AdmissionController:
+        """A model the server serves gets its own admission queue bound (the
+        first one the default controller), so one model's full queue refuses
+        only its own requests."""
+        gate = self.gate
+        controller = gate.model_admission.get(name)
+        if controller is None:
+            if not gate.model_admission:
+                controller = self.admission
+            else:
+                controller = AdmissionController(
+                    max_queued_requests=self.settings.max_queued_requests,
+                    max_queued_tokens=self.settings.max_queued_tokens,
+                    batch_share=self.settings.batch_queue_share,
+                )
+                controller.draining = self.admission.draining
+            gate.model_admission[name] = controller
+        return controller
+
+    def update_engine_stats(
+        self,
+        stats: EngineStats,
+        taken_at: float | None = None,
+        model: str | None = None,
+        source: str | None = None,
+        queue: bool = True,
+    ) -> None:
+        """Feed every fresh EngineStats snapshot here (admission + metrics).
+        model: the model it is of (None: the only one); source: which engine
+        (a model has several during a swap or canary), so each engine's
+        counters are followed apart; queue: whether it is the snapshot of the
+        version that admission bounds (the stable one)."""
+        if queue:
+            (self.track_model(model) if model else self.admission).update(stats, taken_at)
+        self.metrics.update_from_engine_stats(stats, model, source, gauges=queue)
+        q = self.gate.queue()
         self.metrics.queued_requests.set(q.requests)
         self.metrics.queued_tokens.set(q.tokens)
-        self.metrics.drain_rate.set(self.admission.drain_rate()[1])
+        self.metrics.drain_rate.set(sum(c.drain_rate()[1] for c in self.gate.controllers()))
 
-    def engine_restarted(self) -> None:
-        self.metrics.engine_restarted()
+    def engine_restarted(self, source: str | None = None) -> None:
+        self.metrics.engine_restarted(source)
 
     def start_drain(self) -> None:
         """Refuse new requests (503) while in-flight ones finish."""
-        self.admission.draining = True
+        for controller in self.gate.controllers():
+            controller.draining = True
         self.metrics.draining.set(1)
 
     async def aclose(self) -> None:

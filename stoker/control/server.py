@@ -34,6 +34,7 @@ from stoker.control.errors import install_error_handler
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
 from stoker.errors import APIError
+from stoker.observe.cost import CostMeter
 from stoker.observe.logs import RequestLogRecord, assign_request_id, with_request_id
 
 log = logging.getLogger("stoker.control")
@@ -155,6 +156,16 @@ def _finished(record: Any) -> None:
         return
     plane = get_plane(request)
     reasons = list(record.finish_reasons)
+    version = getattr(record, "model_version", None)
+    if version is not None and record.endpoint != "embedding":
+        first = record.times[0] if record.times else None
+        plane.metrics.observe_version(
+            record.model,
+            version,
+            record.status < 400 and record.error in (None, "deadline"),
+            first.first_token - first.arrival if first and first.first_token is not None else None,
+            first.finished - first.arrival if first and first.finished is not None else None,
+        )
     plane.gate.finish(
         adm,
         prompt_tokens=record.prompt_tokens,
@@ -196,24 +207,71 @@ async def _metrics(request: Request) -> Response:
 
 
 async def _feed_stats(plane: ControlPlane, state: Any) -> None:
-    """Engine stats -> admission and metrics; engine restarts and drain -> metrics."""
-    last_stats = None
-    restarts = 0
+    """Each engine's stats -> its model's admission and metrics; engine restarts,
+    the versions loaded, costs and drain -> metrics."""
+    last: dict[int, Any] = {}
+    restarts: dict[int, int] = {}
+    cost = CostMeter(plane.settings.cost_per_hour) if plane.settings.cost_per_hour is not None else None
     while True:
-        engine = state.engine
-        if state.served_model_name and plane.metrics.model_name != state.served_model_name:
-            plane.metrics.model_name = state.served_model_name
-        count = getattr(engine, "restart_count", 0)
-        for _ in range(count - restarts):
-            plane.engine_restarted()
-        restarts = count
-        stats = engine.stats()
-        if stats is not last_stats:  # a new push from the engine
-            plane.update_engine_stats(stats, taken_at=time.time() - STATS_LAG)
-            last_stats = stats
+        fleet = getattr(state, "fleet", None)
+        if fleet is not None and state.loaded:
+            _feed_fleet(plane, fleet, last, restarts, cost)
         if state.draining and not plane.admission.draining:
             plane.start_drain()
         await asyncio.sleep(STATS_INTERVAL)
+
+
+def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts: dict[int, int], cost: Any) -> None:
+    live: set[int] = set()
+    if fleet.models:
+        plane.metrics.model_name = fleet.default.name
+    for model in list(fleet.models.values()):
+        plane.track_model(model.name)
+    for version in fleet.versions():
+        engine = version.engine
+        key = id(engine)
+        live.add(key)
+        source = f"{version.name}/{version.label}"
+        for _ in range(engine.restart_count - restarts.get(key, 0)):
+            plane.engine_restarted(source)
+        restarts[key] = engine.restart_count
+        stats = engine.stats()
+        previous = last.get(key)
+        if stats is previous:
+            continue
+        if cost is not None:
+            before = previous if previous is not None and previous.steps <= stats.steps else None
+            cost.add(
+                version.name,
+                stats.prompt_tokens - (before.prompt_tokens if before else 0),
+                stats.generation_tokens - (before.generation_tokens if before else 0),
+                stats.busy_seconds - (before.busy_seconds if before else 0.0),
+            )
+        model = fleet.models.get(version.name)
+        stable = model is not None and model.stable is version
+        plane.update_engine_stats(
+            stats, taken_at=time.time() - STATS_LAG, model=version.name, source=source, queue=stable
+        )
+        last[key] = stats
+    for key in set(last) - live:  # retired versions
+        last.pop(key, None)
+        restarts.pop(key, None)
+    plane.metrics.set_model_versions(
+        [
+            (v.name, v.label, v.digest or "", os.path.abspath(v.spec.path), v.status)
+            for v in fleet.versions()
+            if v.status != "failed"
+        ]
+    )
+    if cost is not None:
+        for name in set(cost.costs()) - set(fleet.models):
+            cost.forget(name)
+        plane.metrics.set_costs(cost.costs())
+
+
+def _fallback(plane: ControlPlane, event: Any) -> None:
+    plane.metrics.fallbacks.labels(event.asked, event.served, event.reason).inc()
+    log.info("fallback: %s -> %s (%s)", event.asked, event.served, event.reason)
 
 
 def install(app: FastAPI, state: Any) -> ControlPlane:
@@ -231,6 +289,7 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     state.hooks.admit.append(_admit)
     state.hooks.finished.append(_finished)
     state.hooks.operator.append(_operator)
+    state.hooks.fallback.append(lambda event: _fallback(plane, event))
 
     inner = app.router.lifespan_context
 

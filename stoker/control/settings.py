@@ -38,6 +38,8 @@ class ControlSettings(BaseModel):
     """Cap in seconds on a request's deadline (x-stoker-deadline-ms header or `timeout` field)."""
     model_name: str = "model"
     """model_name label on vllm: metrics (the server sets the served model name)."""
+    cost_per_hour: float | None = Field(None, ge=0)
+    """Price of the machine in dollars per hour: exports stoker:cost_per_million_tokens per model (docs/operations.md). None: no cost metric."""
     metrics_per_key: bool = False
     """Export per-key metric series (budget remaining); off keeps cardinality bounded."""
     otlp_endpoint: str | None = None

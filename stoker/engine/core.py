@@ -125,6 +125,7 @@ class EngineCore:
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
         self.num_steps = 0
+        self.busy_seconds = 0.0
         self.last_step_tokens = 0
         self._grammars: GrammarCompiler | None = None
         self.num_constrained_requests = 0
@@ -291,11 +292,13 @@ class EngineCore:
         if not scheduled.scheduled:
             return outputs
         self.num_steps += 1
+        started = time.perf_counter()
         result = self.runner.execute_model(scheduled)
         deltas = self.scheduler.update_from_output(scheduled, result)
         for delta in deltas:
             if delta.finished:
                 self._forget_if_done(delta.request_id)
+        self.busy_seconds += time.perf_counter() - started
         return outputs + deltas
 
     def _expire_deadlines(self) -> list[EngineCoreOutput]:
@@ -329,6 +332,7 @@ class EngineCore:
             prompt_tokens=self.scheduler.num_prompt_tokens,
             generation_tokens=self.scheduler.num_generation_tokens,
             steps=self.num_steps,
+            busy_seconds=self.busy_seconds,
             last_step_tokens=self.last_step_tokens,
             constrained_requests=self.num_constrained_requests,
             grammar_mask_steps=self.scheduler.num_mask_steps,

@@ -277,6 +277,8 @@ class EngineStats:
     generation_tokens: int = 0
     """Tokens sampled (cumulative)."""
     steps: int = 0
+    busy_seconds: float = 0.0
+    """Seconds spent running steps (cumulative): what a model's share of the machine's cost follows."""
     last_step_tokens: int = 0
     """Tokens scheduled in the most recent step."""
     constrained_requests: int = 0

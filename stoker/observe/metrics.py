@@ -206,6 +206,46 @@ class Metrics:
             registry=r,
         )
 
+        # -- models (several per server, versions, fallback, cost) --------------
+        self.model_version_info = Gauge(
+            "stoker:model_version_info",
+            "1 per model version loaded: which file (digest) answers under a model name, and its state.",
+            ["model_name", "version", "digest", "path", "status"],
+            registry=r,
+        )
+        self.version_requests = Counter(
+            "stoker:model_version_requests",
+            "Requests finished per model version, by outcome (ok or error): compare a canary with its stable version.",
+            ["model_name", "version", "outcome"],
+            registry=r,
+        )
+        self.version_ttft = Histogram(
+            "stoker:model_version_time_to_first_token_seconds",
+            "Time to first token per model version.",
+            ["model_name", "version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.version_e2e = Histogram(
+            "stoker:model_version_e2e_request_latency_seconds",
+            "End-to-end request latency per model version.",
+            ["model_name", "version"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "stoker:fallbacks",
+            "Requests served by a fallback model: from the model asked for, to the one that answered, and why.",
+            ["from", "to", "reason"],
+            registry=r,
+        )
+        self.cost_per_million = Gauge(
+            "stoker:cost_per_million_tokens",
+            "Dollars per 1M tokens of a kind, from --cost-per-hour and the tokens of the last minute (docs/operations.md).",
+            ["model_name", "kind"],
+            registry=r,
+        )
+
         self.kv_capacity = Gauge(
             "stoker:kv_cache_capacity_tokens",
             "Tokens the KV cache holds over all running requests (its blocks x block size).",
@@ -276,22 +316,29 @@ class Metrics:
             else None
         )
 
-        self._last = EngineStats()
+        self._last: dict[str | None, EngineStats] = {}
+        """Each engine's previous snapshot (by source), whose counters the next one's grow from."""
 
     # -- engine ------------------------------------------------------------------
 
-    def engine_restarted(self) -> None:
+    def engine_restarted(self, source: str | None = None) -> None:
         self.engine_restarts.inc()
-        self._last = EngineStats()  # the new engine counts from zero
+        self._last[source] = EngineStats()  # the new engine counts from zero
 
-    def update_from_engine_stats(self, stats: EngineStats) -> None:
-        """Set the gauges and add the growth of the engine's cumulative counters."""
-        name = self.model_name
-        self.running.labels(name).set(stats.num_running)
-        self.waiting.labels(name).set(stats.num_waiting)
-        self.kv_usage.labels(name).set(stats.kv_usage)
-        self.kv_capacity.labels(name).set(stats.kv_blocks_total * stats.block_size)
-        last = self._last
+    def update_from_engine_stats(
+        self, stats: EngineStats, model_name: str | None = None, source: str | None = None, gauges: bool = True
+    ) -> None:
+        """Set the gauges (unless gauges=False: a second engine of the model,
+        during a swap or canary) and add the growth of the cumulative counters
+        of engine `source` (default: the model's only one)."""
+        name = model_name or self.model_name
+        source = source or model_name
+        if gauges:
+            self.running.labels(name).set(stats.num_running)
+            self.waiting.labels(name).set(stats.num_waiting)
+            self.kv_usage.labels(name).set(stats.kv_usage)
+            self.kv_capacity.labels(name).set(stats.kv_blocks_total * stats.block_size)
+        last = self._last.get(source, EngineStats())
         if any(getattr(stats, f) < getattr(last, f) for f in _CUMULATIVE):
             last = EngineStats()  # counters went back: the engine restarted without telling us
         delta = {f: getattr(stats, f) - getattr(last, f) for f in _CUMULATIVE}
@@ -325,22 +372,29 @@ class Metrics:
         _observe_latest(
             self.grammar_compile_time.labels(name), stats.grammar_compile_seconds, delta["grammar_compiles"]
         )
-        self._last = stats
+        self._last[source] = stats
 
     # -- requests -----------------------------------------------------------------
 
     def observe_finished(
-        self, times: RequestTimes | None, prompt_tokens: int, generation_tokens: int, finish_reason: str | None
+        self,
+        times: RequestTimes | None,
+        prompt_tokens: int,
+        generation_tokens: int,
+        finish_reason: str | None,
+        model_name: str | None = None,
     ) -> None:
         """Latency histograms from the engine's own timestamps, for one finished request."""
-        name = self.model_name
+        name = model_name or self.model_name
         self.request_prompt_tokens.labels(name).observe(prompt_tokens)
         self.request_generation_tokens.labels(name).observe(generation_tokens)
-        self.observe_sample(times, finish_reason)
+        self.observe_sample(times, finish_reason, name)
 
-    def observe_sample(self, times: RequestTimes | None, finish_reason: str | None) -> None:
+    def observe_sample(
+        self, times: RequestTimes | None, finish_reason: str | None, model_name: str | None = None
+    ) -> None:
         """Outcome and latencies of one sample (n > 1 requests have several)."""
-        name = self.model_name
+        name = model_name or self.model_name
         self.request_success.labels(name, finish_reason or "abort").inc()
         if times is None:
             return
@@ -353,6 +407,26 @@ class Metrics:
             self.itl.labels(name).observe(max(0.0, later - earlier))
         if times.finished is not None:
             self.e2e.labels(name).observe(max(0.0, times.finished - times.arrival))
+
+    def observe_version(self, model_name: str, version: str, ok: bool, ttft: float | None, e2e: float | None) -> None:
+        """One finished request of a model version (per-version series for canaries)."""
+        self.version_requests.labels(model_name, version, "ok" if ok else "error").inc()
+        if ttft is not None:
+            self.version_ttft.labels(model_name, version).observe(max(0.0, ttft))
+        if e2e is not None:
+            self.version_e2e.labels(model_name, version).observe(max(0.0, e2e))
+
+    def set_model_versions(self, versions: list[tuple[str, str, str, str, str]]) -> None:
+        """The versions loaded now: (model_name, version, digest, path, status) each."""
+        self.model_version_info.clear()
+        for labels in versions:
+            self.model_version_info.labels(*labels).set(1)
+
+    def set_costs(self, costs: dict[str, dict[str, float]]) -> None:
+        self.cost_per_million.clear()
+        for model, kinds in costs.items():
+            for kind, dollars in kinds.items():
+                self.cost_per_million.labels(model, kind).set(dollars)
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(str(status)).inc()

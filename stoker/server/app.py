@@ -17,14 +17,15 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.config import EngineConfig
-from stoker.engine.client import AsyncEngineClient, EngineStartupError
-from stoker.engine.process import EngineInfo
+from stoker.engine.client import AsyncEngineClient
 from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
-from stoker.server.routes import embeddings, health, openai, tokens, workers
+from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
+from stoker.server.routes import embeddings, health, models, openai, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
+from stoker.server.structured import GrammarChecker
 
 logger = logging.getLogger("stoker.server")
 
@@ -117,29 +118,32 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
 
 
-async def load(state: ServerState, engine_config: EngineConfig, on_fatal: Callable[[str], None]) -> None:
-    """Start the engine and the embedding model; announce where we serve."""
+async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
+    """Start every model's engine and the embedding model; announce where we serve."""
     start = time.monotonic()
     try:
         # The front end's own loading (torch and transformers imports, the embedding
-        # model) runs while the engine process loads, not after it.
+        # model) runs while the engine processes load, not after them.
         front_end = asyncio.to_thread(_prepare_front_end, state)
-        info: EngineInfo
-        info, state.embedder = await asyncio.gather(state.engine.start(), front_end)
-    except (EngineStartupError, OSError, ValueError) as exc:
+        versions: list[ModelVersion]
+        versions, state.embedder = await asyncio.gather(state.fleet.start(), front_end)
+    except (FleetError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))
         return
-    state.served_model_name = engine_config.served_model_name or info.model_config.name
     state.loaded = True
     embedding = f", embeddings: {state.embedder.name}" if state.embedder else ""
-    print(
-        f"stoker: serving {state.served_model_name} ({engine_config.model or 'default model'}) on "
-        f"http://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
-        f"context {info.max_model_len}; engine loaded in {info.load_seconds:.1f} s, "
-        f"ready in {time.monotonic() - start:.1f} s",
-        flush=True,
-    )
+    for version in versions:
+        info = version.engine.info
+        assert info is not None
+        print(
+            f"stoker: serving {version.name} ({version.spec.path}, {version.digest}) on "
+            f"http://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
+            f"context {info.max_model_len}; engine loaded in {info.load_seconds:.1f} s, "
+            f"ready in {time.monotonic() - start:.1f} s",
+            flush=True,
+        )
+        embedding = ""
 
 
 def _prepare_front_end(state: ServerState) -> Any:
@@ -187,26 +191,38 @@ async def drain(state: ServerState, timeout: float) -> None:
     state.draining = True
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
-    while state.engine.num_in_flight and loop.time() < deadline:
+    while state.num_in_flight and loop.time() < deadline:
         await asyncio.sleep(0.05)
-    if state.engine.num_in_flight:
-        logger.warning("drain timeout: aborting %d requests", state.engine.num_in_flight)
-        state.engine.abort_all_soft()
+    if state.num_in_flight:
+        logger.warning("drain timeout: aborting %d requests", state.num_in_flight)
+        for engine in state.engines():
+            engine.abort_all_soft()
         grace = loop.time() + 5.0
-        while state.engine.num_in_flight and loop.time() < grace:
+        while state.num_in_flight and loop.time() < grace:
             await asyncio.sleep(0.02)
 
 
 def create_app(
     config: ServerConfig,
     engine_config: EngineConfig,
-    engine: AsyncEngineClient | None = None,
     on_fatal: Callable[[str], None] | None = None,
     extras: dict[str, Any] | None = None,
 ) -> FastAPI:
-    """extras: extension settings by key (e.g. "control_config"), read by their install()."""
-    engine = engine or AsyncEngineClient(engine_config, config.engine_core, config.engine_startup_timeout)
-    state = ServerState(config=config, engine=engine, extras=dict(extras or {}))
+    """extras: extension settings by key (e.g. "control_config"), read by their install().
+    FleetError when the model set cannot be served (bad path, digest syntax, fallback cycle)."""
+    specs, chains = plan_fleet(config, engine_config)
+    fleet = Fleet(
+        specs,
+        chains,
+        engine_config,
+        make_engine=lambda c: AsyncEngineClient(c, config.engine_core, config.engine_startup_timeout),
+        make_grammars=lambda tokenizer: GrammarChecker(
+            tokenizer, config.max_grammar_bytes, config.grammar_compile_timeout
+        ),
+        max_memory=config.max_model_memory,
+        drain_timeout=config.shutdown_timeout,
+    )
+    state = ServerState(config=config, fleet=fleet, extras=dict(extras or {}))
 
     def fatal(message: str) -> None:
         if on_fatal is None:
@@ -216,17 +232,17 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        loading = asyncio.create_task(load(state, engine_config, fatal))
+        loading = asyncio.create_task(load(state, fatal))
         yield
         loading.cancel()
         if state.embedder is not None:
             state.embedder.close()
-        await engine.shutdown()
+        await fleet.shutdown()
 
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.stoker = state
     install_error_handlers(app)
-    for router in (health.router, openai.router, embeddings.router, tokens.router, workers.router):
+    for router in (health.router, openai.router, embeddings.router, tokens.router, workers.router, models.router):
         app.include_router(router)
     for name in EXTENSIONS:
         try:

@@ -51,8 +51,26 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="YAML file of options (keys as the long option names, _ or -); env STOKER_CONFIG",
     )
-    add_model_options(parser, EngineConfig, "engine")
-    add_model_options(parser, ServerConfig, "server", skip=("embedding_model",))
+    add_model_options(parser, EngineConfig, "engine", skip=("model",))
+    add_model_options(parser, ServerConfig, "server", skip=("embedding_model", "models", "fallback"))
+    parser.add_argument(
+        "--model",
+        "--models",
+        dest="models",
+        action="append",
+        metavar="[NAME=]PATH[@sha256:DIGEST]",
+        default=argparse.SUPPRESS,
+        help="a model to serve (repeat for several, each in its own engine process): a GGUF file or Hugging Face "
+        "folder, named NAME (default: after the file), pinned to a digest if given (see docs/models.md)",
+    )
+    parser.add_argument(
+        "--fallback",
+        dest="fallback",
+        action="append",
+        metavar="MODEL=NEXT[,NEXT...]",
+        default=argparse.SUPPRESS,
+        help="who answers for MODEL when it is down, restarting or overloaded, in order (repeatable)",
+    )
     parser.add_argument(
         "--embedding-model",
         dest="embedding_model",
@@ -125,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         engine_config, server_config = resolve_configs(args)
         extras = resolve_extension_settings(args)
+        from stoker.server.fleet import plan_fleet
+
+        plan_fleet(server_config, engine_config)  # a bad model set is refused now, in one line
     except ValidationError as exc:
         for line in describe_validation_error(exc):
             print(f"stoker serve: {line}", file=sys.stderr)

@@ -17,7 +17,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
@@ -75,6 +75,17 @@ class ServerConfig(BaseModel):
     """Body of GET /get_load for the router in front: sglang-router reads [{"dp_rank": 0, "num_tokens": N}], vllm-router {"load": N}."""
     engine_core: str = "stoker.engine.core:EngineCore"
     """module:callable that builds the engine core from an EngineConfig (tests swap in a fake)."""
+    models: list[str] = Field(default_factory=list)
+    """Models to serve besides MODEL, each NAME=PATH[@sha256:DIGEST], each in its own engine process (repeat --model; a YAML list; env: separated by spaces)."""
+    fallback: list[str] = Field(default_factory=list)
+    """Fallback chains MODEL=NEXT[,NEXT...]: who answers when MODEL is down, restarting or overloaded (repeat --fallback; a YAML list; env: separated by spaces)."""
+    max_model_memory: ByteSize | None = None
+    """Memory all models together may hold (e.g. 8GiB); a model that would not fit is refused before it loads. None: no limit."""
+
+    @field_validator("models", "fallback", mode="before")
+    @classmethod
+    def _split_words(cls, value: Any) -> Any:
+        return value.split() if isinstance(value, str) else value
 
 
 def field_docs(cls: type[BaseModel]) -> dict[str, str]:

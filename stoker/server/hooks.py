@@ -10,7 +10,8 @@ request path, without the server knowing what they do.
   finished(record)           once per generation request, however it ended:
                              usage ledger, metrics, log line, trace.
   operator(request)          operations that change the server for every client
-                             (POST /flush_cache): authorise an operator. Raise to refuse.
+                             (POST /flush_cache, /admin/models): authorise an operator. Raise to refuse.
+  fallback(event)            a request served by a fallback model: count it.
 
 A stoker.errors.APIError raised by a hook becomes that HTTP response.
 """
@@ -53,6 +54,8 @@ class FinishedRecord:
     model: str
     status: int
     """HTTP status the client saw (200 for a stream that later failed; see error)."""
+    model_version: str | None = None
+    """The version of the model that served it ("v1", "v2", ...)."""
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -75,9 +78,20 @@ class FinishedRecord:
     an id still in flight; "-<i>" is appended per prompt when there are several."""
 
 
+@dataclass(frozen=True)
+class FallbackEvent:
+    asked: str
+    """The model the request named."""
+    served: str
+    """The model in its fallback chain that answered."""
+    reason: str
+    """"unavailable" (engine down, restarting, loading) or "overloaded" (its admission answered 503)."""
+
+
 BeforeHook = Callable[[Request], Awaitable[None]]
 AdmitHook = Callable[[Request, AdmissionInfo], Awaitable[None]]
 FinishedHook = Callable[[FinishedRecord], Any]
+FallbackHook = Callable[[FallbackEvent], Any]
 
 
 @dataclass
@@ -86,6 +100,7 @@ class ServerHooks:
     admit: list[AdmitHook] = field(default_factory=list)
     finished: list[FinishedHook] = field(default_factory=list)
     operator: list[BeforeHook] = field(default_factory=list)
+    fallback: list[FallbackHook] = field(default_factory=list)
 
     async def run_before(self, request: Request) -> None:
         for hook in self.before:
@@ -105,3 +120,10 @@ class ServerHooks:
                 hook(record)
             except Exception:  # a broken metric must never break a response
                 logger.exception("finished hook failed")
+
+    def run_fallback(self, event: FallbackEvent) -> None:
+        for hook in self.fallback:
+            try:
+                hook(event)
+            except Exception:
+                logger.exception("fallback hook failed")

@@ -20,11 +20,12 @@ from stoker.server.state import ServerState
 TAG = "x-stoker"
 
 
-def refine(schema: Any, vocab_size: int, max_model_len: int, model_name: str) -> None:
-    """Fill in the model's limits wherever a field is tagged, in place."""
+def refine(schema: Any, vocab_size: int, max_model_len: int, model_names: list[str]) -> None:
+    """Fill in the models' limits wherever a field is tagged, in place (with
+    several models: the widest of their limits)."""
     if isinstance(schema, list):
         for item in schema:
-            refine(item, vocab_size, max_model_len, model_name)
+            refine(item, vocab_size, max_model_len, model_names)
         return
     if not isinstance(schema, dict):
         return
@@ -34,22 +35,24 @@ def refine(schema: Any, vocab_size: int, max_model_len: int, model_name: str) ->
     elif tag == "max_tokens":
         schema["maximum"] = max(1, max_model_len - 1)
     elif tag == "model":
-        schema["enum"] = [model_name]
+        schema["enum"] = list(model_names)
     for value in schema.values():
-        refine(value, vocab_size, max_model_len, model_name)
+        refine(value, vocab_size, max_model_len, model_names)
 
 
 def install(app: FastAPI, state: ServerState) -> None:
     generate: Callable[[], dict[str, Any]] = app.openapi  # FastAPI's: builds once, then cached
-    refined = False
+    refined_for: list[str] = []
 
     def openapi() -> dict[str, Any]:
-        nonlocal refined
         schema = generate()
-        info = state.engine.info
-        if not refined and state.loaded and info is not None and state.served_model_name:
-            refine(schema, info.model_config.vocab_size, state.engine.max_model_len, state.served_model_name)
-            refined = True
+        names = state.fleet.names() if state.loaded else []
+        infos = [m.stable.engine.info for m in state.fleet.models.values()]
+        if names and names != refined_for and all(infos):  # again after a model is loaded or unloaded
+            vocab = max(i.model_config.vocab_size for i in infos if i)
+            context = max(i.max_model_len for i in infos if i)
+            refine(schema, vocab, context, names)
+            refined_for[:] = names
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -61,6 +61,8 @@ class Job:
     already in flight (a client reusing an X-Request-Id); set by run_job."""
     errors: set[str] = field(default_factory=set)
     """Engine errors seen on finished samples (e.g. "deadline")."""
+    version: str | None = None
+    """The model version that serves it ("v2"), for per-version metrics during a canary."""
 
     def __post_init__(self) -> None:
         n = self.params.n
@@ -98,6 +100,7 @@ class Job:
             request_id=self.request_id,
             endpoint=self.endpoint,
             model=self.model,
+            model_version=self.version,
             status=status,
             prompt_tokens=usage["prompt_tokens"],
             completion_tokens=usage["completion_tokens"],

@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 
 from stoker.engine.client import AsyncEngineClient
-from stoker.errors import APIError
 from stoker.server.config import ServerConfig
+from stoker.server.fleet import Fleet, ModelVersion, ServedModel
 from stoker.server.hooks import ServerHooks
 from stoker.server.protocol import unavailable
-from stoker.server.structured import GrammarChecker
 
 if TYPE_CHECKING:
     from stoker.models.embedding import EmbeddingBatcher
@@ -22,15 +21,13 @@ if TYPE_CHECKING:
 @dataclass
 class ServerState:
     config: ServerConfig
-    engine: AsyncEngineClient
-    served_model_name: str | None = None
-    """Set once the engine is loaded (the default comes from the model's file name)."""
+    fleet: Fleet
     embedder: EmbeddingBatcher | None = None
     embeddings_disabled: str | None = None
     """Why no embedding model is served although one was configured (its package is missing)."""
     hooks: ServerHooks = field(default_factory=ServerHooks)
     loaded: bool = False
-    """Engine loaded and warmed up once, embedding model loaded."""
+    """Every model loaded and warmed up once, embedding model loaded."""
     draining: bool = False
     startup_error: str | None = None
     started: float = field(default_factory=time.time)
@@ -38,46 +35,52 @@ class ServerState:
     """Room for control/observe objects (metrics registry, admission controller, ...)."""
     engine_ids_in_use: set[str] = field(default_factory=set)
     """Engine request ids (bases) of jobs in flight; see serving.run_job."""
-    _token_text: dict[int, str] = field(default_factory=dict)
-    _grammars: GrammarChecker | None = None
 
     @property
-    def grammars(self) -> GrammarChecker:
-        """Checks output constraints compile (built on the first constrained request)."""
-        if self._grammars is None:
-            self._grammars = GrammarChecker(
-                self.engine.tokenizer, self.config.max_grammar_bytes, self.config.grammar_compile_timeout
-            )
-        return self._grammars
+    def default_version(self) -> ModelVersion:
+        """The first model's serving version: what single-model routes
+        (/get_load's identity, /server_info, /flush_cache) describe."""
+        if self.fleet.models:
+            return self.fleet.default.stable
+        return self.fleet.initial[0]
+
+    @property
+    def engine(self) -> AsyncEngineClient:
+        return self.default_version.engine
+
+    @property
+    def served_model_name(self) -> str | None:
+        return self.fleet.default.name if self.loaded and self.fleet.models else None
+
+    def engines(self) -> list[AsyncEngineClient]:
+        """Every engine with requests to account for, retiring ones included."""
+        return [v.engine for v in self.fleet.versions()] or [v.engine for v in self.fleet.initial]
+
+    @property
+    def num_in_flight(self) -> int:
+        return sum(e.num_in_flight for e in self.engines())
 
     @property
     def ready(self) -> bool:
-        return self.loaded and self.engine.ready and not self.draining
+        return self.loaded and not self.draining and all(m.available for m in self.fleet.models.values())
 
     def check_accepting(self) -> None:
-        """503 unless new generation work can be taken right now."""
+        """503 unless the server takes new generation work at all (drain, start-up)."""
         if self.draining:
             raise unavailable("the server is shutting down")
         if not self.loaded:
             raise unavailable("the model is still loading")
-        if not self.engine.ready:
-            raise unavailable("the engine is restarting; please retry")
 
-    def check_model(self, name: str | None) -> str:
-        """The chat model's served name, or 404 for any other name."""
+    def resolve(self, name: str | None) -> ServedModel:
+        """The model a request names (404 listing the models for any other name)."""
         self.check_accepting()
-        assert self.served_model_name is not None
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-        return self.served_model_name
+        return self.fleet.resolve(name)
 
-    def token_text(self, token_id: int) -> str:
-        """A token's text for logprobs, cached: it never changes for a model."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
-            self._token_text[token_id] = text
-        return text
+    def version_for(self, name: str | None) -> ModelVersion:
+        """A ready version of the named model for a request without fallback (tokenize, ...)."""
+        model = self.resolve(name)
+        self.fleet.check_available(model)
+        return self.fleet.pick(model)
 
 
 def get_state(request: Request) -> ServerState:

@@ -33,9 +33,20 @@ async def ready(request: Request) -> StrictJSONResponse:
         "engine_alive": engine.ready,
         "engine_restarts": engine.restart_count,
         "engine_pid": engine.info.pid if engine.info and engine.ready else None,
-        "in_flight": engine.num_in_flight,
+        "in_flight": state.num_in_flight,
         "engine_stats": dataclasses.asdict(engine.stats()),
     }
+    if len(state.fleet.models) > 1 or state.fleet.retiring:
+        # Ready means every model can answer; this says which cannot.
+        body["models"] = {
+            m.name: {
+                "ready": m.available,
+                "engine_alive": m.stable.engine.ready,
+                "engine_restarts": m.stable.engine.restart_count,
+                "in_flight": sum(v.engine.num_in_flight for v in m.versions()),
+            }
+            for m in state.fleet.models.values()
+        }
     if state.startup_error:
         body["error"] = state.startup_error
     return StrictJSONResponse(body, status_code=200 if state.ready else 503)

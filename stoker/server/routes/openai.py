@@ -19,6 +19,8 @@ from stoker.engine.params import (
     TokenLogprob,
 )
 from stoker.errors import APIError
+from stoker.server.fallback import serve_from_chain
+from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo
 from stoker.server.protocol import (
     ChatCompletionRequest,
@@ -80,10 +82,10 @@ def sampling_params(
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
-def resolve_max_tokens(state: ServerState, prompts: list[list[int]], requested: int | None) -> int:
+def resolve_max_tokens(version: ModelVersion, prompts: list[list[int]], requested: int | None) -> int:
     """The per-sample token budget; 400 naming the numbers when it cannot fit the context."""
-    limit = state.engine.max_model_len
-    vocab = state.engine.info.model_config.vocab_size if state.engine.info else None
+    limit = version.max_model_len
+    vocab = version.vocab_size
     longest = 0
     for ids in prompts:
         if not ids:
@@ -120,6 +122,7 @@ def request_id_for(request: Request) -> str | None:
 async def run(
     request: Request,
     state: ServerState,
+    version: ModelVersion,
     job: Job,
     stream: bool,
     include_usage: bool,
@@ -129,6 +132,7 @@ async def run(
     fields: SamplingFields,
 ) -> Response:
     job.request_id = request_id_for(request) or job.request_id
+    job.version = version.label
     await state.hooks.run_admit(
         request,
         AdmissionInfo(
@@ -144,7 +148,7 @@ async def run(
     )
     job.priority = getattr(request.state, "priority", job.priority)
     job.deadline = getattr(request.state, "deadline", job.deadline)
-    events = run_job(state.engine, job, state.engine_ids_in_use)
+    events = run_job(version.engine, job, state.engine_ids_in_use)
     try:
         # Wait for the first delta before committing to a status, so early
         # failures (engine down, request rejected, deadline) are real HTTP errors.
@@ -227,12 +231,12 @@ def finite_logprob(value: float) -> float:
     return LOGPROB_FLOOR if value < LOGPROB_FLOOR else value
 
 
-def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
+def chat_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> dict[str, Any] | None:
     if items is None:
         return None
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = state.token_text(token_id)
+        text = version.token_text(token_id)
         return {"token": text, "logprob": finite_logprob(logprob), "bytes": list(text.encode())}
 
     return {
@@ -243,13 +247,19 @@ def chat_logprobs(state: ServerState, items: list[TokenLogprob] | None) -> dict[
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    model = state.check_model(body.model)
-    tokenizer = state.engine.tokenizer
+    return await serve_from_chain(state, body.model, lambda version: chat_attempt(body, request, state, version))
+
+
+async def chat_attempt(
+    body: ChatCompletionRequest, request: Request, state: ServerState, version: ModelVersion
+) -> Response:
+    model = version.name
+    tokenizer = version.tokenizer
     constraint = requested_constraint(body)
     plan = plan_tools(body, constraint)
     constraint = plan.constraint or constraint
     if constraint is not None:
-        await state.grammars.check(constraint)
+        await version.grammars.check(constraint)
     messages, template_kwargs = prepare_messages(
         [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
     )
@@ -257,7 +267,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
     except (ValueError, jinja2.TemplateError) as exc:
         raise bad_request(str(exc), param="messages") from None
-    max_tokens = resolve_max_tokens(state, [ids], body.max_completion_tokens or body.max_tokens)
+    max_tokens = resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
     job = Job("chat", model, [ids], params, [None])
@@ -317,7 +327,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         choice = {
             "index": d.index,
             "delta": delta,
-            "logprobs": chat_logprobs(state, d.new_logprobs),
+            "logprobs": chat_logprobs(version, d.new_logprobs),
             "finish_reason": d.finish_reason.value if d.finish_reason else None,
         }
         return [{**head, "choices": [choice], **({"usage": None} if include_usage else {})}]
@@ -330,7 +340,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                 {
                     "index": c.index,
                     "message": msg,
-                    "logprobs": chat_logprobs(state, c.logprobs),
+                    "logprobs": chat_logprobs(version, c.logprobs),
                     "finish_reason": finish,
                 }
             )
@@ -346,6 +356,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await run(
         request,
         state,
+        version,
         job,
         body.stream,
         include_usage,
@@ -371,10 +382,10 @@ def _reason(c: CompletionOutput) -> str | None:
 # ---- completions -----------------------------------------------------------
 
 
-def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
+def completion_logprobs(version: ModelVersion, items: list[TokenLogprob] | None, offset: int) -> dict[str, Any] | None:
     if items is None:
         return None
-    tokens = [state.token_text(i.token_id) for i in items]
+    tokens = [version.token_text(i.token_id) for i in items]
     offsets = []
     for token in tokens:
         offsets.append(offset)
@@ -382,13 +393,13 @@ def completion_logprobs(state: ServerState, items: list[TokenLogprob] | None, of
     return {
         "tokens": tokens,
         "token_logprobs": [finite_logprob(i.logprob) for i in items],
-        "top_logprobs": [{state.token_text(t): finite_logprob(lp) for t, lp in i.top} for i in items],
+        "top_logprobs": [{version.token_text(t): finite_logprob(lp) for t, lp in i.top} for i in items],
         "text_offset": offsets,
     }
 
 
 def echoed_logprobs(
-    state: ServerState,
+    version: ModelVersion,
     prompt_ids: list[int],
     scored: list[TokenLogprob | None] | None,
     generated: dict[str, Any] | None,
@@ -396,12 +407,12 @@ def echoed_logprobs(
     """OpenAI's echo + logprobs: the prompt tokens first (the first has no
     context: null), then the generated ones, offsets running on through both."""
     entries = scored if scored is not None else [None] * len(prompt_ids)
-    tokens = [state.token_text(t) for t in prompt_ids]
+    tokens = [version.token_text(t) for t in prompt_ids]
     offsets = list(itertools.accumulate(map(len, tokens), initial=0))
     out: dict[str, Any] = {
         "tokens": tokens,
         "token_logprobs": [e.logprob if e else None for e in entries],
-        "top_logprobs": [{state.token_text(t): lp for t, lp in e.top} if e else None for e in entries],
+        "top_logprobs": [{version.token_text(t): lp for t, lp in e.top} if e else None for e in entries],
         "text_offset": offsets[:-1],
     }
     if generated is not None:
@@ -412,7 +423,7 @@ def echoed_logprobs(
 
 
 def vllm_prompt_logprobs(
-    state: ServerState, prompt_ids: list[int], scored: list[TokenLogprob | None] | None
+    version: ModelVersion, prompt_ids: list[int], scored: list[TokenLogprob | None] | None
 ) -> list[dict[int, dict[str, Any]] | None] | None:
     """vLLM's prompt_logprobs: per prompt token, None first, then token id ->
     {logprob, rank, decoded_token} for the token itself and the top alternatives."""
@@ -423,9 +434,9 @@ def vllm_prompt_logprobs(
         if e is None:
             out.append(None)
             continue
-        entry = {token_id: {"logprob": e.logprob, "rank": e.rank, "decoded_token": state.token_text(token_id)}}
+        entry = {token_id: {"logprob": e.logprob, "rank": e.rank, "decoded_token": version.token_text(token_id)}}
         for rank, (t, lp) in enumerate(e.top, start=1):
-            entry.setdefault(t, {"logprob": lp, "rank": rank, "decoded_token": state.token_text(t)})
+            entry.setdefault(t, {"logprob": lp, "rank": rank, "decoded_token": version.token_text(t)})
         out.append(entry)
     return out
 
@@ -433,13 +444,19 @@ def vllm_prompt_logprobs(
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
-    model = state.check_model(body.model)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens 0 needs echo: true (the answer is then the prompt alone)", param="max_tokens")
+    return await serve_from_chain(state, body.model, lambda version: completion_attempt(body, request, state, version))
+
+
+async def completion_attempt(
+    body: CompletionRequest, request: Request, state: ServerState, version: ModelVersion
+) -> Response:
+    model = version.name
     constraint = requested_constraint(body)
     if constraint is not None:
-        await state.grammars.check(constraint)
-    tokenizer = state.engine.tokenizer
+        await version.grammars.check(constraint)
+    tokenizer = version.tokenizer
     prompts: list[list[int]] = []
     texts: list[str | None] = []
     for prompt in flatten_prompts(body.prompt):
@@ -449,7 +466,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         else:
             prompts.append(list(prompt))
             texts.append(None)
-    max_tokens = resolve_max_tokens(state, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
+    max_tokens = resolve_max_tokens(version, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
     if body.echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     # echo + logprobs scores the prompt too: the engine's prompt_logprobs, at the larger top-N asked for.
@@ -463,9 +480,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     def add_prompt_scores(choice: dict[str, Any], p: int, generated: dict[str, Any] | None) -> None:
         scored = job.outputs[p].prompt_logprobs
         if body.echo and body.logprobs is not None:
-            choice["logprobs"] = echoed_logprobs(state, job.prompts[p], scored, generated)
+            choice["logprobs"] = echoed_logprobs(version, job.prompts[p], scored, generated)
         if body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(state, job.prompts[p], scored)
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(version, job.prompts[p], scored)
 
     def render_delta(job: Job, p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
         index = job.choice_index(p, d.index)
@@ -477,7 +494,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
             text = (job.prompt_texts[p] or "") + text
         offset = text_len.get(index, 0)
         text_len[index] = offset + len(text)
-        logprobs = completion_logprobs(state, d.new_logprobs, offset)
+        logprobs = completion_logprobs(version, d.new_logprobs, offset)
         choice = {
             "index": index,
             "text": text,
@@ -493,7 +510,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         for p, out in enumerate(job.outputs):
             prefix = (job.prompt_texts[p] or "") if body.echo else ""
             for c in out.outputs:
-                logprobs = completion_logprobs(state, c.logprobs, 0)
+                logprobs = completion_logprobs(version, c.logprobs, 0)
                 choice = {
                     "index": job.choice_index(p, c.index),
                     "text": prefix + c.text,
@@ -512,7 +529,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         }
 
     return await run(
-        request, state, job, body.stream, include_usage, render_delta, render_final, "text_completion", body
+        request, state, version, job, body.stream, include_usage, render_delta, render_final, "text_completion", body
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jinja2
@@ -15,18 +16,29 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    """OpenAI's model list, plus vLLM's root/max_model_len and the version in use:
+    its digest (the pin operators compare) and, during a canary, the canary's."""
     state = get_state(request)
     data = []
-    if state.served_model_name is not None and state.engine.info is not None:
-        data.append(
-            {
-                "id": state.served_model_name,
-                "object": "model",
-                "created": int(state.started),
-                "owned_by": "stoker",
-                "max_model_len": state.engine.max_model_len,
+    for model in state.fleet.models.values() if state.loaded else []:
+        stable = model.stable
+        entry: dict[str, Any] = {
+            "id": model.name,
+            "object": "model",
+            "created": int(stable.ready_at or state.started),
+            "owned_by": "stoker",
+            "root": os.path.abspath(stable.spec.path),
+            "max_model_len": stable.engine.info.max_model_len if stable.engine.info else None,
+            "version": stable.label,
+            "digest": stable.digest,
+        }
+        if model.canary is not None:
+            entry["canary"] = {
+                "version": model.canary.label,
+                "digest": model.canary.digest,
+                "percent": model.canary_percent,
             }
-        )
+        data.append(entry)
     if state.embedder is not None:
         data.append(
             {
@@ -42,9 +54,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    state.check_model(body.model)
-    tokenizer = state.engine.tokenizer
+    version = get_state(request).version_for(body.model)
+    tokenizer = version.tokenizer
     if isinstance(body, TokenizeChatRequest):
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
@@ -55,14 +66,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             raise bad_request(str(exc), param="messages") from None
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.engine.max_model_len}
+    return {"tokens": tokens, "count": len(tokens), "max_model_len": version.max_model_len}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    state = get_state(request)
-    state.check_model(body.model)
-    vocab = state.engine.info.model_config.vocab_size if state.engine.info else 0
+    version = get_state(request).version_for(body.model)
+    vocab = version.vocab_size or 0
     if any(t >= vocab for t in body.tokens):
         raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    return {"prompt": version.tokenizer.decode(body.tokens)}

@@ -37,15 +37,15 @@ def load_tokens(stats: EngineStats) -> int:
 async def get_load(request: Request) -> Any:
     """Polled by power-of-two routing (sglang-router every 30 s, vllm-router every 5 s)."""
     state = get_state(request)
-    stats = state.engine.stats()
-    tokens = load_tokens(stats)
+    every = [e.stats() for e in state.engines()]
+    tokens = sum(load_tokens(s) for s in every)
     if state.config.get_load_format == "vllm":
         return {"load": tokens}
     return [
         {
             "dp_rank": 0,
-            "num_reqs": stats.num_running + stats.num_waiting,
-            "num_waiting_reqs": stats.num_waiting,
+            "num_reqs": sum(s.num_running + s.num_waiting for s in every),
+            "num_waiting_reqs": sum(s.num_waiting for s in every),
             "num_tokens": tokens,
         }
     ]

@@ -1,0 +1,604 @@
+"""The models a server holds: one supervised engine process per model version.
+
+    stoker serve --model big=/m/qwen.gguf@sha256:... --model small=/m/smol.gguf --fallback big=small
+
+A *model* is a name clients send in `model`; a *version* is one loaded copy
+of a file under that name, with its own engine process and KV cache. A model
+has a stable version and, during a canary, a second one taking a share of new
+requests. A hot swap loads the new version beside the old one, moves new
+requests to it once it is warm, and retires the old one: it stops taking
+requests, its requests in flight finish, then its process ends. Requests
+never see a half-loaded version, so a swap fails no request, and a failed
+load leaves the old version serving.
+
+Fallback chains (`--fallback big=small,tiny`) name the models that answer
+when a model is unavailable (engine down or restarting, still loading) or
+overloaded (its admission answers 503); the routes walk the chain, the fleet
+only knows it and checks it (no unknown model, no cycle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from stoker.config import EngineConfig, default_model_path
+from stoker.engine.client import AsyncEngineClient, EngineStartupError
+from stoker.errors import APIError
+from stoker.models.digest import check_digest_syntax, model_digest
+from stoker.models.loader import model_name
+from stoker.server.config import ServerConfig
+from stoker.server.protocol import unavailable
+from stoker.server.structured import GrammarChecker
+
+log = logging.getLogger("stoker.server")
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
+ENGINE_RUNTIME_BYTES = 400 << 20
+"""What an engine process holds besides its weights (torch, the tokenizer, a
+default-sized KV cache): the default 135M model's engine measured 380-400 MB
+resident above its 91 MB file on Zen 4. The memory budget's estimate for a
+model not yet loaded is its weights on disk plus this."""
+
+VersionStatus = Literal["loading", "serving", "canary", "draining", "unloaded", "failed"]
+
+
+class FleetError(ValueError):
+    """A model set or admin call that cannot be served, in one line. The admin
+    API answers it with `status` (400: the call is wrong; 409: it conflicts
+    with what is loaded, e.g. memory or a load in progress)."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str
+    """A GGUF file or a Hugging Face folder (the bundled default model's path when none was given)."""
+    digest: str | None = None
+    """"sha256:<hex>" the files must have (stoker.models.digest), or None: not pinned."""
+    named: bool = True
+    """False for a bare path: the name is then the model's own (its config's), known once loaded."""
+
+
+def parse_model_spec(text: str) -> ModelSpec:
+    """NAME=PATH[@sha256:HEX], or PATH[@sha256:HEX] named after the file. FleetError if malformed."""
+    text = text.strip()
+    name, sep, rest = text.partition("=")
+    if not sep or os.path.exists(text.rpartition("@sha256:")[0] or text):
+        name, rest = "", text  # a bare path (which may itself hold "=")
+    path, at, digest = rest.rpartition("@sha256:")
+    if not at:
+        path, digest = rest, ""
+    if not path:
+        raise FleetError(f"--model {text!r}: no path; expected NAME=PATH[@sha256:DIGEST]")
+    pinned = None
+    if at:
+        try:
+            pinned = check_digest_syntax("sha256:" + digest)
+        except ValueError as exc:
+            raise FleetError(f"--model {text!r}: {exc}") from None
+    if not os.path.exists(path):
+        raise FleetError(f"--model {text!r}: no model at {path} (no such file or folder)")
+    if name:
+        check_name(name)
+        return ModelSpec(name, path, pinned)
+    return ModelSpec(model_name(path), path, pinned, named=False)
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise FleetError(
+            f"model name {name!r}: use letters, digits and . _ : / + - (at most 128, starting with a letter or digit)"
+        )
+    return name
+
+
+def parse_fallbacks(entries: list[str]) -> dict[str, list[str]]:
+    """["big=small,tiny", ...] -> {"big": ["small", "tiny"]}; FleetError if malformed."""
+    chains: dict[str, list[str]] = {}
+    for entry in entries:
+        head, sep, tail = entry.partition("=")
+        targets = [t.strip() for t in tail.split(",") if t.strip()]
+        if not sep or not head.strip() or not targets:
+            raise FleetError(f"--fallback {entry!r}: expected MODEL=FALLBACK[,FALLBACK...]")
+        if head.strip() in chains:
+            raise FleetError(f"--fallback {entry!r}: {head.strip()} already has a fallback chain")
+        chains[head.strip()] = targets
+    return chains
+
+
+def check_fallbacks(names: list[str], chains: dict[str, list[str]]) -> None:
+    """Every model named exists, no model falls back to itself, no cycle."""
+    known = set(names)
+    for head, targets in chains.items():
+        for name in [head, *targets]:
+            if name not in known:
+                raise FleetError(
+                    f"--fallback {head}={','.join(targets)}: unknown model {name!r} (models: {_list(names)})"
+                )
+        if head in targets or len(set(targets)) != len(targets):
+            raise FleetError(f"--fallback {head}={','.join(targets)}: a chain names each model once, not itself")
+    for start in chains:  # follow first fallbacks: a chain of chains must end
+        seen = [start]
+        for nxt in chains.get(start, []):
+            path = _cycle_from(nxt, chains, seen)
+            if path:
+                raise FleetError(f"--fallback: cycle {' -> '.join(path)}")
+
+
+def _cycle_from(name: str, chains: dict[str, list[str]], seen: list[str]) -> list[str] | None:
+    if name in seen:
+        return [*seen, name]
+    for nxt in chains.get(name, []):
+        found = _cycle_from(nxt, chains, [*seen, name])
+        if found:
+            return found
+    return None
+
+
+def _list(names: list[str]) -> str:
+    return ", ".join(names) or "none"
+
+
+def plan_models(model: str | None, extra: list[str], served_model_name: str | None) -> list[ModelSpec]:
+    """The models `stoker serve` loads: the positional MODEL (or the bundled
+    default when nothing is named) and each --model. FleetError on a bad entry
+    or a duplicate name."""
+    specs: list[ModelSpec] = []
+    if model is not None or not extra:
+        path = model if model is not None else default_model_path()
+        if not os.path.exists(path):
+            raise FleetError(f"no model at {path} (no such file or folder)")
+        spec = parse_model_spec(path)
+        specs.append(ModelSpec(check_name(served_model_name), spec.path, spec.digest) if served_model_name else spec)
+    specs += [parse_model_spec(text) for text in extra]
+    if served_model_name and len(specs) == 1 and specs[0].name != served_model_name:
+        specs[0] = ModelSpec(check_name(served_model_name), specs[0].path, specs[0].digest)
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name in seen:
+            raise FleetError(f"two models are named {spec.name!r}; name them apart with --model NAME=PATH")
+        seen.add(spec.name)
+    return specs
+
+
+def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSpec], dict[str, list[str]]]:
+    """The models and fallback chains a server's options ask for; FleetError (one line) if they cannot be."""
+    specs = plan_models(engine.model, server.models, engine.served_model_name)
+    chains = parse_fallbacks(server.fallback)
+    check_fallbacks([s.name for s in specs], chains)
+    return specs, chains
+
+
+def weight_bytes(path: str) -> int:
+    """Bytes of a model's weights on disk (a GGUF file, or a folder's weight files)."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
+    return total
+
+
+def resident_bytes(pid: int) -> int | None:
+    """A process's resident memory (Linux /proc), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One loaded copy of a model file: an engine process and what the routes need from it."""
+
+    name: str
+    number: int
+    spec: ModelSpec
+    engine: AsyncEngineClient
+    make_grammars: Callable[[Any], GrammarChecker]
+    """Builds the grammar checker for this version's tokenizer (on its first constrained request)."""
+    digest: str | None = None
+    """The files' digest, computed at load (whether or not it was pinned)."""
+    status: VersionStatus = "loading"
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    ready_at: float | None = None
+    holds: int = 0
+    """Requests routed to this version that may not have reached its engine
+    yet (tokenizing, in admission): a retiring version waits for them too."""
+    _token_text: dict[int, str] = field(default_factory=dict)
+    _grammars: GrammarChecker | None = None
+
+    @property
+    def grammars(self) -> GrammarChecker:
+        """Checks output constraints compile against this version's tokenizer."""
+        if self._grammars is None:
+            self._grammars = self.make_grammars(self.tokenizer)
+        return self._grammars
+
+    @property
+    def label(self) -> str:
+        return f"v{self.number}"
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def ready(self) -> bool:
+        return self.status in ("serving", "canary") and self.engine.ready
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.engine.info.model_config.vocab_size if self.engine.info else None
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs, cached: it never changes for a version."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_text[token_id] = text
+        return text
+
+    def memory_bytes(self) -> int | None:
+        info = self.engine.info
+        return resident_bytes(info.pid) if info is not None and self.engine.ready else None
+
+    def describe(self) -> dict[str, Any]:
+        info = self.engine.info
+        return {
+            "version": self.label,
+            "path": os.path.abspath(self.spec.path),
+            "digest": self.digest,
+            "status": self.status,
+            "ready": self.ready,
+            "engine_pid": info.pid if info and self.engine.ready else None,
+            "engine_restarts": self.engine.restart_count,
+            "in_flight": self.engine.num_in_flight,
+            "memory_bytes": self.memory_bytes(),
+            "max_model_len": info.max_model_len if info else None,
+            "kv_capacity_tokens": info.kv_capacity_tokens if info else None,
+            "created": int(self.created),
+            "error": self.error,
+        }
+
+
+@dataclass(eq=False)
+class ServedModel:
+    """A name clients use: its stable version and, during a canary, a second one."""
+
+    name: str
+    stable: ModelVersion
+    canary: ModelVersion | None = None
+    canary_percent: float = 0.0
+    loading: ModelVersion | None = None
+    """A version being loaded by an admin call (at most one at a time)."""
+    _credit: float = 0.0
+
+    def pick(self) -> ModelVersion:
+        """The version for a new request. The canary's share is dealt out
+        evenly (each request adds the percent to a credit; 100 sends one to
+        the canary), so over any N requests it gets its share to within one."""
+        canary = self.canary
+        if canary is not None and canary.ready:
+            self._credit += self.canary_percent  # in percent: whole percents add up exactly
+            if self._credit >= 100.0 or not self.stable.ready:
+                self._credit = max(0.0, self._credit - 100.0)
+                return canary
+        return self.stable
+
+    @property
+    def available(self) -> bool:
+        return self.stable.ready or (self.canary is not None and self.canary.ready)
+
+    def versions(self) -> list[ModelVersion]:
+        return [v for v in (self.stable, self.canary, self.loading) if v is not None]
+
+
+class Fleet:
+    def __init__(
+        self,
+        specs: list[ModelSpec],
+        fallbacks: dict[str, list[str]],
+        base_config: EngineConfig,
+        make_engine: Callable[[EngineConfig], AsyncEngineClient],
+        make_grammars: Callable[[Any], GrammarChecker],
+        max_memory: int | None = None,
+        drain_timeout: float = 30.0,
+    ) -> None:
+        check_fallbacks([s.name for s in specs], fallbacks)
+        self.base_config = base_config
+        self.fallbacks = fallbacks
+        self.max_memory = max_memory
+        self.drain_timeout = drain_timeout
+        self._make_engine = make_engine
+        self._make_grammars = make_grammars
+        self._numbers: dict[str, int] = {}
+        self._initial = [self._new_version(spec) for spec in specs]
+        self.models: dict[str, ServedModel] = {}
+        self.retiring: list[ModelVersion] = []
+        self._lock = asyncio.Lock()  # one admin change at a time
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # ---- versions ------------------------------------------------------------
+
+    def _new_version(self, spec: ModelSpec) -> ModelVersion:
+        number = self._numbers.get(spec.name, 0) + 1
+        self._numbers[spec.name] = number
+        update: dict[str, Any] = {"model": spec.path, "served_model_name": spec.name if spec.named else None}
+        config = self.base_config.model_copy(update=update)
+        return ModelVersion(spec.name, number, spec, self._make_engine(config), self._make_grammars)
+
+    async def _load(self, version: ModelVersion, others: list[ModelVersion]) -> None:
+        """Digest check, memory check, engine start. FleetError (one line) when it cannot serve."""
+        spec = version.spec
+        try:
+            version.digest, size = await asyncio.to_thread(lambda: (model_digest(spec.path), weight_bytes(spec.path)))
+        except (OSError, ValueError) as exc:
+            raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
+        if spec.digest is not None and version.digest != spec.digest:
+            raise FleetError(
+                f"model {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {version.digest}"
+            )
+        if self.max_memory is not None:
+            held = sum(v.memory_bytes() or weight_bytes(v.spec.path) + ENGINE_RUNTIME_BYTES for v in others)
+            wanted = size + ENGINE_RUNTIME_BYTES
+            if held + wanted > self.max_memory:
+                raise FleetError(
+                    f"model {spec.name}: needs about {_mb(wanted)} (weights {_mb(size)} + engine runtime); "
+                    f"{_mb(held)} of the {_mb(self.max_memory)} --max-model-memory is held by the models loaded",
+                    409,
+                    "insufficient_memory",
+                )
+        try:
+            await version.engine.start()
+        except (EngineStartupError, OSError, ValueError) as exc:
+            raise FleetError(f"model {spec.name} ({spec.path}): {exc}") from None
+        version.ready_at = time.time()
+
+    async def start(self) -> list[ModelVersion]:
+        """Load every model given at start, concurrently. FleetError: nothing serves."""
+        loaded: list[ModelVersion] = []
+        for version in self._initial:  # memory is checked in order, against the ones before
+            version.status = "loading"
+        results = await asyncio.gather(
+            *(self._load(v, self._initial[:i]) for i, v in enumerate(self._initial)), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await asyncio.gather(*(v.engine.shutdown() for v in self._initial), return_exceptions=True)
+            first = errors[0]
+            if isinstance(first, FleetError):
+                raise first
+            raise FleetError(str(first)) from first
+        for version in self._initial:
+            info = version.engine.info
+            if not version.spec.named and info is not None and info.model_config.name != version.name:
+                version.name = info.model_config.name  # what the engine calls it (a test core, a renamed file)
+            if version.name in self.models:
+                await asyncio.gather(*(v.engine.shutdown() for v in self._initial), return_exceptions=True)
+                raise FleetError(f"two models are named {version.name!r}; name them apart with --model NAME=PATH")
+            version.status = "serving"
+            self.models[version.name] = ServedModel(version.name, version)
+            loaded.append(version)
+        return loaded
+
+    def versions(self) -> list[ModelVersion]:
+        """Every version with an engine: serving, canary, loading and draining ones."""
+        return [v for m in self.models.values() for v in m.versions()] + list(self.retiring)
+
+    @property
+    def default(self) -> ServedModel:
+        return next(iter(self.models.values()))
+
+    @property
+    def initial(self) -> list[ModelVersion]:
+        return list(self._initial)
+
+    # ---- routing -------------------------------------------------------------
+
+    def names(self) -> list[str]:
+        return list(self.models)
+
+    def resolve(self, name: str | None) -> ServedModel:
+        """The model a request names (None: the first one); 404 listing what exists."""
+        if name is None:
+            return self.default
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(
+                404,
+                f"The model `{name}` does not exist. Models served here: {_list(self.names())}.",
+                param="model",
+                code="model_not_found",
+            )
+        return model
+
+    def chain(self, name: str | None) -> list[ServedModel]:
+        """The model and its fallbacks that are currently loaded, in order."""
+        first = self.resolve(name)
+        rest = [self.models[n] for n in self.fallbacks.get(first.name, []) if n in self.models]
+        return [first, *rest]
+
+    def pick(self, model: ServedModel) -> ModelVersion:
+        return model.pick()
+
+    def check_available(self, model: ServedModel) -> None:
+        """503 unless the model can take a request now."""
+        if not model.available:
+            version = model.stable
+            if version.status == "loading":
+                raise unavailable(f"the model {model.name} is still loading")
+            raise unavailable(f"the engine of model {model.name} is restarting; please retry")
+
+    # ---- admin ---------------------------------------------------------------
+
+    async def load(self, spec: ModelSpec, canary_percent: float | None = None) -> ModelVersion:
+        """Load a new model, or a new version of one beside the old. With
+        canary_percent the new version takes that share of new requests (the
+        old stays stable); without, it replaces the old, which drains. A
+        failure changes nothing that serves (FleetError)."""
+        existing = self.models.get(spec.name)
+        if existing is None and canary_percent is not None:
+            raise FleetError(f"model {spec.name} is not loaded: a canary needs a stable version to share traffic with")
+        if self._lock.locked():
+            raise FleetError("another model is loading; try again when it is done", 409, "load_in_progress")
+        async with self._lock:
+            version = self._new_version(spec)
+            if existing is not None:
+                existing.loading = version
+            try:
+                others = [v for v in self.versions() if v is not version]
+                await self._load(version, others)
+            except FleetError as exc:
+                version.status, version.error = "failed", str(exc)
+                if existing is not None:
+                    existing.loading = None
+                await version.engine.shutdown()
+                raise
+            if existing is None:
+                version.status = "serving"
+                self.models[spec.name] = ServedModel(spec.name, version)
+                self.fallbacks.setdefault(spec.name, [])
+                if not self.fallbacks[spec.name]:
+                    del self.fallbacks[spec.name]
+                log.info("model %s %s loaded from %s (%s)", spec.name, version.label, spec.path, version.digest)
+                return version
+            existing.loading = None
+            if canary_percent is not None:
+                if existing.canary is not None:
+                    self._retire(existing.canary)
+                version.status = "canary"
+                existing.canary, existing.canary_percent = version, canary_percent
+                log.info("model %s: canary %s takes %.1f%% (%s)", spec.name, version.label, canary_percent, spec.path)
+                return version
+            old = [existing.stable, *([existing.canary] if existing.canary else [])]
+            version.status = "serving"
+            existing.stable, existing.canary, existing.canary_percent = version, None, 0.0
+            for v in old:
+                self._retire(v)
+            log.info("model %s: %s now serves (%s); the old version drains", spec.name, version.label, spec.path)
+            return version
+
+    def promote(self, name: str) -> ModelVersion:
+        model = self._model(name)
+        if model.canary is None:
+            raise FleetError(f"model {name} has no canary to promote", 409)
+        old, model.stable = model.stable, model.canary
+        model.stable.status = "serving"
+        model.canary, model.canary_percent = None, 0.0
+        self._retire(old)
+        log.info("model %s: canary %s promoted", name, model.stable.label)
+        return model.stable
+
+    def rollback(self, name: str) -> ModelVersion:
+        model = self._model(name)
+        if model.canary is None:
+            raise FleetError(f"model {name} has no canary to roll back", 409)
+        canary, model.canary, model.canary_percent = model.canary, None, 0.0
+        self._retire(canary)
+        log.info("model %s: canary %s rolled back", name, canary.label)
+        return model.stable
+
+    def set_canary_percent(self, name: str, percent: float) -> None:
+        model = self._model(name)
+        if model.canary is None:
+            raise FleetError(f"model {name} has no canary", 409)
+        model.canary_percent = percent
+
+    def unload(self, name: str) -> list[ModelVersion]:
+        """Stop routing to a model; its versions drain and end. Fallback chains lose it."""
+        model = self._model(name)
+        if len(self.models) == 1:
+            raise FleetError(f"model {name} is the only model served; load another before unloading it", 409)
+        for head, chain in list(self.fallbacks.items()):
+            if head == name:
+                del self.fallbacks[head]
+            elif name in chain:
+                chain.remove(name)
+                if not chain:
+                    del self.fallbacks[head]
+        del self.models[name]
+        versions = [model.stable, *([model.canary] if model.canary else [])]
+        for version in versions:
+            self._retire(version)
+        log.info("model %s unloaded; its requests in flight finish first", name)
+        return versions
+
+    def _model(self, name: str) -> ServedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise APIError(404, f"model {name} is not loaded (models: {_list(self.names())})", code="model_not_found")
+        return model
+
+    def _retire(self, version: ModelVersion) -> None:
+        version.status = "draining"
+        self.retiring.append(version)
+        task = asyncio.create_task(self._drain(version))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _drain(self, version: ModelVersion) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.drain_timeout
+        while (version.engine.num_in_flight or version.holds) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if version.engine.num_in_flight:
+            log.warning(
+                "model %s %s: drain timeout, aborting %d", version.name, version.label, version.engine.num_in_flight
+            )
+            version.engine.abort_all_soft()
+            await asyncio.sleep(1.0)
+        await version.engine.shutdown()
+        version.status = "unloaded"
+        self.retiring.remove(version)
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        engines = {id(v.engine): v.engine for v in [*self._initial, *self.versions()]}
+        await asyncio.gather(*(e.shutdown() for e in engines.values()), return_exceptions=True)
+
+    def describe(self) -> list[dict[str, Any]]:
+        out = []
+        for model in self.models.values():
+            out.append(
+                {
+                    "name": model.name,
+                    "stable": model.stable.describe(),
+                    "canary": model.canary.describe() if model.canary else None,
+                    "canary_percent": model.canary_percent,
+                    "loading": model.loading.describe() if model.loading else None,
+                    "fallbacks": list(self.fallbacks.get(model.name, [])),
+                }
+            )
+        return out
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.0f} MB"

@@ -1,0 +1,134 @@
+"""/admin/models: load, swap, canary and unload models on a running server.
+
+    GET    /admin/models                       models, versions, state, memory
+    POST   /admin/models                       {"name", "path", "digest"?, "canary_percent"?}
+    POST   /admin/models/{name}/promote        the canary becomes the stable version
+    POST   /admin/models/{name}/rollback       the canary is dropped
+    PUT    /admin/models/{name}/canary         {"percent"}: change the canary's share
+    DELETE /admin/models/{name}                drain and unload
+
+Each takes an operator (an admin key once keys exist, as /admin/keys). A
+call that fails changes nothing that serves; the load itself runs as long
+as the engine takes to start (seconds for small models), and the call
+answers when the new version serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from stoker.errors import APIError
+from stoker.models.digest import check_digest_syntax
+from stoker.server.fleet import FleetError, ModelSpec, check_name
+from stoker.server.state import ServerState, get_state
+
+router = APIRouter(prefix="/admin/models", tags=["admin"])
+
+
+class LoadModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=128)
+    """The name clients send; an existing name gets a new version (a swap, or a canary)."""
+    path: str = Field(min_length=1)
+    """GGUF file or Hugging Face folder, as the server's machine sees it."""
+    digest: str | None = None
+    """sha256:<hex> the files must have; the load is refused otherwise."""
+    canary_percent: float | None = Field(None, ge=0, le=100)
+    """Load beside the stable version and give it this share of new requests."""
+
+
+class CanaryShare(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    percent: float = Field(ge=0, le=100)
+
+
+async def _operator(request: Request) -> ServerState:
+    state = get_state(request)
+    await state.hooks.run_operator(request)
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type="service_unavailable", code="draining")
+    if not state.loaded:
+        raise APIError(503, "the server is still loading its models", type="service_unavailable", retry_after=1)
+    return state
+
+
+def _listing(state: ServerState) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": state.fleet.describe(),
+        "retiring": [v.describe() | {"name": v.name} for v in state.fleet.retiring],
+        "max_model_memory": state.fleet.max_memory,
+    }
+
+
+def _bad(exc: FleetError) -> APIError:
+    return APIError(exc.status, str(exc), code=exc.code)
+
+
+@router.get("")
+async def list_models(request: Request) -> dict[str, Any]:
+    return _listing(await _operator(request))
+
+
+@router.post("")
+async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
+    state = await _operator(request)
+    try:
+        name = check_name(body.name)
+        digest = check_digest_syntax(body.digest) if body.digest is not None else None
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="name" if "name" in str(exc) else "digest") from None
+    if not await asyncio.to_thread(os.path.exists, body.path):
+        raise APIError(400, f"no model at {body.path} (no such file or folder)", param="path")
+    try:
+        version = await state.fleet.load(ModelSpec(name, body.path, digest), body.canary_percent)
+    except FleetError as exc:
+        raise _bad(exc) from None
+    return {"name": version.name, **version.describe()}
+
+
+@router.post("/{name}/promote")
+async def promote(name: str, request: Request) -> dict[str, Any]:
+    state = await _operator(request)
+    try:
+        version = state.fleet.promote(name)
+    except FleetError as exc:
+        raise _bad(exc) from None
+    return {"name": name, **version.describe()}
+
+
+@router.post("/{name}/rollback")
+async def rollback(name: str, request: Request) -> dict[str, Any]:
+    state = await _operator(request)
+    try:
+        version = state.fleet.rollback(name)
+    except FleetError as exc:
+        raise _bad(exc) from None
+    return {"name": name, **version.describe()}
+
+
+@router.put("/{name}/canary")
+async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[str, Any]:
+    state = await _operator(request)
+    try:
+        state.fleet.set_canary_percent(name, body.percent)
+    except FleetError as exc:
+        raise _bad(exc) from None
+    return _listing(state)
+
+
+@router.delete("/{name}")
+async def unload(name: str, request: Request) -> dict[str, Any]:
+    state = await _operator(request)
+    try:
+        versions = state.fleet.unload(name)
+    except FleetError as exc:
+        raise _bad(exc) from None
+    return {"name": name, "unloaded": [v.label for v in versions], "draining": True}
