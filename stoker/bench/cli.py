@@ -102,6 +102,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     add_soak_arguments(p)
     g = p.add_argument_group("output")
+    g.add_argument(
+        "--cost-per-hour",
+        type=float,
+        default=None,
+        metavar="DOLLARS",
+        help="machine price: report $ per 1M output (and total) tokens at the measured throughput",
+    )
     g.add_argument("--slo", default=None, help="goodput SLO, e.g. ttft=500ms,tpot=100ms (e2e too)")
     g.add_argument("--out", default=None, metavar="DIR", help="write results.json, report.md and PNG plots here")
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
@@ -291,6 +298,13 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         with progress:
             runs = await serve.run_bench(cfg, workload, on_done, on_run, slo=slo)
     merged = stats.merge_repetitions(runs, slo)
+    from stoker.observe.cost import cost_per_million
+
+    if args.cost_per_hour is not None:
+        for m in merged:
+            s = m["summary"]
+            s["cost_per_million_output"] = cost_per_million(args.cost_per_hour, s["output_tok_s"] or 0.0)
+            s["cost_per_million_total"] = cost_per_million(args.cost_per_hour, s["total_tok_s"] or 0.0)
     comparisons = stats.compare_runs(runs, cfg.targets[0].label) if len(cfg.targets) > 1 else []
     report.print_report(console, merged, comparisons)
     if args.out:

@@ -42,6 +42,9 @@ def _num(x: float | None, fmt: str = ".1f") -> str:
 
 def throughput_rows(merged: Sequence[dict]) -> Rows:
     header = ["target", "stage", "ok", "failed", "out tok/s", "total tok/s", "req/s", "goodput"]
+    costed = any("cost_per_million_output" in m["summary"] for m in merged)
+    if costed:
+        header += ["$/1M out", "$/1M total"]
     rows = []
     for m in merged:
         s = m["summary"]
@@ -60,6 +63,11 @@ def throughput_rows(merged: Sequence[dict]) -> Rows:
                 _num(s["req_s"], ".2f"),
                 goodput,
             ]
+            + (
+                [_num(s.get("cost_per_million_output"), ".3f"), _num(s.get("cost_per_million_total"), ".3f")]
+                if costed
+                else []
+            )
         )
     return header, rows
 

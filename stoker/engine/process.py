@@ -67,6 +67,8 @@ class EngineInfo:
     pid: int
     tokenizer: bytes
     """The engine's own tokenizer, pickled, so both sides tokenize identically."""
+    kv_cache_bytes: int = 0
+    """Bytes the KV cache takes once every block is in use (the server's memory budget counts them)."""
 
 
 @dataclass
@@ -120,6 +122,25 @@ def warm_up(core: Any) -> None:
             raise RuntimeError("warm-up did not finish")
 
 
+def _tensor_bytes(value: Any, depth: int = 0) -> int:
+    """Bytes of the tensors in a (nested) container of caches, whatever its layout."""
+    import torch  # the engine process has it loaded; the front end never calls this
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if depth > 4:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(v, depth + 1) for v in value)
+    if hasattr(value, "__dict__"):
+        return sum(_tensor_bytes(v, depth + 1) for v in vars(value).values())
+    return 0
+
+
+def _kv_cache_bytes(core: Any) -> int:
+    return _tensor_bytes(getattr(getattr(core, "runner", None), "kv_caches", None))
+
+
 def _kv_capacity_tokens(core: Any) -> int:
     stats: EngineStats = core.stats()
     return stats.kv_blocks_total * stats.block_size
@@ -167,6 +188,7 @@ def run_engine(
             load_seconds=time.monotonic() - start,
             pid=os.getpid(),
             tokenizer=pickle.dumps(core.tokenizer),
+            kv_cache_bytes=_kv_cache_bytes(core),
         )
         out.send_multipart([READY, encoder.encode(info)])
         out.send_multipart([STATS, encoder.encode(core.stats())])

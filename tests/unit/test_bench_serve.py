@@ -172,6 +172,8 @@ async def test_bench_serve_command_writes_report(tmp_path) -> None:
                 "--no-progress",
                 "--warmup",
                 "0",
+                "--cost-per-hour",
+                "3.6",
             ]
         )
         assert await serve_main(args, WordTokenizer()) == 0
@@ -184,6 +186,10 @@ async def test_bench_serve_command_writes_report(tmp_path) -> None:
     assert "api_key" not in result["config"]
     md = (tmp_path / "report.md").read_text()
     assert "Throughput" in md and "503" in md and "base ÷ other" in md
+    assert "$/1M out" in md
+    for merged in result["merged"]:
+        s = merged["summary"]  # $3.60/h is $0.001/s: $/1M = 1000 / (tokens/s)
+        assert s["cost_per_million_output"] == pytest.approx(1000.0 / s["output_tok_s"])
 
 
 async def test_bench_serve_command_against_a_failing_server_exits_nonzero(capsys, monkeypatch) -> None:

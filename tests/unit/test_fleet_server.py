@@ -84,6 +84,10 @@ def test_each_model_answers_under_its_own_name(fleet: ServerProcess, files: dict
     metrics = httpx.get(f"{fleet.url}/metrics").text
     assert 'vllm:request_success_total{finished_reason="length",model_name="small"}' in metrics
     assert f'digest="{files["big"][1]}"' in metrics and "stoker:model_version_info" in metrics
+    time.sleep(0.6)  # the stats feed runs every 0.25 s
+    metrics = httpx.get(f"{fleet.url}/metrics").text
+    costs = [line for line in metrics.splitlines() if line.startswith("stoker:cost_per_million_tokens{")]
+    assert any('kind="generation",model_name="small"' in line and float(line.split()[-1]) > 0 for line in costs)
 
 
 def test_kill_9_falls_back_and_leaves_the_others_alone(fleet: ServerProcess) -> None:
