@@ -253,6 +253,39 @@ def test_load_and_unload_a_model_with_the_cli(fleet: ServerProcess, files: dict)
     assert failed.returncode == 1 and "404" in failed.stderr
 
 
+def test_an_overloaded_model_hands_its_requests_to_its_fallback(files: dict, tmp_path: Path) -> None:
+    """One running and one queued request fill `a` (--max-num-seqs 1, --max-queued-requests 1 per model):
+    more of a burst is answered by `b`, counted as overloaded."""
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-num-seqs", "1", "--max-queued-requests", "1"]
+        + ["--model", f"a={files['big'][0]}", "--model", f"b={files['small'][0]}", "--fallback", "a=b"],
+        str(tmp_path),
+        env={"STOKER_FAKE_STEP_S": "0.02"},
+    )
+    try:
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=60) as client:
+                body = {"model": "a", "messages": CHAT, "max_tokens": 20}
+                return await asyncio.gather(
+                    *(client.post(f"{server.url}/v1/chat/completions", json=body) for _ in range(6))
+                )
+
+        responses = asyncio.run(burst())
+        # Past both models' bounds a request gets a's own 503 (the chain is spent), never a 500.
+        assert all(r.status_code in (200, 503) for r in responses), [r.text for r in responses]
+        assert all(r.json()["error"]["code"] == "overloaded" for r in responses if r.status_code == 503)
+        answered = [r for r in responses if r.status_code == 200]
+        served = [r.headers["x-stoker-model-served"] for r in answered]
+        assert "a" in served and "b" in served
+        assert all(r.json()["model"] == h for r, h in zip(answered, served))
+        time.sleep(0.3)
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert 'stoker:fallbacks_total{from="a",reason="overloaded",to="b"}' in metrics
+    finally:
+        server.stop()
+
+
 def _serve_fails(tmp_path: Path, *args: str) -> str:
     result = subprocess.run(
         [sys.executable, "-m", "stoker.cli", "serve", "--engine-core", FAKE_CORE, "--no-embedding-model"]
