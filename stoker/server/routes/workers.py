@@ -110,8 +110,10 @@ async def flush_cache(request: Request) -> dict[str, Any]:
     Once API keys exist it takes an admin key."""
     state = get_state(request)
     await state.hooks.run_operator(request)
-    try:
-        num_blocks = await state.engine.reset_prefix_cache()
+    try:  # every model's engine: a router flushes a replica, whatever it serves
+        flushed = await asyncio.gather(*(e.reset_prefix_cache() for e in state.engines() if e.ready))
     except EngineUnavailableError as exc:
         raise unavailable(str(exc)) from None
-    return {"flushed": True, "num_blocks": num_blocks}
+    if not flushed:
+        raise unavailable("no engine is running")
+    return {"flushed": True, "num_blocks": sum(flushed)}
