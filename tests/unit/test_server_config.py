@@ -124,3 +124,16 @@ def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
     assert result.returncode == 2, result.stderr
     assert "--require-auth" in result.stderr and "stoker keys create" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_models_and_fallbacks_from_flags_yaml_and_env(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "stoker.yaml"
+    config.write_text("models:\n  - big=/m/big.gguf\nfallback: [big=small]\nmax_model_memory: 8GiB\n")
+    _, server = resolve_configs(parse(["--config", str(config)]))
+    assert server.models == ["big=/m/big.gguf"] and server.fallback == ["big=small"]
+    assert server.max_model_memory == 8 * 1024**3
+    _, server = resolve_configs(parse(["--model", "a=/x.gguf", "--model", "b=/y.gguf", "--fallback", "a=b"]))
+    assert server.models == ["a=/x.gguf", "b=/y.gguf"] and server.fallback == ["a=b"]
+    monkeypatch.setenv("STOKER_MODELS", "a=/x.gguf b=/y.gguf")
+    _, server = resolve_configs(parse([]))
+    assert server.models == ["a=/x.gguf", "b=/y.gguf"]

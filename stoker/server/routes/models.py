@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,21 +94,12 @@ async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
     return {"name": version.name, **version.describe()}
 
 
-@router.post("/{name}/promote")
-async def promote(name: str, request: Request) -> dict[str, Any]:
+@router.post("/{name}/{action}")
+async def end_canary(name: str, action: Literal["promote", "rollback"], request: Request) -> dict[str, Any]:
+    """promote: the canary becomes the stable version; rollback: the canary is dropped."""
     state = await _operator(request)
     try:
-        version = state.fleet.promote(name)
-    except FleetError as exc:
-        raise _bad(exc) from None
-    return {"name": name, **version.describe()}
-
-
-@router.post("/{name}/rollback")
-async def rollback(name: str, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
-    try:
-        version = state.fleet.rollback(name)
+        version = state.fleet.promote(name) if action == "promote" else state.fleet.rollback(name)
     except FleetError as exc:
         raise _bad(exc) from None
     return {"name": name, **version.describe()}
