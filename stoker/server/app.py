@@ -133,12 +133,13 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         return
     state.loaded = True
     embedding = f", embeddings: {state.embedder.name}" if state.embedder else ""
+    scheme = "https" if state.config.ssl_certfile else "http"
     for version in versions:
         info = version.engine.info
         assert info is not None
         print(
             f"stoker: serving {version.name} ({version.spec.path}, {version.digest}) on "
-            f"http://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
+            f"{scheme}://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
             f"context {info.max_model_len}; engine loaded in {info.load_seconds:.1f} s, "
             f"ready in {time.monotonic() - start:.1f} s",
             flush=True,

@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         from stoker.server.fleet import plan_fleet
 
         plan_fleet(server_config, engine_config)  # a bad model set is refused now, in one line
+        check_tls(server_config)
     except ValidationError as exc:
         for line in describe_validation_error(exc):
             print(f"stoker serve: {line}", file=sys.stderr)
@@ -154,6 +155,30 @@ def run(args: argparse.Namespace) -> int:
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
     return serve(engine_config, server_config, extras)
+
+
+def check_tls(config: ServerConfig) -> None:
+    """ValueError naming the flag when the TLS settings cannot make a server context."""
+    import ssl
+
+    if (config.ssl_keyfile is None) != (config.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (the key and the certificate it signs)")
+    if config.ssl_certfile is None:
+        if config.ssl_ca_certs or config.ssl_cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile and --ssl-keyfile")
+        return
+    if config.ssl_cert_reqs == ssl.CERT_REQUIRED and not config.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 2 (client certificates required) needs --ssl-ca-certs to check them against")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile} with its key: {exc}") from None
+    if config.ssl_ca_certs:
+        try:
+            context.load_verify_locations(config.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--ssl-ca-certs: cannot load {config.ssl_ca_certs}: {exc}") from None
 
 
 def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict[str, Any] | None = None) -> int:
@@ -210,6 +235,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
         access_log=False,
         timeout_graceful_shutdown=5,
         lifespan="on",
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
+        ssl_ca_certs=server_config.ssl_ca_certs,
+        ssl_cert_reqs=server_config.ssl_cert_reqs,
     )
     server = Server(uv_config)
     server.run()

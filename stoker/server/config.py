@@ -75,6 +75,14 @@ class ServerConfig(BaseModel):
     """Body of GET /get_load for the router in front: sglang-router reads [{"dp_rank": 0, "num_tokens": N}], vllm-router {"load": N}."""
     engine_core: str = "stoker.engine.core:EngineCore"
     """module:callable that builds the engine core from an EngineConfig (tests swap in a fake)."""
+    ssl_keyfile: str | None = None
+    """TLS private key (PEM); with --ssl-certfile the server speaks HTTPS only."""
+    ssl_certfile: str | None = None
+    """TLS certificate chain (PEM) the server presents."""
+    ssl_ca_certs: str | None = None
+    """CA bundle (PEM) that client certificates are checked against (mTLS, e.g. between a router and its replicas)."""
+    ssl_cert_reqs: int = Field(0, ge=0, le=2)
+    """Client certificates: 0 not asked for, 1 checked if sent, 2 required (mTLS; needs --ssl-ca-certs). Python's ssl.CERT_* values, as uvicorn and vLLM take them."""
     models: list[str] = Field(default_factory=list)
     """Models to serve besides MODEL, each NAME=PATH[@sha256:DIGEST], each in its own engine process (repeat --model; a YAML list; env: separated by spaces)."""
     fallback: list[str] = Field(default_factory=list)
