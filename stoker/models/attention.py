@@ -12,6 +12,10 @@ from it. Two backends exist:
   device and dtype (the fallback when the C kernels are unavailable or disabled,
   and the shape a CUDA backend would take).
 
+Both read a quantized cache (int8 / fp8 rows with their scales, kv_quant.py)
+as well as a float one: the C kernels widen rows as they read them, the torch
+path dequantizes the blocks it gathers.
+
 Adding a backend is one class meeting `AttentionBackend` plus a line in
 `select_attention_backend` (docs/architecture.md has the recipe).
 """
