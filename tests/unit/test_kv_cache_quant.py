@@ -218,14 +218,17 @@ def test_int8_cache_stays_close_to_the_float_cache(tiny: Path, path: str) -> Non
     assert sum(r == 1 for r in ranks) >= 0.9 * len(ranks), ranks
 
 
+CHUNKED = {"max_num_batched_tokens": 7}  # chunked prefill, chunks mixed with decodes
+PREEMPTED = {"num_kv_blocks": 22, "block_size": 4, "enable_prefix_caching": False}
+SPECULATIVE = {"speculative_method": "ngram", "num_speculative_tokens": 3}  # drafts written, then overwritten
+
+
+# The torch path once (its reads do not depend on the schedule at all): the suite's time goes to the C path.
 @pytest.mark.parametrize(
-    "engine_args",
-    [
-        {"max_num_batched_tokens": 7},  # chunked prefill, chunks mixed with decodes
-        {"num_kv_blocks": 22, "block_size": 4, "enable_prefix_caching": False},  # preemption
-        {"speculative_method": "ngram", "num_speculative_tokens": 3},  # drafts written, then overwritten
-    ],
-    ids=["chunked", "preempted", "speculative"],
+    ("path", "engine_args"),
+    [("c", CHUNKED), ("c", PREEMPTED), ("c", SPECULATIVE), ("torch", PREEMPTED)],
+    ids=["c-chunked", "c-preempted", "c-speculative", "torch-preempted"],
+    indirect=["path"],
 )
 def test_int8_greedy_tokens_do_not_depend_on_scheduling(tiny: Path, path: str, engine_args: dict) -> None:
     """Each prompt alone vs all together chunked / preempted / speculated, then
