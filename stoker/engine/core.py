@@ -47,6 +47,7 @@ from stoker.models.tokenizer import Tokenizer
 log = logging.getLogger("stoker.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -85,7 +86,7 @@ class EngineCore:
         model_path = config.resolved_model_path()
         quantized_weights = weights_stay_quantized(model_path, str(self.device), config.quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else resolve_dtype(config.kv_cache_dtype, self.device)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else _KV_DTYPES[config.kv_cache_dtype]
         loaded = load_model(model_path, self.dtype, str(self.device), config.quantization)
         quantized = any(isinstance(w, GGMLTensor) for w in loaded.weights.values())
         log.info("weights: %s; quantized matmul: %s", describe(loaded.weights), quant_isa() if quantized else "none")
@@ -131,11 +132,13 @@ class EngineCore:
         self.num_constrained_requests = 0
         self.load_seconds = time.perf_counter() - started
         log.info(
-            "engine ready: %s (%s, %s) on %s, KV cache %d blocks x %d tokens = %d tokens (%.1f MiB, by %s), loaded in %.1fs",
+            "engine ready: %s (%s, %s) on %s, KV cache %s %d blocks x %d tokens = %d tokens (%.1f MiB, by %s), "
+            "loaded in %.1fs",
             self.served_model_name,
             self.model_config.architecture,
             str(self.dtype).removeprefix("torch."),
             self.device,
+            str(kv_dtype).removeprefix("torch."),
             self.kv.num_blocks,
             block_size,
             self.kv_capacity_tokens,

@@ -19,12 +19,14 @@ from stoker.engine.outputs import ModelRunnerOutput, ScheduledRequest, Scheduler
 from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import SampledToken, Sampler, SampleRow, is_greedy
 from stoker.models.attention import AttentionInputs, AttentionMetadata, PrefillChunk, select_attention_backend
+from stoker.models.kv_quant import row_width
 from stoker.models.registry import DecoderModel
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of every layer for one block; a quantized cache's rows include their scales."""
     element = torch.tensor([], dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+    return 2 * config.num_layers * block_size * config.num_kv_heads * row_width(config.head_dim, dtype) * element
 
 
 def zeroed_lazily(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -73,9 +75,9 @@ class ModelRunner:
         self.device = model.device
         cfg = model.config
         self.attention = select_attention_backend(self.device, kv_dtype, model.dtype, cfg.head_dim)
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, block_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype))
         # Zeroed, not empty: padded slots are masked out, but masked NaN garbage
-        # would still poison the softmax-weighted sum.
+        # would still poison the softmax-weighted sum (a zero quantized row is 0 * scale 0).
         self.kv_caches = [
             (zeroed_lazily(shape, kv_dtype, self.device), zeroed_lazily(shape, kv_dtype, self.device))
             for _ in range(cfg.num_layers)

@@ -12,6 +12,10 @@ from it. Two backends exist:
   device and dtype (the fallback when the C kernels are unavailable or disabled,
   and the shape a CUDA backend would take).
 
+Both read a quantized cache (int8 / fp8 rows with their scales, kv_quant.py)
+as well as a float one: the C kernels widen rows as they read them, the torch
+path dequantizes the blocks it gathers.
+
 Adding a backend is one class meeting `AttentionBackend` plus a line in
 `select_attention_backend` (docs/architecture.md has the recipe).
 """
@@ -31,6 +35,7 @@ from stoker.models.cpu_kernels import (
     paged_prefill_attention,
     prefill_kernel_supported,
 )
+from stoker.models.kv_quant import dequantize_rows, is_quantized, quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +111,16 @@ class AttentionBackend(Protocol):
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor
 ) -> None:
-    """Caches are [num_blocks, block_size, kv_heads, head_dim]; k/v are [tokens, kv_heads, head_dim]."""
-    kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+    """Caches are [num_blocks, block_size, kv_heads, row] (row: head_dim, or
+    head_dim + 4 for a quantized cache, see kv_quant.py); k/v are [tokens, kv_heads, head_dim],
+    quantized here on the way in."""
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        if is_quantized(cache.dtype):
+            # Copied as bytes: index_copy_ has no float8 kernel on the CPU.
+            rows = quantize_rows(x, cache.dtype)
+            cache.view(torch.uint8).view(-1, x.shape[1], rows.shape[-1]).index_copy_(0, slots, rows)
+        else:
+            cache.view(-1, x.shape[1], x.shape[2]).index_copy_(0, slots, x.to(cache.dtype))
 
 
 def paged_attention(
@@ -125,9 +136,13 @@ def paged_attention(
     return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-    """Block ids [..., n] -> keys [..., kv_heads, n * block_size, head_dim]."""
-    blocks = cache[block_ids]  # [..., n, block_size, kv_heads, head_dim]
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Block ids [..., n] -> keys [..., kv_heads, n * block_size, head_dim] in `dtype`
+    (a quantized cache is dequantized here, only the blocks asked for)."""
+    if is_quantized(cache.dtype):
+        blocks = dequantize_rows(cache.view(torch.uint8)[block_ids], cache.dtype, dtype)
+    else:
+        blocks = cache[block_ids].to(dtype)  # [..., n, block_size, kv_heads, head_dim]
     *lead, n, bs, h, d = blocks.shape
     return blocks.reshape(*lead, n * bs, h, d).transpose(-3, -2)
 
@@ -216,8 +231,8 @@ class TorchSDPAAttention:
         tables = meta.decode_block_tables
         if tables is None or meta.decode_mask is None:
             raise ValueError("decode rows without block tables or mask in the attention metadata")
-        keys = _gather(k_cache, tables)
-        values = _gather(v_cache, tables)
+        keys = _gather(k_cache, tables, q.dtype)
+        values = _gather(v_cache, tables, q.dtype)
         gqa = q.shape[1] != keys.shape[1]
         o = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=gqa
@@ -238,13 +253,18 @@ class TorchSDPAAttention:
         """One chunk's causal attention, written into out [n, heads, head_dim] (contiguous)."""
         gqa = q.shape[1] != k_cache.shape[2]
         qs = q.transpose(0, 1).unsqueeze(0)
-        if chunk.causal_mask is None:
+        if chunk.causal_mask is None and not is_quantized(k_cache.dtype):
             ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            ks = _gather(k_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
-            vs = _gather(v_cache, chunk.block_ids)[:, : chunk.context_len].unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa)
+            # A quantized cache is read back even for a whole prompt: attending to the
+            # fresh k/v instead would make a prompt's result depend on how it was chunked.
+            ks = _gather(k_cache, chunk.block_ids, q.dtype)[:, : chunk.context_len].unsqueeze(0)
+            vs = _gather(v_cache, chunk.block_ids, q.dtype)[:, : chunk.context_len].unsqueeze(0)
+            if chunk.causal_mask is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=chunk.causal_mask, scale=scale, enable_gqa=gqa)
         out.copy_(o.squeeze(0).transpose(0, 1))
 
 
@@ -308,17 +328,18 @@ class CPUPagedAttention(TorchSDPAAttention):
 def select_attention_backend(
     device: torch.device, kv_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    """The C kernels where they can read the cache (CPU, float32/bf16 cache of the
-    model's dtype, a compiler at hand); torch SDPA everywhere else."""
+    """The C kernels where they can read the cache (CPU, float32/bf16 activations,
+    a cache of the model's dtype or int8/fp8 rows, a compiler at hand); torch SDPA
+    everywhere else."""
     backend: AttentionBackend
     if (
         device.type == "cpu"
-        and kv_dtype in (torch.float32, torch.bfloat16)
-        and kv_dtype == model_dtype
+        and model_dtype in (torch.float32, torch.bfloat16)
+        and (kv_dtype == model_dtype or is_quantized(kv_dtype))
         and load_paged_attention() is not None
     ):
         backend = CPUPagedAttention(head_dim)
     else:
         backend = TorchSDPAAttention(device)
-    log.info("attention backend: %s", backend.name)
+    log.info("attention backend: %s; KV cache %s", backend.name, str(kv_dtype).removeprefix("torch."))
     return backend

@@ -98,10 +98,10 @@ def load_paged_attention() -> ctypes.CDLL | None:
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
     fn = lib.paged_prefill_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
     lib.paged_prefill_supported.restype = ctypes.c_int
     lib.paged_prefill_supported.argtypes = [ctypes.c_int]
     return lib
@@ -138,9 +138,11 @@ def paged_decode_attention(
 ) -> torch.Tensor | None:
     """q [seqs, heads, head_dim] -> out of the same shape (written into `out`
     when given, which must be contiguous); None if the kernel cannot serve this
-    call (no compiler, unsupported dtype or device)."""
+    call (no compiler, unsupported dtype or device). The caches may hold
+    quantized rows (models/kv_quant.py) whatever q's dtype."""
     lib = load_paged_attention()
-    if lib is None or not _cpu_float(q, k_cache, v_cache):
+    kv_type = _kv_type(q, k_cache, v_cache)
+    if lib is None or kv_type is None:
         return None
     q = q.contiguous()
     if out is None:
@@ -164,6 +166,7 @@ def paged_decode_attention(
         block_tables.shape[1],
         scale,
         int(q.dtype == torch.bfloat16),
+        kv_type,
         torch.get_num_threads(),
     )
     return None if failed else out
@@ -182,7 +185,8 @@ def paged_prefill_attention(
     n positions of context_len) over the paged cache, written into `out` (same
     shape, contiguous). False if the kernel cannot serve this call."""
     lib = load_paged_attention()
-    if lib is None or not _cpu_float(q, k_cache, v_cache) or block_ids.dtype != torch.int64:
+    kv_type = _kv_type(q, k_cache, v_cache)
+    if lib is None or kv_type is None or block_ids.dtype != torch.int64:
         return False
     if not (q.is_contiguous() and out.is_contiguous() and block_ids.is_contiguous()):
         raise ValueError("q, out and block_ids must be contiguous")
@@ -204,11 +208,29 @@ def paged_prefill_attention(
         block_size,
         scale,
         int(q.dtype == torch.bfloat16),
+        kv_type,
         torch.get_num_threads(),
     )
     if rc == 1:
         raise MemoryError("the C prefill kernel could not allocate its scratch memory")
     return bool(rc == 0)
+
+
+# paged_attention.c's KV_* codes for the cache dtypes it reads.
+_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
+
+
+def _kv_type(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
+    """The C code of the caches' dtype if the attention kernels can serve q over them:
+    fp32/bf16 q with caches of q's dtype or quantized rows, all contiguous on the CPU."""
+    if not _cpu_float(q) or k_cache.dtype != v_cache.dtype or not (k_cache.is_cpu and v_cache.is_cpu):
+        return None
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    code = _KV_TYPES.get(k_cache.dtype)
+    if code is None or (code < 2 and k_cache.dtype != q.dtype):
+        return None
+    return code
 
 
 def _cpu_float(*tensors: torch.Tensor) -> bool:

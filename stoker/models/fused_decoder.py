@@ -88,6 +88,7 @@ class _Step(ctypes.Structure):
         ("k_caches", _p),
         ("v_caches", _p),
         ("block_size", _i),
+        ("kv_int8", _i),
     ]
 
 
@@ -210,8 +211,11 @@ class FusedDecoder:
         return fused
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the KV cache is one it reads (float32, contiguous, on the CPU); fixed per runner."""
+        """Whether the KV cache is one it reads (float32, or int8 rows with scales (kv_quant.py),
+        contiguous, on the CPU); fixed per runner. An fp8 cache takes the per-layer path."""
         k, v = kv_caches[0]
+        if k.dtype == torch.int8 and v.dtype == torch.int8:
+            return k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous()
         return _f32(k) and _f32(v)
 
     def _caches(
@@ -253,6 +257,7 @@ class FusedDecoder:
             k_caches=ctypes.addressof(k_ptrs),
             v_caches=ctypes.addressof(v_ptrs),
             block_size=kv_caches[0][0].shape[1],
+            kv_int8=int(kv_caches[0][0].dtype == torch.int8),
         )
         rc = lib.decoder_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), torch.get_num_threads()

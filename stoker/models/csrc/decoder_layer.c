@@ -26,8 +26,11 @@
  * row of context position + 1, so a prompt token's attention is the same
  * computation whether its prompt came alone, chunked or next to others.
  *
- * fp32 activations and KV cache only; the Python side (fused_decoder.py)
- * checks that and builds the Model tables once at load.
+ * fp32 activations; a KV cache of fp32 rows, or of int8 rows with their
+ * float32 scale (stoker/models/kv_quant.py: quantized here as k and v are
+ * written, as torch.round would, and widened a row at a time as attention
+ * reads them). The Python side (fused_decoder.py) checks that and builds the
+ * Model tables once at load.
  */
 #include <math.h>
 
@@ -68,9 +71,46 @@ typedef struct {
     const int64_t *tables; /* [sequences, max_blocks] */
     int max_blocks;
     const int32_t *row_seq; /* NULL: one sequence per row (all decodes) */
-    float *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, head_dim] */
+    void *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, row] */
     int block_size;
+    int kv_int8; /* 0: rows of head_dim floats; 1: head_dim int8 then a float32 scale */
 } Step;
+
+/* Bytes of one (token, kv head) row of the cache. */
+static inline size_t kv_row_bytes(const Step *S, int D) {
+    return S->kv_int8 ? (size_t)D + sizeof(float) : (size_t)D * sizeof(float);
+}
+
+/* Row `index` (in rows) of a cache as floats: the row itself for an fp32
+ * cache, else widened and scaled into buf. */
+static inline const float *kv_row(const Step *S, const void *cache, size_t index, int D, float *restrict buf) {
+    const uint8_t *row = (const uint8_t *)cache + index * kv_row_bytes(S, D);
+    if (!S->kv_int8) return (const float *)row;
+    float scale;
+    memcpy(&scale, row + D, sizeof scale);
+    const int8_t *restrict q = (const int8_t *)row;
+    for (int d = 0; d < D; d++) buf[d] = (float)q[d] * scale;
+    return buf;
+}
+
+/* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / 127,
+ * q = round-half-even(x * (127 / max|x|))) for an int8 cache. */
+static inline void kv_store(const Step *S, void *cache, size_t index, const float *restrict x, int D) {
+    uint8_t *row = (uint8_t *)cache + index * kv_row_bytes(S, D);
+    if (!S->kv_int8) {
+        memcpy(row, x, sizeof(float) * D);
+        return;
+    }
+    float amax = 0.f;
+    for (int d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
+    int8_t *restrict q = (int8_t *)row;
+    for (int d = 0; d < D; d++) {
+        const long v = lrintf(x[d] * inv);
+        q[d] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+    }
+    memcpy(row + D, &scale, sizeof scale);
+}
 
 /* Scratch shared by the threads for one call. */
 typedef struct {
@@ -177,17 +217,18 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     const int L = (int)S->positions[r] + 1;
     const size_t Lpad = ((size_t)L + 7) / 8 * 8;
     const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r] : r) * S->max_blocks;
-    const float *kc = S->k_caches[layer], *vc = S->v_caches[layer];
+    const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + (size_t)count * Lpad; /* [count, Lpad], [count, D] */
     float m[64], inv[64];
+    float widened[512]; /* an int8 row as floats */
 
     /* Block by block: no division per key (block_size is only known at run time). */
     for (int g = 0; g < count; g++) m[g] = -INFINITY;
     for (int t0 = 0; t0 < L; t0 += BS) {
-        const float *kb = kc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const size_t kb = ((size_t)table[t0 / BS] * BS * KVH + kvh);
         const int nk = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < nk; i++) {
-            const float *restrict k = kb + (size_t)i * KVH * D;
+            const float *restrict k = kv_row(S, kc, kb + (size_t)i * KVH, D, widened);
             for (int g = 0; g < count; g++) {
                 const float s = dot8(qkv_row + (size_t)(h0 + g) * D, k, D) * M->scale;
                 scores[g * Lpad + t0 + i] = s;
@@ -212,10 +253,10 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     }
     for (size_t i = 0; i < (size_t)count * D; i++) acc[i] = 0.f;
     for (int t0 = 0; t0 < L; t0 += BS) {
-        const float *vb = vc + ((size_t)table[t0 / BS] * BS * KVH + kvh) * D;
+        const size_t vb = ((size_t)table[t0 / BS] * BS * KVH + kvh);
         const int nk = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < nk; i++) {
-            const float *restrict v = vb + (size_t)i * KVH * D;
+            const float *restrict v = kv_row(S, vc, vb + (size_t)i * KVH, D, widened);
             for (int g = 0; g < count; g++) {
                 const float p = scores[g * Lpad + t0 + i];
                 float *restrict ag = acc + (size_t)g * D;
@@ -241,9 +282,11 @@ static void position_row(const Model *M, const Step *S, const Layer *Ly, int lay
         for (int d = 0; d < half; d++) x[d] = v[d] * c[d] + (-v[d + half]) * s[d];
         for (int d = half; d < D; d++) x[d] = v[d] * c[d] + v[d - half] * s[d];
     }
-    const size_t at = (size_t)S->slots[r] * KVH * D;
-    memcpy(S->k_caches[layer] + at, row + (size_t)H * D, sizeof(float) * KVH * D);
-    memcpy(S->v_caches[layer] + at, row + (size_t)(H + KVH) * D, sizeof(float) * KVH * D);
+    const size_t at = (size_t)S->slots[r] * KVH;
+    for (int h = 0; h < KVH; h++) {
+        kv_store(S, S->k_caches[layer], at + h, row + (size_t)(H + h) * D, D);
+        kv_store(S, S->v_caches[layer], at + h, row + (size_t)(H + KVH + h) * D, D);
+    }
 }
 
 /* ---- the stack --------------------------------------------------------------- */

@@ -4,8 +4,13 @@
  * and values block by block through the block table, so nothing is gathered
  * into a padded copy first: the cache is read exactly once per step.
  *
- * Layouts: q/out [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, head_dim];
+ * Layouts: q/out [seqs, heads, head_dim]; caches [blocks, block_size, kv_heads, row];
  * block_tables [seqs, max_blocks] (int64); context_lens [seqs] (int64).
+ *
+ * The cache holds float32 or bf16 rows (row = head_dim), or quantized rows
+ * (stoker/models/kv_quant.py): head_dim int8 or fp8 e4m3 values then the row's
+ * float32 scale (row = head_dim + 4 bytes). Quantized rows are widened here, a
+ * row at a time as they are read; the cache is never dequantized as a whole.
  * Built by stoker/models/cpu_kernels.py with the system C compiler.
  */
 #include <math.h>
@@ -21,8 +26,36 @@ typedef struct {
     void *out;
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
-    int is_bf16;
+    int is_bf16; /* q and out */
+    int kv_type, row; /* the cache's KV_* type and elements per (token, kv head) row */
 } Job; /* work items are (sequence, kv head) pairs */
+
+enum { KV_F32 = 0, KV_BF16 = 1, KV_INT8 = 2, KV_FP8 = 3 };
+
+static inline int kv_row_width(int D, int kv_type) { return kv_type >= KV_INT8 ? D + 4 : D; }
+
+static inline int kv_elem_bytes(int kv_type) { return kv_type == KV_F32 ? 4 : kv_type == KV_BF16 ? 2 : 1; }
+
+/* A quantized row's scale (its last four bytes); 1 for float rows. offset is in cache elements. */
+static inline float kv_row_scale(const void *base, size_t offset, int D, int kv_type) {
+    if (kv_type < KV_INT8) return 1.f;
+    float s;
+    memcpy(&s, (const uint8_t *)base + offset + D, sizeof s);
+    return s;
+}
+
+/* fp8 e4m3 (bias 7, no infinities; never NaN here: writers clamp to +-448). */
+static inline float fp8_e4m3_to_float(uint8_t x) {
+    const uint32_t mag = x & 0x7Fu;
+    float v;
+    if (mag >= 8u) {
+        const uint32_t bits = (mag << 20) + (120u << 23); /* rebias the exponent, widen the mantissa */
+        memcpy(&v, &bits, sizeof v);
+    } else {
+        v = (float)mag * (1.f / 512.f); /* subnormal: m * 2^-9 */
+    }
+    return (x & 0x80u) ? -v : v;
+}
 
 /* exp for x <= 0 as 2^k * 2^f with a degree-6 polynomial for 2^f (relative
  * error ~2e-7, like expf): glibc's expf does not vectorize here, this does. */
@@ -52,6 +85,21 @@ static inline void load_row(const void *base, size_t offset, int n, int is_bf16,
         for (int d = 0; d < n; d++) wide[d] = (uint32_t)src[d] << 16;
     } else {
         memcpy(dst, (const float *)base + offset, (size_t)n * sizeof(float));
+    }
+}
+
+/* A cache row widened to float32 and scaled: what the row stands for. */
+static inline void load_kv_row(const void *base, size_t offset, int D, int kv_type, float *restrict dst) {
+    if (kv_type < KV_INT8) {
+        load_row(base, offset, D, kv_type == KV_BF16, dst);
+        return;
+    }
+    const float scale = kv_row_scale(base, offset, D, kv_type);
+    const uint8_t *restrict src = (const uint8_t *)base + offset;
+    if (kv_type == KV_INT8) {
+        for (int d = 0; d < D; d++) dst[d] = (float)(int8_t)src[d] * scale;
+    } else {
+        for (int d = 0; d < D; d++) dst[d] = fp8_e4m3_to_float(src[d]) * scale;
     }
 }
 
@@ -109,7 +157,7 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *job, int
         const size_t block_base = (size_t)table[t0 / BS] * BS;
         const int n = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < n; i++) {
-            load_row(job->k_cache, ((block_base + i) * KVH + kh) * D, D, job->is_bf16, row);
+            load_kv_row(job->k_cache, ((block_base + i) * KVH + kh) * job->row, D, job->kv_type, row);
             for (int g = 0; g < G; g++) {
                 const float *restrict qg = qf + (size_t)g * D;
                 float s = 0.f;
@@ -131,7 +179,7 @@ static inline __attribute__((always_inline)) void run_item_d(const Job *job, int
         const size_t block_base = (size_t)table[t0 / BS] * BS;
         const int n = L - t0 < BS ? L - t0 : BS;
         for (int i = 0; i < n; i++) {
-            load_row(job->v_cache, ((block_base + i) * KVH + kh) * D, D, job->is_bf16, row);
+            load_kv_row(job->v_cache, ((block_base + i) * KVH + kh) * job->row, D, job->kv_type, row);
             for (int g = 0; g < G; g++) {
                 const float p = scores[(size_t)g * L + t0 + i];
                 float *restrict ag = acc + (size_t)g * D;
@@ -166,10 +214,24 @@ static inline __m512 hsum16(__m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
 }
 
-static inline __m512 load16(const void *base, size_t offset, int is_bf16) {
-    if (is_bf16) {
+/* 16 cache values as float32, not yet times their row's scale (callers fold
+ * the scale into a score or a probability: one multiply per row, not per value). */
+static inline __m512 load16(const void *base, size_t offset, int kv_type) {
+    if (kv_type == KV_BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + offset));
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    if (kv_type == KV_INT8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)base + offset))));
+    if (kv_type == KV_FP8) {
+        const __m512i u = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)base + offset)));
+        const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7F));
+        const __m512 normal =
+            _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+        const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.f / 512.f));
+        const __m512 v = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(mag, _mm512_set1_epi32(8)), sub, normal);
+        const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
+        return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
     }
     return _mm512_loadu_ps((const float *)base + offset);
 }
@@ -182,9 +244,10 @@ typedef struct {
     int BS, in_block, block;
 } RowCursor;
 
-static inline RowCursor cursor_start(const int64_t *table, int BS, int KVH, int kh, int D) {
-    RowCursor c = {table, (size_t)KVH * D, 0, BS, 0, 0};
-    c.block_base = (size_t)table[0] * BS * c.stride + (size_t)kh * D;
+/* row: elements per (token, kv head) row of the cache (kv_row_width). */
+static inline RowCursor cursor_start(const int64_t *table, int BS, int KVH, int kh, int row) {
+    RowCursor c = {table, (size_t)KVH * row, 0, BS, 0, 0};
+    c.block_base = (size_t)table[0] * BS * c.stride + (size_t)kh * row;
     return c;
 }
 
@@ -204,10 +267,12 @@ static inline size_t cursor_next(RowCursor *c) {
 
 /* Asks for a row's cache lines ahead of use: rows of one kv head are strided
  * and blocks scattered, which the hardware prefetcher does not follow. */
-static inline void prefetch_row(const void *base, size_t offset, int D, int is_bf16) {
-    const char *p = is_bf16 ? (const char *)((const uint16_t *)base + offset) : (const char *)((const float *)base + offset);
-    const int bytes = D * (is_bf16 ? 2 : 4);
+static inline void prefetch_row(const void *base, size_t offset, int row, int kv_type) {
+    const int eb = kv_elem_bytes(kv_type);
+    const char *p = (const char *)base + offset * eb;
+    const int bytes = row * eb;
     for (int b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+    _mm_prefetch(p + bytes - 1, _MM_HINT_T0); /* a 68-byte quantized row may end in a line of its own */
 }
 
 /* exp(x) for x <= 0, 16 lanes: the same polynomial as exp_nonpositive. */
@@ -253,17 +318,19 @@ static inline __attribute__((always_inline)) void pv_heads(const Job *job, const
     __m512 acc[4][8];
     for (int g = 0; g < GC; g++)
         for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_setzero_ps();
-    RowCursor rows = cursor_start(table, job->block_size, job->num_kv_heads, kh, D);
+    const int kv_type = job->kv_type;
+    RowCursor rows = cursor_start(table, job->block_size, job->num_kv_heads, kh, job->row);
     RowCursor ahead = rows;
     int fetched = 0;
     for (int t = 0; t < L; t++) {
         for (; fetched < L && fetched <= t + PREFETCH_ROWS; fetched++)
-            prefetch_row(job->v_cache, cursor_next(&ahead), D, job->is_bf16);
+            prefetch_row(job->v_cache, cursor_next(&ahead), job->row, kv_type);
         const size_t off = cursor_next(&rows);
+        const float vs = kv_row_scale(job->v_cache, off, D, kv_type);
         __m512 v[8];
-        for (int c = 0; c < D / 16; c++) v[c] = load16(job->v_cache, off + (size_t)c * 16, job->is_bf16);
+        for (int c = 0; c < D / 16; c++) v[c] = load16(job->v_cache, off + (size_t)c * 16, kv_type);
         for (int g = 0; g < GC; g++) {
-            const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * L + t]);
+            const __m512 p = _mm512_set1_ps(scores[(size_t)(g0 + g) * L + t] * vs);
             for (int c = 0; c < D / 16; c++) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
         }
     }
@@ -281,29 +348,36 @@ static inline __attribute__((always_inline)) void run_item_avx512(const Job *job
     const int G = it.G, b = it.b, kh = it.kh, L = it.L;
     const int64_t *table = it.table;
     float *qf = it.qf, *acc = it.acc, *inv_sum = it.slot, *scores = it.scores;
+    const int kv_type = job->kv_type;
     const __m512 scale = _mm512_set1_ps(job->scale);
 
-    RowCursor rows = cursor_start(table, job->block_size, KVH, kh, D);
+    RowCursor rows = cursor_start(table, job->block_size, KVH, kh, job->row);
     RowCursor ahead = rows;
     int fetched = 0; /* rows prefetched so far, kept PREFETCH_ROWS ahead */
     for (int t0 = 0; t0 < L; t0 += 16) {
         const int n = L - t0 < 16 ? L - t0 : 16;
         for (; fetched < L && fetched < t0 + 16 + PREFETCH_ROWS; fetched++)
-            prefetch_row(job->k_cache, cursor_next(&ahead), D, job->is_bf16);
+            prefetch_row(job->k_cache, cursor_next(&ahead), job->row, kv_type);
         size_t offs[16];
         for (int i = 0; i < 16; i++) offs[i] = i < n ? cursor_next(&rows) : offs[0];
+        __m512 kscale = scale; /* the softmax scale times each key row's own */
+        if (kv_type >= KV_INT8) {
+            float ks[16];
+            for (int i = 0; i < 16; i++) ks[i] = kv_row_scale(job->k_cache, offs[i], D, kv_type);
+            kscale = _mm512_mul_ps(scale, _mm512_loadu_ps(ks));
+        }
         for (int g = 0; g < G; g++) {
             const float *qg = qf + (size_t)g * D;
             __m512 q[8];
             for (int c = 0; c < D / 16; c++) q[c] = _mm512_loadu_ps(qg + c * 16);
             __m512 part[16];
             for (int i = 0; i < 16; i++) {
-                __m512 s = _mm512_mul_ps(q[0], load16(job->k_cache, offs[i], job->is_bf16));
+                __m512 s = _mm512_mul_ps(q[0], load16(job->k_cache, offs[i], kv_type));
                 for (int c = 1; c < D / 16; c++)
-                    s = _mm512_fmadd_ps(q[c], load16(job->k_cache, offs[i] + (size_t)c * 16, job->is_bf16), s);
+                    s = _mm512_fmadd_ps(q[c], load16(job->k_cache, offs[i] + (size_t)c * 16, kv_type), s);
                 part[i] = s;
             }
-            const __m512 sums = _mm512_mul_ps(hsum16(part), scale);
+            const __m512 sums = _mm512_mul_ps(hsum16(part), kscale);
             _mm512_mask_storeu_ps(scores + (size_t)g * L + t0, (__mmask16)((1u << n) - 1u), sums);
         }
     }
@@ -343,9 +417,11 @@ static void run_item(const Job *job, int item, float *restrict scratch) {
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, const int64_t *context_lens, void *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int max_blocks, float scale, int is_bf16, int num_threads) {
+                           int block_size, int max_blocks, float scale, int is_bf16, int kv_type,
+                           int num_threads) {
     const Job job = {q, k_cache, v_cache, block_tables, context_lens, out, num_seqs, num_heads,
-                     num_kv_heads, head_dim, block_size, max_blocks, scale, is_bf16};
+                     num_kv_heads, head_dim, block_size, max_blocks, scale, is_bf16,
+                     kv_type, kv_row_width(head_dim, kv_type)};
     const int items = num_seqs * num_kv_heads;
     const int G = num_heads / num_kv_heads;
     int max_len = 0;
@@ -384,8 +460,9 @@ enum { PF_ROWS = 16 };
 
 static inline __attribute__((always_inline)) void prefill_item(
     const void *q, const void *k_cache, const void *v_cache, const int64_t *table, void *out, int n,
-    int context_len, int H, int KVH, int BS, float scale, int is_bf16, int item, float *restrict scratch,
-    size_t kpad, const int D) {
+    int context_len, int H, int KVH, int BS, float scale, int is_bf16, int kv_type, int item,
+    float *restrict scratch, size_t kpad, const int D) {
+    const int RW = kv_row_width(D, kv_type);
     const int G = H / KVH;
     const int tiles = (n + PF_ROWS - 1) / PF_ROWS;
     const int kh = item / tiles, r0 = (item % tiles) * PF_ROWS;
@@ -408,13 +485,13 @@ static inline __attribute__((always_inline)) void prefill_item(
 
     const __m512 vscale = _mm512_set1_ps(scale);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    RowCursor krows = cursor_start(table, BS, KVH, kh, D);
+    RowCursor krows = cursor_start(table, BS, KVH, kh, RW);
     for (int t0 = 0; t0 < kend; t0 += 16) {
         const int nk = kend - t0 < 16 ? kend - t0 : 16;
         float krow[128] __attribute__((aligned(64)));
         for (int i = 0; i < 16; i++) {
             if (i < nk) {
-                load_row(k_cache, cursor_next(&krows), D, is_bf16, krow);
+                load_kv_row(k_cache, cursor_next(&krows), D, kv_type, krow);
                 for (int d = 0; d < D; d++) ktT[d * 16 + i] = krow[d];
             } else {
                 for (int d = 0; d < D; d++) ktT[d * 16 + i] = 0.f;
@@ -446,8 +523,8 @@ static inline __attribute__((always_inline)) void prefill_item(
         inv_sum[j] = softmax_unnormalised(s, len);
         for (int t = len; t < kend; t++) s[t] = 0.f; /* so register blocks can run to kend */
     }
-    RowCursor vrows = cursor_start(table, BS, KVH, kh, D);
-    for (int t = 0; t < kend; t++) load_row(v_cache, cursor_next(&vrows), D, is_bf16, vbuf + (size_t)t * D);
+    RowCursor vrows = cursor_start(table, BS, KVH, kh, RW);
+    for (int t = 0; t < kend; t++) load_kv_row(v_cache, cursor_next(&vrows), D, kv_type, vbuf + (size_t)t * D);
 
     for (int j = 0; j < RG; j += 4) {
         const int nu = RG - j < 4 ? RG - j : 4;
@@ -479,7 +556,7 @@ static inline __attribute__((always_inline)) void prefill_item(
 
 int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache, const int64_t *block_table,
                             void *out, int n, int context_len, int num_heads, int num_kv_heads, int head_dim,
-                            int block_size, float scale, int is_bf16, int num_threads) {
+                            int block_size, float scale, int is_bf16, int kv_type, int num_threads) {
 #if defined(__AVX512F__)
     if (head_dim != 64 && head_dim != 128) return 2;
     if (n < 1 || context_len < n || num_kv_heads < 1 || num_heads % num_kv_heads) return 2;
@@ -501,10 +578,10 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
             for (int item = 0; item < items; item++) {
                 if (head_dim == 64)
                     prefill_item(q, k_cache, v_cache, block_table, out, n, context_len, num_heads, num_kv_heads,
-                                 block_size, scale, is_bf16, item, scratch, kpad, 64);
+                                 block_size, scale, is_bf16, kv_type, item, scratch, kpad, 64);
                 else
                     prefill_item(q, k_cache, v_cache, block_table, out, n, context_len, num_heads, num_kv_heads,
-                                 block_size, scale, is_bf16, item, scratch, kpad, 128);
+                                 block_size, scale, is_bf16, kv_type, item, scratch, kpad, 128);
             }
             free(scratch);
         }
@@ -513,7 +590,7 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
 #else
     (void)q; (void)k_cache; (void)v_cache; (void)block_table; (void)out; (void)n; (void)context_len;
     (void)num_heads; (void)num_kv_heads; (void)head_dim; (void)block_size; (void)scale; (void)is_bf16;
-    (void)num_threads;
+    (void)kv_type; (void)num_threads;
     return 2;
 #endif
 }

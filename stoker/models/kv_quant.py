@@ -1,0 +1,61 @@
+"""The quantized KV cache's row format, in one place.
+
+A quantized cache is one tensor per layer and K/V, like a float cache, shaped
+[num_blocks, block_size, kv_heads, head_dim + SCALE_BYTES] of a one-byte dtype
+(int8 or float8_e4m3fn): each (token, kv head) row is head_dim quantized values
+followed by the row's float32 scale in the last four bytes. Keeping the scale
+inside the row, rather than in a tensor of its own, means every place that
+holds, copies or passes a cache (the runner, the model, the fused decoder, the
+draft model) is unchanged, and a kernel finds a row's scale in the cache line
+after its values.
+
+Symmetric, per row: scale = max|x| / QMAX, q = round(x / scale) (int8: to
+nearest even, as torch.round and C's lrintf; fp8: torch's conversion), and
+x ~ q * scale. The C kernels (csrc/paged_attention.c, csrc/decoder_layer.c)
+compute the same thing; this module is the reference they are tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCALE_BYTES = 4
+"""A float32 scale per (token, kv head) row."""
+
+QUANTIZED_KV_DTYPES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+"""One-byte cache dtypes and the largest magnitude each stores (QMAX)."""
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    return dtype in QUANTIZED_KV_DTYPES
+
+
+def row_width(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of `dtype` in one (token, kv head) row of the cache."""
+    return head_dim + SCALE_BYTES if is_quantized(dtype) else head_dim
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., head_dim] (any float dtype) -> packed rows [..., head_dim + 4] as uint8 bytes."""
+    qmax = QUANTIZED_KV_DTYPES[dtype]
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # An all-zero row keeps scale 0 and quantizes to zeros; inv stays finite.
+    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+    scaled = xf * inv
+    if dtype == torch.int8:
+        q = scaled.round_().clamp_(-qmax, qmax).to(torch.int8)
+    else:
+        q = scaled.clamp_(-qmax, qmax).to(dtype)
+    scale = (amax / qmax).contiguous()
+    return torch.cat([q.view(torch.uint8), scale.view(torch.uint8)], dim=-1)
+
+
+def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype, out_dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows [..., head_dim + 4] of `dtype` -> values [..., head_dim] in out_dtype."""
+    raw = packed.view(torch.uint8)
+    head_dim = raw.shape[-1] - SCALE_BYTES
+    values = raw[..., :head_dim].view(dtype).float()
+    # A strided 4-byte slice cannot be reinterpreted in place: copy the scales out first.
+    scale = raw[..., head_dim:].contiguous().view(torch.float32)
+    return (values * scale).to(out_dtype)
