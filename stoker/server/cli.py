@@ -173,7 +173,9 @@ def check_tls(config: ServerConfig) -> None:
     try:
         context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:
-        raise ValueError(f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile} with its key: {exc}") from None
+        raise ValueError(
+            f"--ssl-certfile/--ssl-keyfile: cannot load {config.ssl_certfile} with its key: {exc}"
+        ) from None
     if config.ssl_ca_certs:
         try:
             context.load_verify_locations(config.ssl_ca_certs)

@@ -207,3 +207,18 @@ def test_named_tool_streams_the_call_then_argument_fragments(fake_server) -> Non
     assert [c.function.arguments for c in calls[1:]] == ["a", "b", "c"]  # the fake engine spells "abc"
     assert all(c.index == 0 and c.id is None for c in calls[1:])
     assert chunks[-1].choices[0].finish_reason == "length"  # cut by max_tokens, as the engine said
+
+
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": {"name": "f"}}, "auto"])
+def test_streamed_tool_replies_keep_their_logprobs(fake_server, tool_choice) -> None:
+    """The same logprobs as the non-streamed reply: with the argument fragments
+    of a named call, with the reply parsed at its end otherwise."""
+    body = {"model": "fake-model", "messages": CHAT, "max_tokens": 3, "logprobs": True, "top_logprobs": 2}
+    body |= {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": tool_choice}
+    whole = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body).json()
+    expected = [e["token"] for e in whole["choices"][0]["logprobs"]["content"]]
+    with httpx.stream("POST", f"{fake_server.url}/v1/chat/completions", json={**body, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    streamed = [e for ev in events for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in streamed] == expected == ["a", "b", "c"]
+    assert all(len(e["top_logprobs"]) == 2 for e in streamed)

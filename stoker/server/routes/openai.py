@@ -287,9 +287,16 @@ async def chat_attempt(
         streams them. Otherwise a reply is parsed once finished: its role goes
         first, then its content and each call (id, name, whole arguments)."""
         chunks: list[dict[str, Any]] = []
+        # Logprobs go with the text they score, as in the non-streamed reply:
+        # with the argument fragments, or with the reply parsed at its end.
+        pending = chat_logprobs(version, d.new_logprobs if plan.mode == "named" else None)
+        if plan.mode != "named" and d.finished:
+            pending = chat_logprobs(version, job.outputs[0].outputs[d.index].logprobs)
 
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> None:
-            choice = {"index": d.index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        def chunk(delta: dict[str, Any], finish: str | None = None, scored: bool = False) -> None:
+            nonlocal pending
+            logprobs, pending = (pending, None) if scored else (None, pending)
+            choice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             chunks.append({**head, "choices": [choice], **({"usage": None} if include_usage else {})})
 
         if plan.mode == "named":
@@ -299,9 +306,11 @@ async def chat_attempt(
                 call = new_call(plan.named or "", "")
                 chunk({"tool_calls": [{"index": 0, **call}]})
             if d.new_text:
-                chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.new_text}}]})
+                chunk({"tool_calls": [{"index": 0, "function": {"arguments": d.new_text}}]}, scored=True)
             if d.finished:
-                chunk({}, "tool_calls" if d.finish_reason is FinishReason.STOP else _reason_of(d))
+                chunk({}, "tool_calls" if d.finish_reason is FinishReason.STOP else _reason_of(d), scored=True)
+            elif pending is not None:  # tokens whose text is still held back (a split character)
+                chunk({}, scored=True)
             return chunks
         if d.index not in sent_role:
             sent_role.add(d.index)
@@ -309,10 +318,10 @@ async def chat_attempt(
         if d.finished:
             msg, finish = message(job.outputs[0].outputs[d.index])
             if msg["content"]:
-                chunk({"content": msg["content"]})
+                chunk({"content": msg["content"]}, scored=True)
             for k, call in enumerate(msg.get("tool_calls", [])):
-                chunk({"tool_calls": [{"index": k, **call}]})
-            chunk({}, finish)
+                chunk({"tool_calls": [{"index": k, **call}]}, scored=True)
+            chunk({}, finish, scored=True)
         return chunks
 
     def render_delta(job: Job, _p: int, d: EngineCoreOutput, head: dict[str, Any]) -> list[dict[str, Any]]:
