@@ -64,6 +64,9 @@ def test_plan_refuses_duplicate_names(model_file: Path) -> None:
     specs = plan_models(str(model_file), [f"b={model_file}"], None)
     assert [s.name for s in specs] == ["m.bin", "b"]
     assert plan_models(str(model_file), [], "chat")[0].name == "chat"
+    assert plan_models(None, [str(model_file)], "chat")[0].name == "chat"
+    with pytest.raises(FleetError, match="--served-model-name names a server's only model"):
+        plan_models(str(model_file), [f"b={model_file}"], "chat")
 
 
 def test_fallback_chains() -> None:
