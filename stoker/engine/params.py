@@ -56,6 +56,10 @@ class SamplingParams:
     """An llguidance grammar the output must match (stoker/engine/grammars.py
     builds it from a JSON schema, regex, choice list or Lark/GBNF grammar);
     the sequence stops (finish_reason "stop") when the grammar is complete."""
+    num_speculative_tokens: int | None = None
+    """Most draft tokens verified per step for this request: None follows the
+    engine (--num-speculative-tokens, adaptive); 0 turns speculation off for it.
+    Output is the same either way (verification is exact); only speed changes."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -108,6 +112,8 @@ class SamplingParams:
             bad("frequency_penalty", "must be in [-2, 2]")
         if self.seed is not None and not -(2**63) <= integer("seed") < 2**63:
             bad("seed", "must be a 64-bit signed integer")
+        if self.num_speculative_tokens is not None and not 0 <= integer("num_speculative_tokens") <= 16:
+            bad("num_speculative_tokens", "must be in [0, 16]")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(

@@ -156,6 +156,9 @@ class Scheduler:
         wanted = []
         for r in decoding:
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
+            asked = r.params.num_speculative_tokens
+            if asked is not None:
+                limit = min(limit, asked)
             if limit > 0 and r.grammar is None:
                 wanted.append((r.key, r.token_ids, limit))
         return self.speculator.drafts(wanted)

@@ -165,7 +165,9 @@ def plan_models(model: str | None, extra: list[str], served_model_name: str | No
         specs.append(ModelSpec(check_name(served_model_name), spec.path, spec.digest) if served_model_name else spec)
     specs += [parse_model_spec(text) for text in extra]
     if served_model_name and len(specs) > 1:
-        raise FleetError("--served-model-name names a server's only model; with several, use --model NAME=PATH for each")
+        raise FleetError(
+            "--served-model-name names a server's only model; with several, use --model NAME=PATH for each"
+        )
     if served_model_name and len(specs) == 1 and specs[0].name != served_model_name:
         specs[0] = ModelSpec(check_name(served_model_name), specs[0].path, specs[0].digest)
     seen: set[str] = set()

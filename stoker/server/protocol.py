@@ -145,6 +145,8 @@ class SamplingFields(_Request):
     repetition_penalty: RepetitionPenalty | None = None
     min_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] = 0
     ignore_eos: bool = False
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=16)] | None = None
+    """stoker: most draft tokens per step for this request (0: no speculation; None: the server's setting)."""
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs

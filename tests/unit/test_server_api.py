@@ -96,6 +96,8 @@ def test_completions_echo_logprobs_stream(http: httpx.Client) -> None:
         ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"prompt": "x", "num_speculative_tokens": 17}, "num_speculative_tokens"),
+        ({"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
     ],
 )
 def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param: str | None) -> None:

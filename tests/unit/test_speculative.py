@@ -345,6 +345,23 @@ def test_counters_and_per_sample_totals(tiny: Path) -> None:
     assert stats.spec_drafts > 0
 
 
+def test_per_request_switch(tiny: Path) -> None:
+    """num_speculative_tokens on a request: 0 never drafts for it, k caps its drafts; tokens are the same."""
+    spec = _llm(tiny, "ngram")
+    prompts = _prompts(spec.tokenizer.vocab_size, 6)
+    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    params = [SamplingParams(**greedy, num_speculative_tokens=k) for k in (0, 1, None, 0, 1, None)]  # type: ignore[arg-type]
+    outs = spec.generate(prompts, params)
+    plain = _generate(_llm(tiny, "none"), prompts, SamplingParams(**greedy))  # type: ignore[arg-type]
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    drafted = [o.outputs[0].num_draft_tokens for o in outs]
+    assert drafted[0] == drafted[3] == 0 and drafted[2] + drafted[5] > 0
+    steps_with_drafts = [o.outputs[0].num_draft_tokens for o in outs[1::3]]
+    assert all(d <= 29 for d in steps_with_drafts)  # one draft per step at most, 29 decode steps
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SamplingParams(num_speculative_tokens=17)
+
+
 def test_off_and_auto_config() -> None:
     with pytest.raises(ValueError, match="speculative_ngram_min"):
         EngineConfig(speculative_ngram_min=5, speculative_ngram_max=3)

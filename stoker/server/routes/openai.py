@@ -77,6 +77,7 @@ def sampling_params(
             logit_bias={int(t): b for t, b in body.logit_bias.items()} if body.logit_bias else None,
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
+            num_speculative_tokens=body.num_speculative_tokens,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
