@@ -90,9 +90,8 @@ class PostgresServer:
         kwargs: dict = {}
         if self.user is not None:
             kwargs = {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, **kwargs)
-        log.close()
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, **kwargs)
         deadline = time.monotonic() + timeout
         import psycopg
 

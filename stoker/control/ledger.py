@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, delete, func, select
 
-from stoker.control.db import usage
+from stoker.control.db import budget_reservations, usage
 
 log = logging.getLogger("stoker.ledger")
 
@@ -38,6 +38,13 @@ class UsageRecord:
     ttft: float | None = None
     latency: float | None = None
     created_at: float = 0.0
+    reservation_id: str | None = None
+    """The shared budget reservation this row settles (deleted when the row is written); not a column."""
+
+    def row(self) -> dict:
+        out = asdict(self)
+        del out["reservation_id"]
+        return out
 
     @property
     def total_tokens(self) -> int:
@@ -190,7 +197,11 @@ class UsageLedger:
                     return written
                 try:
                     with self.engine.begin() as conn:
-                        conn.execute(usage.insert(), [asdict(r) for r in batch])
+                        conn.execute(usage.insert(), [r.row() for r in batch])
+                        # Same transaction: a request is counted once, as reserved or as used.
+                        settled = [r.reservation_id for r in batch if r.reservation_id]
+                        if settled:
+                            conn.execute(delete(budget_reservations).where(budget_reservations.c.id.in_(settled)))
                 except Exception:
                     self.write_errors += 1
                     log.exception("ledger: writing %d usage records failed; will retry", len(batch))
