@@ -81,6 +81,7 @@ class SharedBudgets:
                         budget_reservations.c.key_id == key_id, budget_reservations.c.expires_at > now
                     )
                 ).scalar_one()
+                self._answered()
                 if int(used) + int(reserved) >= budget:
                     raise BudgetExceeded(int(used), int(reserved))
                 conn.execute(
@@ -96,7 +97,6 @@ class SharedBudgets:
         except DBAPIError as exc:
             self._failed(exc)
             raise DatabaseUnavailable(str(exc.orig or exc).strip().splitlines()[0]) from None
-        self._answered()
         return rid, int(used)
 
     def release(self, reservation_id: str) -> None:

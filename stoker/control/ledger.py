@@ -93,6 +93,7 @@ class UsageLedger:
         self.written = 0
         self.dropped = 0
         self.write_errors = 0
+        self.failing_since: float | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -202,12 +203,28 @@ class UsageLedger:
                         settled = [r.reservation_id for r in batch if r.reservation_id]
                         if settled:
                             conn.execute(delete(budget_reservations).where(budget_reservations.c.id.in_(settled)))
-                except Exception:
+                except Exception as exc:
                     self.write_errors += 1
-                    log.exception("ledger: writing %d usage records failed; will retry", len(batch))
+                    if self.failing_since is None:
+                        # Once per outage, not once per retry: the writer retries every flush_interval.
+                        self.failing_since = time.time()
+                        log.error(
+                            "ledger: writing %d usage records failed (%s); keeping them and retrying",
+                            len(batch),
+                            str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                            if str(exc)
+                            else type(exc).__name__,
+                        )
                     with self._cond:
                         self._pending.extendleft(reversed(batch))
                     raise
+                if self.failing_since is not None:
+                    log.warning(
+                        "ledger: usage rows written again after %.1f s (%d pending)",
+                        time.time() - self.failing_since,
+                        len(self._pending),
+                    )
+                    self.failing_since = None
                 self.written += len(batch)
                 written += len(batch)
 
