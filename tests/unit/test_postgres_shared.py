@@ -267,3 +267,22 @@ def test_database_stopped_budget_503_usage_buffered_then_written(pg, replicas) -
     # The outage is one ledger error line, however many retries it took, then one line when it ends.
     log = servers[0].log()
     assert log.count("ledger: writing") == 1 and "usage rows written again" in log
+
+
+@pytest.mark.parametrize("command", [["serve", "--engine-core", FAKE_CORE, "--no-embedding-model"], ["keys", "list"]])
+def test_unreachable_db_refuses_to_start_in_one_line(command) -> None:
+    url = "postgresql+psycopg://stoker:hunter2@127.0.0.1:1/stoker"  # nothing listens on port 1
+    proc = subprocess.run(
+        [sys.executable, "-m", "stoker.cli", *command, "--db", url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=cli_env(),
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, proc.stderr
+    assert (
+        len(err.splitlines()) == 1 and f"stoker {command[0]}: --db postgresql+psycopg://stoker:***@127.0.0.1:1" in err
+    )
+    assert "cannot open the database" in err and "Traceback" not in err and "hunter2" not in err
