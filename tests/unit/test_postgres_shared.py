@@ -250,6 +250,11 @@ def test_database_stopped_budget_503_usage_buffered_then_written(pg, replicas) -
         # A key this replica never saw cannot be checked: 503, not 500, and not served.
         r = chat(servers[1], secrets["plain"])
         assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable", r.text
+        # Keep the database away until the ledger has tried (and failed) to write those rows.
+        deadline = time.monotonic() + 10
+        while "ledger: writing" not in servers[0].log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(1)  # several more retries (every 0.2 s), which must not log again
     finally:
         pg.start()
     # The two plain requests' rows were buffered and land once the database is back.
