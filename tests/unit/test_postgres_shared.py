@@ -23,10 +23,15 @@ from conftest import FAKE_CORE, REPO, TESTS_DIR, start_server
 from postgres_server import PostgresServer
 from sqlalchemy import func, select
 
+from stoker.control.admission import AdmissionController
 from stoker.control.budgets import BudgetExceeded, SharedBudgets
 from stoker.control.db import SCHEMA_VERSION, budget_reservations, make_engine, metadata, migrate, open_db, schema_table
+from stoker.control.gate import RequestGate
 from stoker.control.keys import KeyStore
 from stoker.control.ledger import UsageLedger, UsageRecord
+from stoker.control.limits import RateLimiter
+from stoker.errors import APIError
+from stoker.observe.metrics import Metrics
 
 pytestmark = pytest.mark.timeout(120)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -149,6 +154,41 @@ def test_ledger_row_settles_its_reservation_and_dead_replica_rows_lapse(pg) -> N
         live.reserve(key.id, 500, "day", 10)
     time.sleep(0.6)
     live.reserve(key.id, 500, "day", 10)
+
+
+async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_open(pg) -> None:
+    url = fresh_db(pg)
+    engine = open_db(url)
+    key, _ = KeyStore(engine).create("b", budget_tokens=10_000, rpm=1)
+    ledger = UsageLedger(engine)
+    gate = RequestGate(RateLimiter(), AdmissionController(max_queued_requests=10), ledger, Metrics("m"))
+    gate.budgets = SharedBudgets(engine)
+
+    def reserved() -> int:
+        with engine.connect() as conn:
+            return conn.execute(select(func.count()).select_from(budget_reservations)).scalar_one()
+
+    first = await gate.admit(request_id="r1", key=key, model="m", prompt_tokens=10, max_tokens=20)
+    assert first.reservation is not None and reserved() == 1
+    with pytest.raises(APIError) as refused:  # rpm=1: refused after its budget reservation was made
+        await gate.admit(request_id="r2", key=key, model="m", prompt_tokens=10, max_tokens=20)
+    assert refused.value.status == 429 and refused.value.reason != "budget"
+    assert reserved() == 1  # the refused request's reservation is gone
+    gate.finish(first, completion_tokens=20)
+    ledger.flush()
+    assert reserved() == 0 and ledger.summary(key.id)["total_tokens"] == 30
+
+    # Nothing listens on port 1: the budget cannot be checked.
+    unbudgeted, _ = KeyStore(engine).create("u", budget_tokens=10_000)
+    gate.budgets = SharedBudgets(make_engine(pg.url().replace(f":{pg.port}/", ":1/")))
+    with pytest.raises(APIError) as down:
+        await gate.admit(request_id="r3", key=unbudgeted, model="m", prompt_tokens=1, max_tokens=1)
+    assert down.value.status == 503 and down.value.code == "store_unavailable" and down.value.retry_after == 2
+    gate.on_store_failure = "open"
+    adm = await gate.admit(request_id="r4", key=unbudgeted, model="m", prompt_tokens=1, max_tokens=1)
+    assert adm.reservation is None
+    gate.finish(adm, completion_tokens=1)
+    engine.dispose()
 
 
 # -- two real replicas ------------------------------------------------------------------
