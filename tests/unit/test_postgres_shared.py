@@ -153,7 +153,16 @@ def test_ledger_row_settles_its_reservation_and_dead_replica_rows_lapse(pg) -> N
     with pytest.raises(BudgetExceeded):
         live.reserve(key.id, 500, "day", 10)
     time.sleep(0.6)
-    live.reserve(key.id, 500, "day", 10)
+    kept, _ = live.reserve(key.id, 500, "day", 10)
+    # A live replica's renewal keeps its rows counting past the TTL they were made with.
+    live.release(kept)
+    renewing = SharedBudgets(engine, ttl=0.5)
+    renewing.reserve(key.id, 500, "day", 400)
+    for _ in range(3):
+        time.sleep(0.25)
+        renewing.renew()
+    with pytest.raises(BudgetExceeded):
+        live.reserve(key.id, 500, "day", 10)
 
 
 async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_open(pg) -> None:
