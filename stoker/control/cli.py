@@ -58,8 +58,14 @@ def _limits(k: dict) -> str:
 def _open(args: argparse.Namespace) -> KeyStore:
     from stoker.control.db import open_db
     from stoker.control.keys import KeyStore
+    from stoker.errors import StartupRefused
 
-    return KeyStore(open_db(args.db))
+    try:
+        return KeyStore(open_db(args.db))
+    except StartupRefused as exc:
+        # One line naming --db, as `stoker serve` says it, not a driver traceback.
+        print(f"stoker keys: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def cmd_create(args: argparse.Namespace) -> int:

@@ -33,6 +33,7 @@ from sqlalchemy import (
     event,
     inspect,
     select,
+    text,
 )
 
 metadata = MetaData()
@@ -77,6 +78,25 @@ usage = Table(
     Index("ix_stoker_usage_key_time", "key_id", "created_at"),
 )
 
+# Budget reservations shared by replicas on one database (PostgreSQL): one row
+# per admitted request of a key with a budget, holding its estimate (prompt +
+# max_tokens x n) until the ledger writes the request's usage row, which
+# deletes the reservation in the same transaction, so at every moment a
+# request is counted exactly once (reserved or used). expires_at is renewed by
+# the replica holding the row; a dead replica's rows lapse after the TTL.
+budget_reservations = Table(
+    "stoker_budget_reservations",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("key_id", String(32), nullable=False),
+    Column("tokens", Integer, nullable=False),
+    Column("replica", String(32), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Index("ix_stoker_budget_reservations_key", "key_id", "expires_at"),
+    Index("ix_stoker_budget_reservations_replica", "replica"),
+)
+
 schema_table = Table(
     "stoker_schema",
     metadata,
@@ -84,11 +104,20 @@ schema_table = Table(
     Column("applied_at", Float, nullable=False),
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def _add_budget_reservations(conn: Connection) -> None:
+    budget_reservations.create(conn)
+
 
 # version -> step that upgrades a database from version-1 to version. Add a
 # step here (and bump SCHEMA_VERSION) whenever a table above changes.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _add_budget_reservations}
+
+# Key of the PostgreSQL advisory lock that serializes migrations: several
+# replicas starting at once on a fresh database must not all create the tables.
+MIGRATION_LOCK = 0x5707E2
 
 
 def default_db_url() -> str:
@@ -129,9 +158,31 @@ def make_engine(db: str | None = None) -> Engine:
             cur.execute("PRAGMA busy_timeout=30000")
             cur.close()
 
+    elif url.startswith("postgresql"):
+        # A database that does not answer fails a connection in seconds, not
+        # after the OS's TCP timeout: start-up says so, a request gets its 503.
+        engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT})
     else:
         engine = create_engine(url, pool_pre_ping=True)
     return engine
+
+
+CONNECT_TIMEOUT = 3
+
+
+def is_shared(engine: Engine) -> bool:
+    """A database several replicas can share as one (a server, not a SQLite file)."""
+    return engine.dialect.name != "sqlite"
+
+
+def redact_url(url: str) -> str:
+    """The database URL without its password, for messages."""
+    from sqlalchemy.engine import make_url
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1] if "@" in url else url
 
 
 def current_version(conn: Connection) -> int:
@@ -146,6 +197,10 @@ def migrate(engine: Engine) -> int:
     import time
 
     with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            # Held until this transaction ends; a replica that waited here then
+            # sees the tables the first one created (DDL is transactional there).
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
         version = current_version(conn)
         if version > SCHEMA_VERSION:
             raise RuntimeError(
@@ -162,7 +217,18 @@ def migrate(engine: Engine) -> int:
 
 
 def open_db(db: str | None = None) -> Engine:
-    """Engine with an up-to-date schema."""
-    engine = make_engine(db)
-    migrate(engine)
+    """Engine with an up-to-date schema. A database that cannot be reached or
+    migrated raises StartupRefused: one line naming --db, without the password."""
+    from sqlalchemy.exc import DBAPIError, NoSuchModuleError
+
+    from stoker.errors import StartupRefused
+
+    url = to_url(db or default_db_url())
+    try:
+        engine = make_engine(url)
+        migrate(engine)
+    except (DBAPIError, NoSuchModuleError) as exc:
+        # The driver's message can span lines (libpq adds hints); the first says what failed.
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise StartupRefused(f"--db {redact_url(url)}: cannot open the database ({reason})") from None
     return engine

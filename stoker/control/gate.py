@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from stoker.control.admission import AdmissionController, QueueView, Ticket
+from stoker.control.budgets import STORE_RETRY_AFTER, BudgetExceeded, DatabaseUnavailable, SharedBudgets
 from stoker.control.keys import ApiKey
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end
 from stoker.control.limits import Lease, Limiter
@@ -43,6 +44,8 @@ class Admission:
     ticket: Ticket
     trace_headers: dict[str, str] = field(default_factory=dict)
     done: bool = False
+    reservation: str | None = None
+    """Its budget reservation in the shared database (settled by its ledger row)."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -59,8 +62,13 @@ class RequestGate:
         metrics: Metrics | None = None,
         request_log: RequestLogger | None = None,
         tracer: RequestTracer | None = None,
+        budgets: SharedBudgets | None = None,
+        on_store_failure: str = "closed",
     ) -> None:
         self.limiter = limiter
+        self.budgets = budgets
+        """Budget reservations in a database shared by replicas; None: in this process (_reserved)."""
+        self.on_store_failure = on_store_failure
         self.admission = admission
         self.model_admission: dict[str, AdmissionController] = {}
         """Each model's own queue bound, once the server serves several (others use `admission`)."""
@@ -107,6 +115,7 @@ class RequestGate:
         arrival = arrival if arrival is not None else time.time()
         trace_headers = {k: v for k, v in (headers or {}).items() if k.lower() in ("traceparent", "tracestate")}
         estimate = prompt_tokens + max_tokens * max(1, n)
+        reservation: str | None = None
         try:
             if key is not None:
                 if not key.allows_model(model):
@@ -118,13 +127,18 @@ class RequestGate:
                         param="model",
                         reason="model",
                     )
-                await self._check_budget(key, arrival)
-            lease = await self.limiter.acquire(key, estimate)
+                reservation = await self._check_budget(key, arrival, estimate)
             try:
-                queue = self.admission_for(model)
-                ticket = queue.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
+                lease = await self.limiter.acquire(key, estimate)
+                try:
+                    queue = self.admission_for(model)
+                    ticket = queue.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
+                except APIError:
+                    self.limiter.release(lease, None)
+                    raise
             except APIError:
-                self.limiter.release(lease, None)
+                if reservation is not None and self.budgets is not None:
+                    await asyncio.to_thread(self.budgets.release, reservation)
                 raise
         except APIError as exc:
             self._count_refusal(exc)
@@ -139,7 +153,7 @@ class RequestGate:
                 priority=priority,
             )
             raise
-        if key is not None:
+        if key is not None and self.budgets is None:
             self._reserved[key.id] = self._reserved.get(key.id, 0) + estimate
         self.in_flight += 1
         if self.metrics:
@@ -160,11 +174,15 @@ class RequestGate:
             lease,
             ticket,
             trace_headers,
+            reservation=reservation,
         )
 
-    async def _check_budget(self, key: ApiKey, now: float) -> None:
+    async def _check_budget(self, key: ApiKey, now: float, estimate: int) -> str | None:
+        """Refuse (429) a key over its budget; returns the shared reservation made, if any."""
         if key.budget_tokens is None or self.ledger is None:
-            return
+            return None
+        if self.budgets is not None:
+            return await self._reserve_shared(key, now, estimate)
         used = self.ledger.used_cached(key.id, key.budget_period, now)
         if used is None:
             # First check this period: one query, off the event loop.
@@ -174,19 +192,49 @@ class RequestGate:
         if self.metrics:
             self.metrics.set_budget_remaining(key.id, key.name, max(0, remaining))
         if used + reserved >= key.budget_tokens:
-            end = period_end(key.budget_period, now)
-            self._exhausted[key.id] = end
-            self._update_exhausted(now)
-            raise APIError(
-                429,
-                f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
-                f"({used} used, {reserved} reserved by requests in flight).",
-                "insufficient_quota",
-                code="insufficient_quota",
-                reason="budget",
-                # Waiting for in-flight requests may free reserved tokens; otherwise the period must end.
-                retry_after=(1 if used < key.budget_tokens else end - now),
+            raise self._over_budget(key, now, used, reserved)
+        return None
+
+    async def _reserve_shared(self, key: ApiKey, now: float, estimate: int) -> str | None:
+        assert self.budgets is not None and key.budget_tokens is not None
+        try:
+            reservation, used = await asyncio.to_thread(
+                self.budgets.reserve, key.id, key.budget_tokens, key.budget_period, estimate, now
             )
+        except BudgetExceeded as exc:
+            if self.metrics:
+                self.metrics.set_budget_remaining(key.id, key.name, max(0, key.budget_tokens - exc.used))
+            raise self._over_budget(key, now, exc.used, exc.reserved) from None
+        except DatabaseUnavailable:
+            if self.on_store_failure == "open":
+                return None  # admitted unmetered against the budget; the outage is logged once
+            raise APIError(
+                503,
+                "The key and budget database is unreachable; please retry shortly.",
+                "service_unavailable",
+                code="store_unavailable",
+                reason="store_unavailable",
+                retry_after=STORE_RETRY_AFTER,
+            ) from None
+        if self.metrics:
+            self.metrics.set_budget_remaining(key.id, key.name, max(0, key.budget_tokens - used))
+        return reservation
+
+    def _over_budget(self, key: ApiKey, now: float, used: int, reserved: int) -> APIError:
+        assert key.budget_tokens is not None
+        end = period_end(key.budget_period, now)
+        self._exhausted[key.id] = end
+        self._update_exhausted(now)
+        return APIError(
+            429,
+            f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
+            f"({used} used, {reserved} reserved by requests in flight).",
+            "insufficient_quota",
+            code="insufficient_quota",
+            reason="budget",
+            # Waiting for in-flight requests may free reserved tokens; otherwise the period must end.
+            retry_after=(1 if used < key.budget_tokens else end - now),
+        )
 
     def _update_exhausted(self, now: float) -> None:
         for key_id, end in list(self._exhausted.items()):
@@ -249,7 +297,9 @@ class RequestGate:
         ran = submitted and not never_scheduled
         # A request that used nothing is refunded entirely, the request itself included.
         self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
-        if adm.key is not None:
+        if adm.reservation is not None and self.ledger is None and self.budgets is not None:
+            self.budgets.release(adm.reservation)
+        if adm.key is not None and self.budgets is None:
             left = self._reserved.get(adm.key.id, 0) - adm.estimated_tokens
             if left > 0:
                 self._reserved[adm.key.id] = left
@@ -275,6 +325,7 @@ class RequestGate:
                     ttft=_ttft(first),
                     latency=now - adm.arrival,
                     created_at=now,
+                    reservation_id=adm.reservation,
                 )
             )
         if self.metrics is not None:

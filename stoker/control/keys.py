@@ -26,8 +26,10 @@ from enum import Enum
 from typing import Any, Literal, cast
 
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import DBAPIError
 
 from stoker.control.db import api_keys
+from stoker.errors import APIError
 
 SECRET_PREFIX = "sk-stoker-"
 ID_HEX_CHARS = 12
@@ -279,7 +281,23 @@ class KeyStore:
         hit, key = self.cached(key_id, now)
         if hit:
             return key
-        key = self.get(key_id)
+        try:
+            key = self.get(key_id)
+        except DBAPIError:
+            with self._lock:
+                stale = self._cache.get(key_id)
+            if stale is not None:
+                # Known a moment ago: keep serving it while the database is away
+                # (a revocation made meanwhile takes effect when it answers again).
+                return stale[1]
+            raise APIError(
+                503,
+                "The key database is unreachable; please retry shortly.",
+                "service_unavailable",
+                code="store_unavailable",
+                reason="store_unavailable",
+                retry_after=2,
+            ) from None
         with self._lock:
             if key is None:
                 self._unknown[key_id] = now

@@ -17,9 +17,9 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, delete, func, select
 
-from stoker.control.db import usage
+from stoker.control.db import budget_reservations, usage
 
 log = logging.getLogger("stoker.ledger")
 
@@ -38,6 +38,13 @@ class UsageRecord:
     ttft: float | None = None
     latency: float | None = None
     created_at: float = 0.0
+    reservation_id: str | None = None
+    """The shared budget reservation this row settles (deleted when the row is written); not a column."""
+
+    def row(self) -> dict:
+        out = asdict(self)
+        del out["reservation_id"]
+        return out
 
     @property
     def total_tokens(self) -> int:
@@ -86,6 +93,7 @@ class UsageLedger:
         self.written = 0
         self.dropped = 0
         self.write_errors = 0
+        self.failing_since: float | None = None
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -190,13 +198,33 @@ class UsageLedger:
                     return written
                 try:
                     with self.engine.begin() as conn:
-                        conn.execute(usage.insert(), [asdict(r) for r in batch])
-                except Exception:
+                        conn.execute(usage.insert(), [r.row() for r in batch])
+                        # Same transaction: a request is counted once, as reserved or as used.
+                        settled = [r.reservation_id for r in batch if r.reservation_id]
+                        if settled:
+                            conn.execute(delete(budget_reservations).where(budget_reservations.c.id.in_(settled)))
+                except Exception as exc:
                     self.write_errors += 1
-                    log.exception("ledger: writing %d usage records failed; will retry", len(batch))
+                    if self.failing_since is None:
+                        # Once per outage, not once per retry: the writer retries every flush_interval.
+                        self.failing_since = time.time()
+                        log.error(
+                            "ledger: writing %d usage records failed (%s); keeping them and retrying",
+                            len(batch),
+                            str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+                            if str(exc)
+                            else type(exc).__name__,
+                        )
                     with self._cond:
                         self._pending.extendleft(reversed(batch))
                     raise
+                if self.failing_since is not None:
+                    log.warning(
+                        "ledger: usage rows written again after %.1f s (%d pending)",
+                        time.time() - self.failing_since,
+                        len(self._pending),
+                    )
+                    self.failing_since = None
                 self.written += len(batch)
                 written += len(batch)
 

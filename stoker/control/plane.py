@@ -20,7 +20,8 @@ import time
 from typing import Any
 
 from stoker.control.admission import AdmissionController
-from stoker.control.db import default_db_url, open_db
+from stoker.control.budgets import SharedBudgets
+from stoker.control.db import default_db_url, is_shared, open_db, redact_url
 from stoker.control.gate import Admission, RequestGate
 from stoker.control.keys import ApiKey, KeyStore
 from stoker.control.ledger import UsageLedger
@@ -116,6 +117,17 @@ class ControlPlane:
             raise AuthRequiredButNoKeys(
                 f"--require-auth is set but the key database ({settings.db or default_db_url()}) has no active key; "
                 "create one with `stoker keys create --name NAME`"
+            )
+        if is_shared(engine):
+            # Replicas share this database: budget reservations live there too.
+            budgets = SharedBudgets(engine)
+            plane.gate.budgets = budgets
+            plane.gate.on_store_failure = settings.on_store_failure
+            budgets.start()
+            log.info(
+                "budgets reserved in the shared database %s (on failure: %s)",
+                redact_url(str(engine.url)),
+                settings.on_store_failure,
             )
         plane._auth_on = settings.require_auth or active > 0
         plane._auth_checked = time.monotonic()
@@ -232,6 +244,8 @@ class ControlPlane:
 
     def close(self) -> None:
         """Flush the usage ledger and traces. Call after in-flight requests have finished."""
+        if self.gate.budgets is not None:
+            self.gate.budgets.close()
         self.ledger.close()
         self.tracer.shutdown()
         self.keys.engine.dispose()

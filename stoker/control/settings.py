@@ -21,7 +21,7 @@ class ControlSettings(BaseModel):
     redis_url: str | None = None
     """Redis (redis://, rediss://, unix://) holding per-key rate limits and concurrency, shared by every replica using it; default: in this process."""
     on_store_failure: Literal["closed", "open"] = "closed"
-    """When the Redis of --redis-url is unreachable: closed refuses requests with 503 + Retry-After; open admits them without limits (logged)."""
+    """When the Redis of --redis-url, or a shared --db (PostgreSQL) for budgets, is unreachable: closed refuses requests with 503 + Retry-After; open admits them without limits (logged)."""
     redis_lease_ttl: float = Field(30.0, ge=1)
     """Seconds a request's concurrency slot lives in Redis unless renewed (every third of it while the request runs): a dead replica's slots free themselves within it."""
     require_auth: bool = False
