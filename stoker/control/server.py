@@ -125,6 +125,8 @@ async def _operator(request: Request) -> None:
 
 async def _admit(request: Request, info: Any) -> None:
     plane = get_plane(request)
+    if info.endpoint != "embedding":
+        plane.track_model(info.model)  # its own queue bound from its first request on, not from the next stats tick
     try:
         adm = await plane.admit_http(
             request,
