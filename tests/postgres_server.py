@@ -84,7 +84,9 @@ class PostgresServer:
                 install = os.path.dirname(self.bin_dir)
                 package = os.path.dirname(install)
                 site = os.path.join(self.root, "site")
-                copy = shutil.copytree(install, os.path.join(site, os.path.basename(package), "pginstall"), symlinks=True)
+                copy = shutil.copytree(
+                    install, os.path.join(site, os.path.basename(package), "pginstall"), symlinks=True
+                )
                 libs = package + ".libs"
                 if os.path.isdir(libs):
                     shutil.copytree(libs, os.path.join(site, os.path.basename(libs)), symlinks=True)

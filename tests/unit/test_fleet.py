@@ -147,3 +147,27 @@ def test_cost_meter_follows_busy_time_and_tokens() -> None:
     assert meter.costs() == {"big": {}, "small": {}}
     assert cost_per_million(3.6, 1000.0) == pytest.approx(1.0)
     assert cost_per_million(3.6, 0.0) is None
+
+
+async def test_memory_budget_refuses_before_loading(model_file: Path) -> None:
+    """The estimate before a load (weights + runtime) already over the budget: refused, the engine never started."""
+    from stoker.config import EngineConfig
+    from stoker.server.fleet import ENGINE_RUNTIME_BYTES, Fleet
+
+    started: list[object] = []
+
+    class NeverStarted:
+        def __init__(self, config: EngineConfig) -> None:
+            self.config = config
+
+        async def start(self) -> None:
+            started.append(self)
+
+        async def shutdown(self) -> None:
+            pass
+
+    specs = [ModelSpec("a", str(model_file))]
+    fleet = Fleet(specs, {}, EngineConfig(), NeverStarted, lambda t: t, max_memory=ENGINE_RUNTIME_BYTES)  # type: ignore[arg-type]
+    with pytest.raises(FleetError, match="model a: needs about") as info:
+        await fleet.start()
+    assert info.value.status == 409 and not started

@@ -123,13 +123,3 @@ def test_wrong_tls_settings_are_named(pki: Path, settings: dict, says: str) -> N
     with pytest.raises(ValueError, match=None) as info:
         check_tls(ServerConfig(**paths))
     assert says in str(info.value)
-
-
-def test_wrong_tls_files_refuse_to_start_in_one_line(pki: Path, tmp_path: Path) -> None:
-    proc = _serve(
-        tmp_path, "--port", "0", "--ssl-certfile", str(pki / "server.pem"), "--ssl-keyfile", str(pki / "client.key")
-    )
-    out = proc.communicate(timeout=60)[0].decode()
-    assert proc.returncode == 2 and "Traceback" not in out, out
-    lines = [line for line in out.splitlines() if line.startswith("stoker serve:")]
-    assert len(lines) == 1 and "--ssl-certfile/--ssl-keyfile" in lines[0], out
