@@ -25,7 +25,7 @@ from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, auth, start_serv
 
 pytestmark = pytest.mark.timeout(400)
 
-FUZZ_SECONDS = 50  # the suite must stay under 15 minutes on 2 cores; max-examples per operation bounds it too
+FUZZ_SECONDS = 30  # the suite must stay under 15 minutes on 2 cores; max-examples per operation bounds it too
 # A 504 is the answer to the client's own `timeout` (fuzzed down to 5e-324 s)
 # passing before the request could run: documented, and not a server fault.
 CONFIG = """
