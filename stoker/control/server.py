@@ -266,9 +266,11 @@ def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts:
         ]
     )
     if cost is not None:
-        for name in set(cost.costs()) - set(fleet.models):
+        costs = cost.costs()
+        for name in set(costs) - set(fleet.models):  # unloaded models
             cost.forget(name)
-        plane.metrics.set_costs(cost.costs())
+            del costs[name]
+        plane.metrics.set_costs(costs)
 
 
 def _fallback(plane: ControlPlane, event: Any) -> None:

@@ -55,10 +55,11 @@ class FleetError(ValueError):
     API answers it with `status` (400: the call is wrong; 409: it conflicts
     with what is loaded, e.g. memory or a load in progress)."""
 
-    def __init__(self, message: str, status: int = 400, code: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 400, code: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -72,29 +73,40 @@ class ModelSpec:
     """False for a bare path: the name is then the model's own (its config's), known once loaded."""
 
 
-def parse_model_spec(text: str) -> ModelSpec:
+def checked_spec(name: str | None, path: str, digest: str | None) -> ModelSpec:
+    """A spec whose path exists, digest is well formed and name is valid (None:
+    named after the file); FleetError saying which is not. --model, MODEL and
+    the admin API all check through here."""
+    if not path:
+        raise FleetError("no path; expected NAME=PATH[@sha256:DIGEST]", param="path")
+    try:
+        pinned = check_digest_syntax(digest) if digest is not None else None
+    except ValueError as exc:
+        raise FleetError(str(exc), param="digest") from None
+    if not os.path.exists(path):
+        raise FleetError(f"no model at {path} (no such file or folder)", param="path")
+    if name is None:
+        return ModelSpec(model_name(path), path, pinned, named=False)
+    try:
+        return ModelSpec(check_name(name), path, pinned)
+    except FleetError as exc:
+        raise FleetError(str(exc), param="name") from None
+
+
+def parse_model_spec(text: str, flag: str = "--model") -> ModelSpec:
     """NAME=PATH[@sha256:HEX], or PATH[@sha256:HEX] named after the file. FleetError if malformed."""
     text = text.strip()
+    name: str | None
     name, sep, rest = text.partition("=")
     if not sep or os.path.exists(text.rpartition("@sha256:")[0] or text):
-        name, rest = "", text  # a bare path (which may itself hold "=")
+        name, rest = None, text  # a bare path (which may itself hold "=")
     path, at, digest = rest.rpartition("@sha256:")
     if not at:
-        path, digest = rest, ""
-    if not path:
-        raise FleetError(f"--model {text!r}: no path; expected NAME=PATH[@sha256:DIGEST]")
-    pinned = None
-    if at:
-        try:
-            pinned = check_digest_syntax("sha256:" + digest)
-        except ValueError as exc:
-            raise FleetError(f"--model {text!r}: {exc}") from None
-    if not os.path.exists(path):
-        raise FleetError(f"--model {text!r}: no model at {path} (no such file or folder)")
-    if name:
-        check_name(name)
-        return ModelSpec(name, path, pinned)
-    return ModelSpec(model_name(path), path, pinned, named=False)
+        path = rest
+    try:
+        return checked_spec(name, path, "sha256:" + digest if at else None)
+    except FleetError as exc:
+        raise FleetError(f"{flag} {text!r}: {exc}") from None
 
 
 def check_name(name: str) -> str:
@@ -158,17 +170,13 @@ def plan_models(model: str | None, extra: list[str], served_model_name: str | No
     or a duplicate name."""
     specs: list[ModelSpec] = []
     if model is not None or not extra:
-        path = model if model is not None else default_model_path()
-        if not os.path.exists(path):
-            raise FleetError(f"no model at {path} (no such file or folder)")
-        spec = parse_model_spec(path)
-        specs.append(ModelSpec(check_name(served_model_name), spec.path, spec.digest) if served_model_name else spec)
+        specs.append(parse_model_spec(model if model is not None else default_model_path(), "MODEL"))
     specs += [parse_model_spec(text) for text in extra]
     if served_model_name and len(specs) > 1:
         raise FleetError(
             "--served-model-name names a server's only model; with several, use --model NAME=PATH for each"
         )
-    if served_model_name and len(specs) == 1 and specs[0].name != served_model_name:
+    if served_model_name:
         specs[0] = ModelSpec(check_name(served_model_name), specs[0].path, specs[0].digest)
     seen: set[str] = set()
     for spec in specs:
@@ -220,6 +228,8 @@ class ModelVersion:
     """Builds the grammar checker for this version's tokenizer (on its first constrained request)."""
     digest: str | None = None
     """The files' digest, computed at load (whether or not it was pinned)."""
+    weight_bytes: int | None = None
+    """Its weights on disk, measured at load with the digest."""
     status: VersionStatus = "loading"
     error: str | None = None
     created: float = field(default_factory=time.time)
@@ -274,7 +284,8 @@ class ModelVersion:
         its KV cache at full use and the engine runtime, or what its process
         holds, if more."""
         info = self.engine.info
-        planned = weight_bytes(self.spec.path) + ENGINE_RUNTIME_BYTES + (info.kv_cache_bytes if info else 0)
+        weights = self.weight_bytes if self.weight_bytes is not None else weight_bytes(self.spec.path)
+        planned = weights + ENGINE_RUNTIME_BYTES + (info.kv_cache_bytes if info else 0)
         return max(planned, self.memory_bytes() or 0)
 
     def memory_bytes(self) -> int | None:
@@ -371,6 +382,7 @@ class Fleet:
         spec = version.spec
         try:
             version.digest, size = await asyncio.to_thread(lambda: (model_digest(spec.path), weight_bytes(spec.path)))
+            version.weight_bytes = size
         except (OSError, ValueError) as exc:
             raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
         if spec.digest is not None and version.digest != spec.digest:
@@ -402,9 +414,7 @@ class Fleet:
 
     async def start(self) -> list[ModelVersion]:
         """Load every model given at start, concurrently. FleetError: nothing serves."""
-        loaded: list[ModelVersion] = []
-        for version in self._initial:  # memory is checked in order, against the ones before
-            version.status = "loading"
+        # Memory is checked in order, each model against the ones before it.
         results = await asyncio.gather(
             *(self._load(v, self._initial[:i]) for i, v in enumerate(self._initial)), return_exceptions=True
         )
@@ -424,8 +434,7 @@ class Fleet:
                 raise FleetError(f"two models are named {version.name!r}; name them apart with --model NAME=PATH")
             version.status = "serving"
             self.models[version.name] = ServedModel(version.name, version)
-            loaded.append(version)
-        return loaded
+        return list(self._initial)
 
     def versions(self) -> list[ModelVersion]:
         """Every version with an engine: serving, canary, loading and draining ones."""
@@ -503,9 +512,6 @@ class Fleet:
             if existing is None:
                 version.status = "serving"
                 self.models[spec.name] = ServedModel(spec.name, version)
-                self.fallbacks.setdefault(spec.name, [])
-                if not self.fallbacks[spec.name]:
-                    del self.fallbacks[spec.name]
                 log.info("model %s %s loaded from %s (%s)", spec.name, version.label, spec.path, version.digest)
                 return version
             existing.loading = None

@@ -16,15 +16,13 @@ answers when the new version serves.
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.errors import APIError
-from stoker.models.digest import check_digest_syntax
-from stoker.server.fleet import FleetError, ModelSpec, check_name
+from stoker.server.fleet import FleetError, checked_spec
 from stoker.server.state import ServerState, get_state
 
 router = APIRouter(prefix="/admin/models", tags=["admin"])
@@ -69,7 +67,7 @@ def _listing(state: ServerState) -> dict[str, Any]:
 
 
 def _bad(exc: FleetError) -> APIError:
-    return APIError(exc.status, str(exc), code=exc.code)
+    return APIError(exc.status, str(exc), code=exc.code, param=exc.param)
 
 
 @router.get("")
@@ -81,14 +79,8 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
-        name = check_name(body.name)
-        digest = check_digest_syntax(body.digest) if body.digest is not None else None
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="name" if "name" in str(exc) else "digest") from None
-    if not await asyncio.to_thread(os.path.exists, body.path):
-        raise APIError(400, f"no model at {body.path} (no such file or folder)", param="path")
-    try:
-        version = await state.fleet.load(ModelSpec(name, body.path, digest), body.canary_percent)
+        spec = await asyncio.to_thread(checked_spec, body.name, body.path, body.digest)
+        version = await state.fleet.load(spec, body.canary_percent)
     except FleetError as exc:
         raise _bad(exc) from None
     return {"name": version.name, **version.describe()}
