@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 @dataclass
@@ -139,9 +139,28 @@ class EngineConfig(BaseModel):
     speculative_max_batch: int = Field(4, ge=0)
     """auto: no drafts while more than this many sequences decode in a step (there a step is bound by
     arithmetic, and rejected guesses cost about what they weigh)."""
+    kv_events_endpoint: str | None = None
+    """Publish KV cache events (blocks stored in and removed from the prefix cache) on this ZeroMQ address,
+    as vLLM's --kv-events-config does: tcp://*:PORT binds every interface. For routers that send a request
+    to the replica holding its prefix (vllm-router --policy kv_aware; docs/routers.md). One model per
+    server when set. Off (None): nothing is recorded."""
+    kv_events_topic: str = ""
+    """Topic frame of every KV event message (subscribers filter on it); vLLM's default is empty."""
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _kv_events_endpoint(cls, value: str | None) -> str | None:
+        from stoker.engine.kv_events import check_endpoint  # light: msgspec and zmq, no torch
+
+        return None if value in (None, "") else check_endpoint(value)
 
     @model_validator(mode="after")
     def _speculation(self) -> EngineConfig:
+        if self.kv_events_endpoint and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_endpoint (--kv-events-endpoint) publishes the prefix cache's blocks; "
+                "it needs enable_prefix_caching"
+            )
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError(
                 "speculative_method draft needs a draft model: set speculative_model (--speculative-model)"

@@ -20,6 +20,7 @@ import torch
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
+from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
 from stoker.engine.outputs import ScheduledRequest, SchedulerOutput
 from stoker.engine.params import (
@@ -105,7 +106,14 @@ class EngineCore:
         per_block = kv_bytes_per_block(self.model_config, block_size, kv_dtype)
         kv_size = size_kv_cache(config, per_block, self.max_model_len, total_memory_bytes(self.device))
         num_blocks = kv_size.num_blocks
-        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching)
+        # Bound before anything heavy is allocated: an endpoint in use fails the start at once.
+        self.kv_events: KVEventPublisher | None = None
+        kv_log: KVEventLog | None = None
+        if config.kv_events_endpoint and config.enable_prefix_caching:
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
+            kv_log = KVEventLog(block_size)
+            kv_log.cleared()  # a new engine starts empty: subscribers drop what a previous one held
+        self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, kv_log)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
         self.speculator: Speculator | None = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
@@ -301,6 +309,8 @@ class EngineCore:
         for delta in deltas:
             if delta.finished:
                 self._forget_if_done(delta.request_id)
+        if self.kv_events is not None:
+            self.publish_kv_events()
         self.busy_seconds += time.perf_counter() - started
         return outputs + deltas
 
@@ -346,8 +356,20 @@ class EngineCore:
             spec_draft_tokens=spec.num_draft_tokens if spec else 0,
             spec_accepted_tokens=spec.num_accepted_tokens if spec else 0,
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
+            kv_events_published=self.kv_events.num_published if self.kv_events else 0,
+            kv_events_dropped=self.kv_events.num_dropped if self.kv_events else 0,
         )
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's unused blocks (those no request holds); returns how many."""
-        return self.kv.reset_prefix_cache()
+        dropped = self.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.publish_kv_events()
+        return dropped
+
+    def publish_kv_events(self) -> None:
+        """One batch for what the cache changed since the last one (once per step)."""
+        assert self.kv_events is not None and self.kv.pool.events is not None
+        events = self.kv.pool.events.take()
+        if events:
+            self.kv_events.publish(events)

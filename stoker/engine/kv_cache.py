@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from stoker.engine.kv_events import KVEventLog
 from stoker.engine.request import Request
 
 NULL_BLOCK_ID = 0
@@ -41,7 +42,7 @@ def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
 class BlockPool:
     """Owns every block: reference counts, the LRU free queue and the hash index."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, events: KVEventLog | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (one is reserved), got {num_blocks}")
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -49,6 +50,9 @@ class BlockPool:
         # Least recently freed first; a cached block here is free but still hittable.
         self.free_queue: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, Block] = {}
+        self.events = events
+        """Where hash-index changes are recorded for publishing (--kv-events-endpoint); None: not recorded.
+        Events follow `cached`, the index lookups use: a key is stored when it enters it, removed when it leaves."""
 
     @property
     def num_blocks(self) -> int:
@@ -73,6 +77,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = block.parent_hash = block.token_ids = None
 
     def lookup(self, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> Block | None:
@@ -101,7 +107,10 @@ class BlockPool:
         block_hash = chain_hash(parent_hash, token_ids)
         if self.enable_caching and block.block_hash is None:
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
-            self.cached.setdefault(block_hash, block)
+            # A second copy of a cached block (two requests computed it at once) is not
+            # indexed, so it is not announced either.
+            if self.cached.setdefault(block_hash, block) is block and self.events is not None:
+                self.events.stored(block_hash, parent_hash, token_ids)
         return block_hash
 
     def reset_prefix_cache(self) -> int:
@@ -112,16 +121,20 @@ class BlockPool:
             if block.block_hash is not None:
                 dropped += 1
                 self._evict(block)
+        if self.events is not None and not self.cached:
+            self.events.cleared()  # nothing is left: one event says so, not one per block
         return dropped
 
 
 class KVCacheManager:
     """Maps requests to block tables and decides what fits."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool = True, events: KVEventLog | None = None
+    ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, events)
         self.req_blocks: dict[tuple[str, int], list[Block]] = {}
         self.num_hashed: dict[tuple[str, int], int] = {}
         self.prefix_queries = 0

@@ -305,6 +305,10 @@ class EngineStats:
     """Draft tokens accepted (cumulative)."""
     spec_accepted_per_position: list[int] = field(default_factory=list)
     """Accepted drafts by position in their proposal (cumulative)."""
+    kv_events_published: int = 0
+    """KV event batches sent on --kv-events-endpoint (cumulative)."""
+    kv_events_dropped: int = 0
+    """KV event batches dropped because the socket's queue was full (cumulative)."""
 
     @property
     def kv_usage(self) -> float:

@@ -89,6 +89,8 @@ _CUMULATIVE = (
     "spec_drafts",
     "spec_draft_tokens",
     "spec_accepted_tokens",
+    "kv_events_published",
+    "kv_events_dropped",
 )
 
 
@@ -185,6 +187,15 @@ class Metrics:
         )
 
         # -- stoker ----------------------------------------------------------
+        self.kv_events_published = Counter(
+            "stoker:kv_events_published", "KV event batches published on --kv-events-endpoint.", m, registry=r
+        )
+        self.kv_events_dropped = Counter(
+            "stoker:kv_events_dropped",
+            "KV event batches dropped because a subscriber fell behind (the socket's queue was full).",
+            m,
+            registry=r,
+        )
         self.constrained_requests = Counter(
             "stoker:structured_requests",
             "Requests whose output is constrained (JSON schema, regex, choice, grammar, tool call).",
@@ -368,6 +379,8 @@ class Metrics:
             if grown > 0:
                 self.spec_accepted_per_pos.labels(name, str(position)).inc(grown)
         self.constrained_requests.labels(name).inc(delta["constrained_requests"])
+        self.kv_events_published.labels(name).inc(delta["kv_events_published"])
+        self.kv_events_dropped.labels(name).inc(delta["kv_events_dropped"])
         _observe_latest(self.grammar_mask_time.labels(name), stats.grammar_mask_seconds, delta["grammar_mask_steps"])
         _observe_latest(
             self.grammar_compile_time.labels(name), stats.grammar_compile_seconds, delta["grammar_compiles"]

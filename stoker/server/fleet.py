@@ -189,6 +189,11 @@ def plan_models(model: str | None, extra: list[str], served_model_name: str | No
 def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSpec], dict[str, list[str]]]:
     """The models and fallback chains a server's options ask for; FleetError (one line) if they cannot be."""
     specs = plan_models(engine.model, server.models, engine.served_model_name)
+    if engine.kv_events_endpoint and len(specs) > 1:
+        raise FleetError(
+            f"--kv-events-endpoint publishes one engine's KV cache and this server would run {len(specs)} models "
+            f"({', '.join(s.name for s in specs)}): run one stoker serve per model, each with its own endpoint"
+        )
     chains = parse_fallbacks(server.fallback)
     check_fallbacks([s.name for s in specs], chains)
     return specs, chains
@@ -496,6 +501,15 @@ class Fleet:
             raise FleetError(f"model {spec.name} is not loaded: a canary needs a stable version to share traffic with")
         if self._lock.locked():
             raise FleetError("another model is loading; try again when it is done", 409, "load_in_progress")
+        if self.base_config.kv_events_endpoint:
+            # A second engine could not bind the endpoint the first one publishes on, and a router
+            # reading it would file both engines' blocks under one replica.
+            raise FleetError(
+                "models cannot be loaded at run time while --kv-events-endpoint is set (one engine publishes "
+                "there): restart the server with the model to serve",
+                409,
+                "kv_events_single_engine",
+            )
         async with self._lock:
             version = self._new_version(spec)
             if existing is not None:

@@ -1,0 +1,192 @@
+"""KV cache events, published the way vLLM publishes them, so a router that
+tracks which replica holds which prefix (vllm-router's kv_aware policy) can
+send a request to the replica that already has its prompt's blocks.
+
+Wire format (vLLM's, as vllm-router 0.1.17 decodes it): a ZeroMQ PUB socket
+sending three-frame messages [topic, 8-byte big-endian sequence number,
+msgpack payload]. The payload is a KVEventBatch encoded as an array
+[ts, events, data_parallel_rank]; each event is a map tagged with its class
+name under "type" (BlockStored, BlockRemoved, AllBlocksCleared), every
+field present even when null: the router refuses an event that lacks one,
+and refuses events encoded as arrays.
+
+What the router does with them (read from its source and checked against the
+binary): it indexes the *token ids* of each BlockStored event, block by block,
+in a radix tree whose edges follow parent_block_hash; a request's own token
+ids (which it asks the replica for, at /v1/completions/render or
+/v1/chat/completions/render) are walked down that tree. The block hashes are
+opaque keys for parent links and removals only, so stoker's own sha256 chain
+hashes serve, sent as their first 8 bytes as an unsigned integer (vLLM's
+default form). Block size must agree: --kv-event-block-size on the router,
+--block-size here.
+
+Cost: nothing when --kv-events-endpoint is unset (the block pool holds None
+and checks it where a key is set or dropped). When set: a few list appends
+per cached block, one encode and one non-blocking send per engine step that
+changed the cache; a send that would block (the high-water mark reached, a
+slow subscriber) drops the batch and counts it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import msgspec
+import zmq
+
+log = logging.getLogger("stoker.engine.kv_events")
+
+MEDIUM = "GPU"
+"""The tier vLLM names its device cache. The router files blocks by medium and
+ranks anything else as a slower tier, so stoker's one tier (CPU memory or GPU)
+is reported as vLLM's primary one."""
+
+SEND_HWM = 10_000
+"""Batches ZeroMQ may queue per subscriber before a send would block; beyond it, batches are dropped."""
+
+_ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
+
+
+def check_endpoint(endpoint: str) -> str:
+    """ValueError (one line) unless endpoint is a ZeroMQ address a PUB socket can bind:
+    tcp://HOST:PORT (HOST * for every interface), ipc://PATH or inproc://NAME."""
+    match = _ENDPOINT.match(endpoint)
+    if match is None:
+        raise ValueError("must be a ZeroMQ address to bind, tcp://*:PORT (or tcp://HOST:PORT, ipc://PATH)")
+    if match.group(3) is not None and not 1 <= int(match.group(3)) <= 65535:
+        raise ValueError("the port must be between 1 and 65535")
+    return endpoint
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, gc=False):
+    """Base of the three events; tag=True writes the class name under "type"."""
+
+
+class BlockStored(KVCacheEvent):
+    """Full blocks that became prefix-cache hits, in chain order: block_hashes[0]'s
+    parent is parent_block_hash (None: the first block of a prompt), each next one's
+    the one before it. token_ids holds block_size tokens per hash."""
+
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM
+    lora_name: str | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks no longer hittable (evicted for reuse, or flushed)."""
+
+    block_hashes: list[int]
+    medium: str | None = MEDIUM
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache is empty (a fresh engine, or a flush with nothing running)."""
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = 0
+
+
+def wire_hash(block_hash: bytes) -> int:
+    """A block's key on the wire: the first 8 bytes of stoker's sha256 chain hash,
+    unsigned (the router refuses negative integers)."""
+    return int.from_bytes(block_hash[:8], "big")
+
+
+class KVEventLog:
+    """What the block pool changed since the last publish, merged as it comes:
+    a block stored right after its parent extends the same BlockStored event,
+    consecutive removals share one BlockRemoved."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+        key = wire_hash(block_hash)
+        parent = wire_hash(parent_hash) if parent_hash is not None else None
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+            last.block_hashes.append(key)
+            last.token_ids.extend(token_ids)
+        else:
+            self.events.append(BlockStored([key], parent, list(token_ids), self.block_size))
+
+    def removed(self, block_hash: bytes) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved):
+            last.block_hashes.append(wire_hash(block_hash))
+        else:
+            self.events.append(BlockRemoved([wire_hash(block_hash)]))
+
+    def cleared(self) -> None:
+        # Whatever came before is moot once everything is gone.
+        self.events = [AllBlocksCleared()]
+
+    def take(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        events, self.events = self.events, []
+        return events
+
+
+class KVEventPublisher:
+    """A publishing socket bound at endpoint; one message per publish(), never blocking."""
+
+    def __init__(self, endpoint: str, topic: str = "") -> None:
+        self.endpoint = endpoint
+        self.topic = topic.encode()
+        self.seq = 0
+        self.num_published = 0
+        self.num_dropped = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx = zmq.Context(io_threads=1)
+        # XPUB rather than PUB: a PUB socket drops silently at its high-water mark,
+        # XPUB with NODROP answers EAGAIN instead, so a dropped batch can be counted.
+        # Subscribers (SUB sockets) cannot tell the difference.
+        self._socket = self._ctx.socket(zmq.XPUB)
+        self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
+        self._socket.setsockopt(zmq.XPUB_NODROP, 1)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(endpoint)
+        except zmq.ZMQError as exc:
+            self.close()
+            # ValueError: the engine process reports it as the one line it fails with.
+            raise ValueError(f"--kv-events-endpoint {endpoint}: cannot bind: {exc}") from None
+        log.info("publishing KV cache events on %s (topic %r)", endpoint, topic)
+
+    def publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> bool:
+        """Send one batch; False (and counted) if ZeroMQ would have had to block."""
+        self._drain_subscriptions()
+        payload = self._encoder.encode(KVEventBatch(time.time(), events))
+        try:
+            self._socket.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                log.warning("KV event batches dropped (a subscriber is not keeping up): %d", self.num_dropped)
+            return False
+        finally:
+            # A dropped batch still takes its number: the gap tells subscribers they missed one.
+            self.seq += 1
+        self.num_published += 1
+        return True
+
+    def _drain_subscriptions(self) -> None:
+        """XPUB hands (un)subscription messages up; read them so they never pile up."""
+        while True:
+            try:
+                self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def close(self) -> None:
+        self._socket.close(linger=0)
+        self._ctx.term()
