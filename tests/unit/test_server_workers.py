@@ -121,6 +121,23 @@ def test_model_and_server_info_name_local_model_and_tokenizer(fake_server, path:
         assert body["engine_config"]["max_model_len"] == 256
 
 
+def test_render_gives_the_token_ids_a_request_would_be_served_with(fake_server) -> None:
+    """vLLM's render endpoints, which vllm-router's kv_aware policy asks for a request's tokens."""
+    with httpx.Client(base_url=fake_server.url, timeout=30) as http:
+        chat = http.post("/v1/chat/completions/render", json={"messages": CHAT, **VLLM_ROUTER_CHAT_FIELDS})
+        assert chat.status_code == 200, chat.text
+        templated = http.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": True}).json()
+        assert chat.json()["token_ids"] == templated["tokens"]
+        assert chat.json()["model"] == "fake-model"
+        done = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()
+        assert done["usage"]["prompt_tokens"] == len(templated["tokens"])
+        texts = http.post("/v1/completions/render", json={"prompt": ["one two", "three"], "max_tokens": 4})
+        assert texts.status_code == 200, texts.text
+        encoded = [http.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in ("one two", "three")]
+        assert [entry["token_ids"] for entry in texts.json()] == encoded
+        assert http.post("/v1/completions/render", json={"prompt": [[5, 6, 7]]}).json()[0]["token_ids"] == [5, 6, 7]
+
+
 def test_flush_cache_drops_the_unused_prefix_blocks_once(fake_server) -> None:
     with httpx.Client(base_url=fake_server.url, timeout=30) as http:
         done = http.post("/v1/completions", json={"prompt": "y" * 40, "max_tokens": 2})

@@ -19,6 +19,7 @@ from stoker.engine.params import (
     TokenLogprob,
 )
 from stoker.errors import APIError
+from stoker.models.tokenizer import Tokenizer
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo
@@ -43,7 +44,7 @@ from stoker.server.serving import (
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import Constraint, requested_constraint
-from stoker.server.tools import new_call, parse_reply, plan_tools, prepare_messages
+from stoker.server.tools import ToolPlan, new_call, parse_reply, plan_tools, prepare_messages
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 CLIENT_CLOSED = 499  # nginx's code for "client closed request", for logs only
@@ -245,6 +246,51 @@ def chat_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> di
     }
 
 
+def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
+    """The prompt a chat request becomes: its messages (and tools) through the chat template."""
+    messages, template_kwargs = prepare_messages(
+        [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
+    )
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
+    except (ValueError, jinja2.TemplateError) as exc:
+        raise bad_request(str(exc), param="messages") from None
+    assert not isinstance(ids, str)  # tokenize=True: ids, not text
+    return ids
+
+
+def completion_prompts(body: CompletionRequest, tokenizer: Tokenizer) -> tuple[list[list[int]], list[str | None]]:
+    """Each prompt of a completion request as token ids, with its text where it came as text."""
+    prompts: list[list[int]] = []
+    texts: list[str | None] = []
+    for prompt in flatten_prompts(body.prompt):
+        if isinstance(prompt, str):
+            prompts.append(tokenizer.encode(prompt))
+            texts.append(prompt)
+        else:
+            prompts.append(list(prompt))
+            texts.append(None)
+    return prompts, texts
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str, Any]:
+    """The token ids a chat request would be served with, without serving it (vLLM's render
+    endpoint). vllm-router's kv_aware policy asks for them and matches them against the KV
+    events replicas publish (docs/routers.md)."""
+    version = get_state(request).version_for(body.model)
+    plan = plan_tools(body, requested_constraint(body))
+    return {"model": version.name, "token_ids": chat_prompt_ids(body, version.tokenizer, plan)}
+
+
+@router.post("/v1/completions/render")
+async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
+    """As /v1/chat/completions/render, one entry per prompt (vLLM answers a list here too)."""
+    version = get_state(request).version_for(body.model)
+    prompts, _ = completion_prompts(body, version.tokenizer)
+    return [{"model": version.name, "token_ids": ids} for ids in prompts]
+
+
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
@@ -261,13 +307,7 @@ async def chat_attempt(
     constraint = plan.constraint or constraint
     if constraint is not None:
         await version.grammars.check(constraint)
-    messages, template_kwargs = prepare_messages(
-        [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
-    )
-    try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise bad_request(str(exc), param="messages") from None
+    ids = chat_prompt_ids(body, tokenizer, plan)
     max_tokens = resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
@@ -467,15 +507,7 @@ async def completion_attempt(
     if constraint is not None:
         await version.grammars.check(constraint)
     tokenizer = version.tokenizer
-    prompts: list[list[int]] = []
-    texts: list[str | None] = []
-    for prompt in flatten_prompts(body.prompt):
-        if isinstance(prompt, str):
-            prompts.append(tokenizer.encode(prompt))
-            texts.append(prompt)
-        else:
-            prompts.append(list(prompt))
-            texts.append(None)
+    prompts, texts = completion_prompts(body, tokenizer)
     max_tokens = resolve_max_tokens(version, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
     if body.echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
