@@ -3,7 +3,9 @@ on the default model, sglang-router and vllm-router (their PyPI wheels) as
 real subprocesses in front, and the official openai client talking to the
 router. Checks that chat, streamed chat and completions succeed, that round
 robin spread them over both replicas, and that the routers' probes left no
-warnings in the replicas' logs. Skipped only when a router binary cannot run here."""
+warnings in the replicas' logs; and that vllm-router's kv_aware policy, fed the
+replicas' KV events, sends a request to the replica holding its prefix.
+Skipped only when a router binary cannot run here."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, free_port, start_server
+from conftest import ServerProcess, engine_stats, free_port, start_server
 
 # Each test gets 90 s; the replicas' start is bounded on its own (REPLICA_READY_S,
 # in parallel): on a loaded 2-core machine loading the model alone took 50 s.
@@ -31,18 +33,24 @@ REPLICA_ARGS = ["--no-embedding-model", "--num-kv-blocks", "64", "--max-num-seqs
 BIN = os.path.dirname(sys.executable)
 
 
-def router_command(kind: str, port: int, workers: list[str]) -> list[str]:
+def router_command(kind: str, port: int, workers: list[str], policy: str = "round_robin") -> list[str]:
     """The command docs/routers.md gives, on free ports, with round robin. Both
     routers also serve Prometheus metrics on a port of their own (29000 by
-    default, sglang-router's on every interface): a free one here."""
+    default, sglang-router's on every interface): a free one here. kv_aware
+    (vllm-router) subscribes to each worker's KV events."""
     if kind == "sglang":
         return [os.path.join(BIN, "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *workers, "--policy", "round_robin",
                 "--health-check-endpoint", "/ready",
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
-    return [os.path.join(BIN, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *workers, "--policy", "round_robin",
-            "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]  # fmt: skip
+    command = [os.path.join(BIN, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+               "--worker-urls", *workers, "--policy", policy,
+               "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]  # fmt: skip
+    if policy == "kv_aware":
+        for worker in workers:
+            command += ["--kv-event-source", f"{worker}={KV_EVENTS[worker]}"]
+        command += ["--kv-event-block-size", "16", "--kv-event-model", MODEL]
+    return command
 
 
 def require_router(kind: str) -> None:
@@ -58,15 +66,24 @@ def require_router(kind: str) -> None:
         pytest.skip(f"{kind}-router cannot run on this machine: {probe.stderr.decode(errors='replace')[-500:]}")
 
 
+# Each replica's KV event endpoint (--kv-events-endpoint), by its URL.
+KV_EVENTS: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     tmp = str(tmp_path_factory.mktemp("router-replicas"))
+    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        starting = [pool.submit(start_server, REPLICA_ARGS, tmp, None, REPLICA_READY_S) for _ in range(2)]
+        starting = [
+            pool.submit(start_server, [*REPLICA_ARGS, "--kv-events-endpoint", e], tmp, None, REPLICA_READY_S)
+            for e in endpoints
+        ]
         servers = []
         try:
             for future in starting:
                 servers.append(future.result())
+            KV_EVENTS.update({server.url: e for server, e in zip(servers, endpoints)})
             yield servers
         finally:
             for server in servers:
@@ -81,10 +98,12 @@ def served_requests(server: ServerProcess, since: int) -> int:
     return sum(1 for line in lines if '"status":200' in line and any(path in line for path in generation))
 
 
-def start_router(kind: str, workers: list[str], log_path: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(
+    kind: str, workers: list[str], log_path: str, policy: str = "round_robin"
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(router_command(kind, port, workers), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(router_command(kind, port, workers, policy), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 40
     while time.monotonic() < deadline:
@@ -133,3 +152,38 @@ def test_openai_client_through_router(kind: str, replicas: list[ServerProcess], 
         new_log = server.log()[mark:]
         assert "Invalid HTTP request" not in new_log  # sglang-router's HTTP/2 probe is refused quietly
         assert "Traceback" not in new_log
+
+
+def test_kv_aware_routes_to_the_replica_holding_the_prefix(replicas: list[ServerProcess], tmp_path) -> None:
+    """Each replica is given one long prefix directly (the router learns it only from
+    that replica's KV events); then requests sharing a prefix, sent to vllm-router
+    with --policy kv_aware, must all reach the replica that holds it, and hit its cache."""
+    require_router("vllm")
+    for server in replicas:
+        assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+    proc, url = start_router("vllm", [server.url for server in replicas], str(tmp_path / "kv-router.log"), "kv_aware")
+    try:
+        # Events published before the router subscribed are lost to it (PUB keeps nothing for late joiners).
+        time.sleep(1.0)
+        # ~170 tokens each (10 KV blocks of 16), different from the first word on.
+        prefixes = [" ".join(f"{word}{i}" for i in range(60)) for word in ("alpha", "omega")]
+        for server, prefix in zip(replicas, prefixes):
+            done = httpx.post(f"{server.url}/v1/completions", json={"prompt": prefix, "max_tokens": 1}, timeout=60)
+            assert done.status_code == 200, done.text
+        time.sleep(0.5)  # the router's subscriber polls every 10 ms
+        marks = [len(server.log()) for server in replicas]
+        hits = [engine_stats(server)["prefix_cache_hits"] for server in replicas]
+        # Replica 1's prefix first: a router that ignored the events would pick replica 0 for an idle tie.
+        for holder in (1, 0, 1, 0):
+            body = {"model": MODEL, "prompt": f"{prefixes[holder]} and then {holder}", "max_tokens": 1}
+            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    served = [served_requests(server, mark) for server, mark in zip(replicas, marks)]
+    assert served == [2, 2], f"kv_aware sent the prefixes elsewhere: {served}"
+    for server, prefix, before in zip(replicas, prefixes, hits):
+        tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": prefix}, timeout=10).json()["count"]
+        assert tokens >= 8 * 16
+        # Both requests reused the prefix's full blocks (but perhaps the last, its tokenization may change).
+        assert engine_stats(server)["prefix_cache_hits"] - before >= 2 * (tokens // 16 - 1) * 16
