@@ -81,6 +81,10 @@ class EngineCore:
         # model_validate rather than EngineConfig(): mypy, without pydantic's plugin, wants every field.
         self.config = config = config or EngineConfig.model_validate({})
         started = time.perf_counter()
+        # Bound before the weights load: an endpoint in use fails the start at once, in one line.
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint and config.enable_prefix_caching:
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
@@ -106,11 +110,8 @@ class EngineCore:
         per_block = kv_bytes_per_block(self.model_config, block_size, kv_dtype)
         kv_size = size_kv_cache(config, per_block, self.max_model_len, total_memory_bytes(self.device))
         num_blocks = kv_size.num_blocks
-        # Bound before anything heavy is allocated: an endpoint in use fails the start at once.
-        self.kv_events: KVEventPublisher | None = None
         kv_log: KVEventLog | None = None
-        if config.kv_events_endpoint and config.enable_prefix_caching:
-            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
+        if self.kv_events is not None:
             kv_log = KVEventLog(block_size)
             kv_log.cleared()  # a new engine starts empty: subscribers drop what a previous one held
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, kv_log)
