@@ -136,6 +136,19 @@ def engine_stats(server: ServerProcess) -> dict:
     return httpx.get(f"{server.url}/ready", timeout=5).json()["engine_stats"]
 
 
+def store_failures(server: ServerProcess, store: str) -> dict[str, float]:
+    """stoker:store_failures_total{store=...} by operation, as the server's /metrics shows it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = httpx.get(f"{server.url}/metrics", timeout=5).text
+    return {
+        sample.labels["operation"]: sample.value
+        for family in text_string_to_metric_families(body)
+        for sample in family.samples
+        if sample.name == "stoker:store_failures_total" and sample.labels["store"] == store
+    }
+
+
 async def wait_for(predicate, timeout: float, what: str, interval: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():

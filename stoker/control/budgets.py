@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.exc import DBAPIError
@@ -48,8 +49,16 @@ class DatabaseUnavailable(Exception):
 
 
 class SharedBudgets:
-    def __init__(self, engine: Engine, ttl: float = 30.0, replica: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        ttl: float = 30.0,
+        replica: str | None = None,
+        count_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.count_failure = count_failure
+        """Called with "budget_reserve", "budget_release" or "budget_renew" when the database fails it."""
         self.ttl = ttl
         self.replica = replica or uuid.uuid4().hex
         self.unreachable_since: float | None = None
@@ -95,7 +104,7 @@ class SharedBudgets:
                     )
                 )
         except DBAPIError as exc:
-            self._failed(exc)
+            self._failed(exc, "budget_reserve")
             raise DatabaseUnavailable(str(exc.orig or exc).strip().splitlines()[0]) from None
         return rid, int(used)
 
@@ -106,7 +115,7 @@ class SharedBudgets:
                 conn.execute(delete(budget_reservations).where(budget_reservations.c.id == reservation_id))
         except DBAPIError as exc:
             # Renewal would keep it alive: delete it with the next renewal instead.
-            self._failed(exc)
+            self._failed(exc, "budget_release")
             with self._lock:
                 self._unreleased.add(reservation_id)
 
@@ -129,7 +138,7 @@ class SharedBudgets:
             try:
                 self.renew()
             except DBAPIError as exc:
-                self._failed(exc)
+                self._failed(exc, "budget_renew")
 
     def renew(self, now: float | None = None) -> None:
         """Extend this replica's rows; delete everyone's long-lapsed ones."""
@@ -151,7 +160,9 @@ class SharedBudgets:
 
     # -- failure state ---------------------------------------------------------
 
-    def _failed(self, exc: DBAPIError) -> None:
+    def _failed(self, exc: DBAPIError, operation: str) -> None:
+        if self.count_failure is not None:
+            self.count_failure(operation)
         if self.unreachable_since is None:
             self.unreachable_since = time.time()
             reason = str(exc.orig or exc).strip().splitlines()[0]

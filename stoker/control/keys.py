@@ -21,6 +21,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Literal, cast
@@ -146,8 +147,16 @@ class KeyStore:
     process are visible at once; changes from elsewhere (the `stoker keys` CLI)
     within cache_ttl seconds."""
 
-    def __init__(self, engine: Engine, cache_ttl: float = 5.0, negative_cache_size: int = 10_000) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        cache_ttl: float = 5.0,
+        negative_cache_size: int = 10_000,
+        count_failure: Callable[[str], None] | None = None,
+    ) -> None:
         self.engine = engine
+        self.count_failure = count_failure
+        """Called with "key_lookup" when a lookup on the request path cannot reach the database."""
         self.cache_ttl = cache_ttl
         self._lock = threading.Lock()
         self._cache: dict[str, tuple[float, ApiKey]] = {}
@@ -284,6 +293,8 @@ class KeyStore:
         try:
             key = self.get(key_id)
         except DBAPIError:
+            if self.count_failure is not None:
+                self.count_failure("key_lookup")
             with self._lock:
                 stale = self._cache.get(key_id)
             if stale is not None:

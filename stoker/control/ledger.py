@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from sqlalchemy import Engine, delete, func, select
@@ -77,8 +78,11 @@ class UsageLedger:
         flush_interval: float = 1.0,
         batch_size: int = 500,
         max_pending: int = 1_000_000,
+        count_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.engine = engine
+        self.count_failure = count_failure
+        """Called with "ledger_write" for each batch the database refused (the rows are kept)."""
         self.flush_interval = flush_interval
         self.batch_size = batch_size
         self.max_pending = max_pending
@@ -205,6 +209,8 @@ class UsageLedger:
                             conn.execute(delete(budget_reservations).where(budget_reservations.c.id.in_(settled)))
                 except Exception as exc:
                     self.write_errors += 1
+                    if self.count_failure is not None:
+                        self.count_failure("ledger_write")
                     if self.failing_since is None:
                         # Once per outage, not once per retry: the writer retries every flush_interval.
                         self.failing_since = time.time()

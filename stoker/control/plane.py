@@ -43,8 +43,9 @@ class AuthRequiredButNoKeys(StartupRefused):
     """--require-auth without an active key: `stoker serve` exits 2 with this message."""
 
 
-def open_limiter(settings: ControlSettings) -> Limiter:
-    """In process, or in the Redis of --redis-url (checked now: StartupRefused if unusable)."""
+def open_limiter(settings: ControlSettings, metrics: Metrics | None = None) -> Limiter:
+    """In process, or in the Redis of --redis-url (checked now: StartupRefused if unusable),
+    its failed calls counted in metrics."""
     if settings.redis_url is None:
         return RateLimiter()
     from stoker.control.store import RedisRateLimiter, check_redis_url, redact
@@ -56,7 +57,10 @@ def open_limiter(settings: ControlSettings) -> Limiter:
         settings.on_store_failure,
     )
     return RedisRateLimiter(
-        settings.redis_url, on_failure=settings.on_store_failure, lease_ttl=settings.redis_lease_ttl
+        settings.redis_url,
+        on_failure=settings.on_store_failure,
+        lease_ttl=settings.redis_lease_ttl,
+        count_failure=metrics.store_failure_counter("redis") if metrics is not None else None,
     )
 
 
@@ -98,15 +102,18 @@ class ControlPlane:
         """Open the database (migrating it), start the ledger writer, check the auth mode.
         Raises AuthRequiredButNoKeys when require_auth is set and no key exists."""
         settings = settings or ControlSettings()
-        limiter = open_limiter(settings)
+        # Made first so that every store reports its failed calls to it (stoker:store_failures_total).
+        metrics = Metrics(settings.model_name, settings.metrics_per_key)
+        limiter = open_limiter(settings, metrics)
         engine = open_db(settings.db)
-        keys = KeyStore(engine, cache_ttl=settings.key_cache_ttl)
-        ledger = UsageLedger(engine, flush_interval=settings.ledger_flush_interval)
+        db_failed = metrics.store_failure_counter("db")
+        keys = KeyStore(engine, cache_ttl=settings.key_cache_ttl, count_failure=db_failed)
+        ledger = UsageLedger(engine, flush_interval=settings.ledger_flush_interval, count_failure=db_failed)
         plane = cls(
             settings,
             keys,
             ledger,
-            Metrics(settings.model_name, settings.metrics_per_key),
+            metrics,
             tracer or RequestTracer(settings.otlp_endpoint),
             request_log or RequestLogger(),
             limiter,
@@ -120,7 +127,7 @@ class ControlPlane:
             )
         if is_shared(engine):
             # Replicas share this database: budget reservations live there too.
-            budgets = SharedBudgets(engine)
+            budgets = SharedBudgets(engine, count_failure=db_failed)
             plane.gate.budgets = budgets
             plane.gate.on_store_failure = settings.on_store_failure
             budgets.start()

@@ -20,7 +20,9 @@ reach Redis leaves the slot to expire the same way and the estimate charged.
 
 Redis unreachable: fail closed (503 + Retry-After) by default, or with
 on_store_failure="open" admit without limits, logging the outage once; the
-client reconnects by itself on the next call.
+client reconnects by itself on the next call. Every failed call is counted
+(count_failure, stoker:store_failures_total{store="redis"}), since in open
+mode nothing else shows the outage.
 """
 
 from __future__ import annotations
@@ -106,8 +108,11 @@ class RedisRateLimiter:
         lease_ttl: float = 30.0,
         clock: Callable[[], float] | None = None,
         prefix: str = "stoker",
+        count_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.url = url
+        self.count_failure = count_failure
+        """Called with the operation ("acquire", "release", "renew") of each call that failed."""
         self.on_failure = on_failure
         self.lease_ttl = lease_ttl
         self.prefix = prefix
@@ -155,6 +160,7 @@ class RedisRateLimiter:
         try:
             raw = await self._acquire(keys=keys, args=args)
         except redis.RedisError as exc:
+            self._count("acquire")
             return self._store_failed(key, estimated_tokens, exc)
         self._store_answered()
         outcome, wait, _in_flight, *buckets = (v.decode() if isinstance(v, bytes) else str(v) for v in raw)
@@ -193,6 +199,10 @@ class RedisRateLimiter:
             retry_after=STORE_RETRY_AFTER,
         )
 
+    def _count(self, operation: str) -> None:
+        if self.count_failure is not None:
+            self.count_failure(operation)
+
     def _store_answered(self) -> None:
         if self.unreachable_since is not None:
             log.warning(
@@ -226,6 +236,7 @@ class RedisRateLimiter:
         try:
             await self._release(keys=keys, args=args)
         except redis.RedisError as exc:
+            self._count("release")
             log.warning("could not release a lease in Redis (%s); its slot expires within %.0f s", exc, self.lease_ttl)
 
     def _ensure_renewer(self) -> None:
@@ -248,6 +259,7 @@ class RedisRateLimiter:
                     await self._renew(keys=[held.leases_key], args=[now, lease_id, repr(self.lease_ttl)], client=pipe)
                 await pipe.execute()
         except redis.RedisError as exc:
+            self._count("renew")
             log.warning("could not renew %d leases in Redis (%s)", len(self._held), exc)
 
     # -- inspection and shutdown -----------------------------------------------------------

@@ -12,6 +12,7 @@ again from zero) never makes a Prometheus counter go backwards.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import pairwise
 from typing import Any
 
@@ -73,6 +74,15 @@ _ITL_BUCKETS = (
     40.0,
     80.0,
 )
+# The shared stores and the calls of each that can fail (the `operation` label):
+# a fixed handful, so the series stay few whatever happens.
+STORE_OPERATIONS: dict[str, tuple[str, ...]] = {
+    # --redis-url: the admission check-and-take, the release after a response, lease renewal.
+    "redis": ("acquire", "release", "renew"),
+    # --db: a key looked up on a cache miss, shared budget reservations, usage rows.
+    "db": ("key_lookup", "budget_reserve", "budget_release", "budget_renew", "ledger_write"),
+}
+
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 # EngineStats counter field -> attribute name of our Counter
@@ -275,6 +285,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.store_failures = Counter(
+            "stoker:store_failures",
+            "Calls to Redis (--redis-url) or the database (--db) that failed, by store and operation; "
+            "counted whatever the failure led to (503, admission without limits, rows kept for later).",
+            ["store", "operation"],
+            registry=r,
+        )
         self.rate_limit_rejections = Counter(
             "stoker:rate_limit_rejections",
             "Requests refused with 429 for a key's quota, by limit.",
@@ -443,6 +460,20 @@ class Metrics:
 
     def observe_error(self, status: int) -> None:
         self.request_errors.labels(str(status)).inc()
+
+    def store_failure_counter(self, store: str) -> Callable[[str], None]:
+        """What a store calls with the operation that failed. Its series exist at 0
+        from now on, so the first failure already shows in rate() and increase()."""
+        operations = STORE_OPERATIONS[store]
+        for operation in operations:
+            self.store_failures.labels(store, operation)
+
+        def failed(operation: str) -> None:
+            # A new name would be a new series nobody alerts on: add it to STORE_OPERATIONS.
+            assert operation in operations, f"unknown {store} operation {operation!r}"
+            self.store_failures.labels(store, operation).inc()
+
+        return failed
 
     def set_budget_remaining(self, key_id: str, key_name: str, remaining: int) -> None:
         if self.budget_remaining is not None:

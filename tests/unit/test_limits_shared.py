@@ -15,6 +15,7 @@ from test_limits import Clock, key
 from stoker.control.errors import ControlError
 from stoker.control.limits import Lease, Limiter, RateLimiter
 from stoker.control.store import RedisRateLimiter
+from stoker.observe.metrics import STORE_OPERATIONS, Metrics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -256,17 +257,29 @@ async def test_a_dead_replicas_slots_expire_and_a_live_ones_are_renewed(redis_se
 # -- Redis away ---------------------------------------------------------------------------
 
 
+def failures(metrics: Metrics) -> dict[str, float]:
+    """stoker:store_failures_total of Redis, by operation."""
+    return {
+        op: metrics.registry.get_sample_value("stoker:store_failures_total", {"store": "redis", "operation": op}) or 0
+        for op in STORE_OPERATIONS["redis"]
+    }
+
+
 async def test_redis_down_fails_closed_then_recovers_by_itself(tmp_path, caplog):
     server = RedisServer(str(tmp_path))
     server.start()
-    lim = RedisRateLimiter(server.url)
+    metrics = Metrics("m")
+    lim = RedisRateLimiter(server.url, count_failure=metrics.store_failure_counter("redis"))
     try:
         k = key(rpm=100)
         held = await lim.acquire(k, 1)
+        other = await lim.acquire(k, 1)
+        assert failures(metrics) == {"acquire": 0, "release": 0, "renew": 0}
         server.stop()
         lim.release(held, 1)  # a request that ends while Redis is away: logged, its slot left to expire
         await lim.settle()
         assert any("could not release a lease" in r.getMessage() for r in caplog.records)
+        await lim.renew()  # `other` is still held: its renewal fails too
         started = time.monotonic()
         with pytest.raises(ControlError) as err:
             await lim.acquire(k, 1)
@@ -274,9 +287,12 @@ async def test_redis_down_fails_closed_then_recovers_by_itself(tmp_path, caplog)
         assert err.value.status == 503 and err.value.code == "store_unavailable"
         assert err.value.headers["Retry-After"] == "2"
         assert lim.unreachable_since is not None
+        assert failures(metrics) == {"acquire": 1, "release": 1, "renew": 1}
         server.start()  # same port, empty: the scripts must be loaded again
         lease = await lim.acquire(k, 1)
         assert lease.headers["x-ratelimit-remaining-requests"] == "99" and lim.unreachable_since is None
+        assert failures(metrics)["acquire"] == 1
+        lim.release(other, 1)
     finally:
         await lim.aclose()
         server.stop()
@@ -285,7 +301,8 @@ async def test_redis_down_fails_closed_then_recovers_by_itself(tmp_path, caplog)
 async def test_redis_down_fail_open_admits_without_limits(tmp_path, caplog):
     server = RedisServer(str(tmp_path))
     server.start()
-    lim = RedisRateLimiter(server.url, on_failure="open")
+    metrics = Metrics("m")
+    lim = RedisRateLimiter(server.url, on_failure="open", count_failure=metrics.store_failure_counter("redis"))
     try:
         k = key(rpm=1)
         await lim.acquire(k, 1)
@@ -293,6 +310,8 @@ async def test_redis_down_fail_open_admits_without_limits(tmp_path, caplog):
         leases = [await lim.acquire(k, 1) for _ in range(3)]  # over rpm=1, admitted: opt-in
         assert all(lease.headers == {} and lease.store_id is None for lease in leases)
         assert sum("WITHOUT rate limits" in r.getMessage() for r in caplog.records) == 1  # logged once per outage
+        # ... and counted every time: in open mode the metric is what shows the outage.
+        assert failures(metrics)["acquire"] == 3
         for lease in leases:
             lim.release(lease, 1)
     finally:

@@ -19,7 +19,7 @@ import uuid
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, REPO, TESTS_DIR, start_server
+from conftest import FAKE_CORE, REPO, TESTS_DIR, start_server, store_failures
 from postgres_server import PostgresServer
 from sqlalchemy import func, select
 
@@ -189,7 +189,9 @@ async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_ope
 
     # Nothing listens on port 1: the budget cannot be checked.
     unbudgeted, _ = KeyStore(engine).create("u", budget_tokens=10_000)
-    gate.budgets = SharedBudgets(make_engine(pg.url().replace(f":{pg.port}/", ":1/")))
+    metrics = Metrics("m")
+    failed = metrics.store_failure_counter("db")
+    gate.budgets = SharedBudgets(make_engine(pg.url().replace(f":{pg.port}/", ":1/")), count_failure=failed)
     with pytest.raises(APIError) as down:
         await gate.admit(request_id="r3", key=unbudgeted, model="m", prompt_tokens=1, max_tokens=1)
     assert down.value.status == 503 and down.value.code == "store_unavailable" and down.value.retry_after == 2
@@ -197,6 +199,9 @@ async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_ope
     adm = await gate.admit(request_id="r4", key=unbudgeted, model="m", prompt_tokens=1, max_tokens=1)
     assert adm.reservation is None
     gate.finish(adm, completion_tokens=1)
+    # Both counted, the 503 and the admission without a budget check alike.
+    reserve = {"store": "db", "operation": "budget_reserve"}
+    assert metrics.registry.get_sample_value("stoker:store_failures_total", reserve) == 2
     engine.dispose()
 
 
@@ -287,6 +292,10 @@ def test_database_stopped_budget_503_usage_buffered_then_written(pg, replicas) -
     while UsageLedger(engine).summary(plain_id)["requests"] < 1 and time.monotonic() < deadline:
         time.sleep(0.1)
     engine.dispose()
+    # Both replicas know the budget key (200, or 429 once its budget is spent), so
+    # during the outage it fails at the budget check, not at the key lookup.
+    assert {chat(server, secrets["budget"]).status_code for server in servers} <= {200, 429}
+    before = [store_failures(server, "db") for server in servers]
     pg.stop()
     try:
         for server in servers:
@@ -304,8 +313,15 @@ def test_database_stopped_budget_503_usage_buffered_then_written(pg, replicas) -
         while "ledger: writing" not in servers[0].log() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(1)  # several more retries (every 0.2 s), which must not log again
+        during = [store_failures(server, "db") for server in servers]
     finally:
         pg.start()
+    # The outage in numbers, per replica: each budget check that got its 503, the key
+    # lookup that could not be made, and every failed ledger write (retried, so several).
+    grown = [{op: during[i][op] - before[i][op] for op in before[i]} for i in range(2)]
+    assert grown[0]["budget_reserve"] == 1 and grown[1]["budget_reserve"] == 1, grown
+    assert grown[0]["key_lookup"] == 0 and grown[1]["key_lookup"] == 1, grown
+    assert grown[0]["ledger_write"] >= 2, grown
     # The two plain requests' rows were buffered and land once the database is back.
     engine = make_engine(url)
     deadline = time.monotonic() + 15

@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, REPO, TESTS_DIR, start_server
+from conftest import FAKE_CORE, REPO, TESTS_DIR, start_server, store_failures
 from redis_server import RedisServer
 
 from stoker.control.db import open_db
@@ -112,6 +112,7 @@ async def test_concurrency_holds_across_replicas(replicas) -> None:
 def test_redis_killed_gives_503_then_service_resumes(replicas) -> None:
     servers, redis, secrets = replicas
     assert chat(servers[0], secrets["plain"]).status_code == 200
+    before = [store_failures(server, "redis")["acquire"] for server in servers]
     redis.stop()
     try:
         for server in servers:
@@ -120,8 +121,11 @@ def test_redis_killed_gives_503_then_service_resumes(replicas) -> None:
             assert r.json()["error"]["code"] == "store_unavailable" and r.headers["retry-after"] == "2"
     finally:
         redis.start()
+    # Each refusal is one failed acquire on the replica that refused it.
+    assert [store_failures(server, "redis")["acquire"] for server in servers] == [n + 1 for n in before]
     # No stoker restart: the client reconnects on the next call.
     assert [chat(server, secrets["plain"]).status_code for server in servers] == [200, 200]
+    assert [store_failures(server, "redis")["acquire"] for server in servers] == [n + 1 for n in before]
     for server in servers:
         assert "Redis at redis://127.0.0.1" in server.log() and "answers again" in server.log()
 
