@@ -799,7 +799,7 @@ def test_alerts_have_what_on_call_needs() -> None:
         "stoker:request_errors_total": "error rate",
         "stoker:engine_restarts_total": "engine restarts",
         "stoker:budget_exhausted_keys": "budget exhaustion",
-        "stoker:admission_rejections_total": "store failures",
+        "stoker:store_failures_total": "store failures",
     }
     for metric, what in wanted.items():
         assert any(metric in r for r in reads.values()), f"no alert on {what} ({metric})"
