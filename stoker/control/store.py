@@ -192,7 +192,9 @@ class RedisRateLimiter:
             )
         raise APIError(
             503,
-            "The rate-limit store is unreachable; please retry shortly.",
+            # No "rate limit" in the words: LiteLLM proxy reads any error saying so as
+            # a 429 (the client's quota), whatever the status (docs/routers.md).
+            "The store of request limits is unreachable; please retry shortly.",
             "service_unavailable",
             code="store_unavailable",
             reason="store_unavailable",
