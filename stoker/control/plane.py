@@ -19,6 +19,8 @@ import logging
 import time
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from stoker.control.admission import AdmissionController
 from stoker.control.budgets import SharedBudgets
 from stoker.control.db import default_db_url, is_shared, open_db, redact_url
@@ -156,7 +158,16 @@ class ControlPlane:
         now = time.monotonic()
         if now - self._auth_checked >= self.settings.key_cache_ttl:
             self._auth_checked = now
-            if self.keys.count_active() > 0:
+            try:
+                active = self.keys.count_active()
+            except DBAPIError as exc:
+                # The database is away: keep the last answer (no key yet) rather than fail the
+                # request with a 500; the next check after key_cache_ttl asks again.
+                if self.keys.count_failure is not None:
+                    self.keys.count_failure("key_lookup")
+                log.warning("could not count API keys (%s); authentication stays off until the database answers", exc)
+                return self._auth_on
+            if active > 0:
                 self._auth_on = True
                 log.warning("an API key now exists: authentication is on")
         return self._auth_on

@@ -138,6 +138,24 @@ async def test_open_mode_serves_without_key_but_admin_is_shut(setup, caplog):
     assert_openai_error(await client.get("/admin/keys"), 403, "insufficient_permissions")
 
 
+async def test_open_mode_keeps_serving_while_the_key_database_is_away(setup, tmp_path):
+    """Counting keys (is auth on yet?) against a database that cannot answer: the
+    last answer stands (open), the failure is counted, no 500."""
+    build, _, _ = setup
+    plane, client = build()
+    assert (await client.post("/v1/completions", json=body())).status_code == 200
+    plane.keys.engine.dispose()  # pooled connections would still reach the old file
+    db = tmp_path / "s.db"
+    db.rename(tmp_path / "moved.db")
+    db.mkdir()  # sqlite cannot open a directory: every new connection fails
+    r = await client.post("/v1/completions", json=body())
+    assert r.status_code == 200, r.text
+    failures = plane.metrics.store_failures.labels("db", "key_lookup")._value.get()
+    db.rmdir()
+    (tmp_path / "moved.db").rename(db)  # back, so the ledger's rows land at teardown
+    assert failures >= 1
+
+
 async def test_require_auth_refuses_to_start_without_keys(setup):
     build, _, _ = setup
     with pytest.raises(AuthRequiredButNoKeys):
