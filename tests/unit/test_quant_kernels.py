@@ -23,7 +23,14 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from stoker.models.quant import kernels
 from stoker.models.quant.blocks import random_blocks
-from stoker.models.quant.kernels import SUPPORTED_TYPES, available_isas, ggml_dequantize_rows, ggml_matmul, quant_isa
+from stoker.models.quant.kernels import (
+    SUPPORTED_TYPES,
+    available_isas,
+    exact_kernels,
+    ggml_dequantize_rows,
+    ggml_matmul,
+    quant_isa,
+)
 
 T = GGMLQuantizationType
 TYPES = sorted(SUPPORTED_TYPES)
@@ -113,6 +120,15 @@ def test_out_as_column_slice_of_wider_tensor(isa: str, qtype: GGMLQuantizationTy
     assert wide[:, :6].isnan().all() and wide[:, 15:].isnan().all()
 
 
+def test_exact_kernels_where_the_build_has_them(isa: str) -> None:
+    """The AVX-512 VNNI build serves the 32-element block types with the exact
+    kernels (GEMM and small tiles, tested above through every m); the K-quants
+    and every other path keep the tile kernels."""
+    for qtype in TYPES:
+        expected = isa == "avx512_vnni" and GGML_QUANT_SIZES[qtype][0] == 32
+        assert exact_kernels(qtype) == expected, (isa, qtype.name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dtype) -> None:
@@ -125,6 +141,8 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
         full = mm(x, w, qtype)
         for i in (0, 5, 31, 63):
             assert torch.equal(mm(x[i : i + 1], w, qtype), full[i : i + 1])
+        for rows in (2, 3, 4, 7):  # either side of the exact kernels' switch from tiles to the GEMM
+            assert torch.equal(mm(x[9 : 9 + rows], w, qtype), full[9 : 9 + rows])
         assert torch.equal(mm(x[5:22], w, qtype), full[5:22])  # other tile boundaries
         assert torch.equal(mm(x, w[3:20], qtype), full[:, 3:20])  # weight rows in other tiles
         torch.set_num_threads(1)

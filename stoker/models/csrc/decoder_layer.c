@@ -16,8 +16,8 @@
  *   x = RMSNorm(h) -> int8; gu = x Wgu^T; a = silu(g) * u -> int8; h += a Wd^T.
  *
  * Batch invariance: a row's result never depends on the other rows. The
- * matmuls are ggml_quant.c's tile kernels (bit-identical whatever m and the
- * split, see there). Every other reduction (norm sums, q.k dots, softmax
+ * matmuls are ggml_quant.c's (bit-identical whatever m and the split, see
+ * there, including the switch between its exact GEMM and tiles by m). Every other reduction (norm sums, q.k dots, softmax
  * sums, p.v sums) runs over one row or one (row, head) in a fixed order
  * written out here with 8 explicit partial sums, so it vectorizes without
  * the compiler reassociating anything (built like ggml_quant.c:
@@ -120,6 +120,9 @@ typedef struct {
     int16_t *bsums32, *bsums256;
     float *attn_scratch; /* per thread: scores [max_context] then acc [head_dim] */
     size_t attn_scratch_floats;
+    int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
+    uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax) */
+    size_t gemm_scratch_size;
 } Buffers;
 
 /* ---- row operations: fixed summation order, vectorizable as written -------- */
@@ -173,8 +176,8 @@ static inline float silu(float g) {
 /* ---- linear layers inside the parallel region --------------------------- */
 
 static inline xq_t xq_for(const Buffers *b, int be, int k) {
-    if (be == 32) return (xq_t){b->qs32, b->d32, b->s32, b->bsums32, k};
-    return (xq_t){b->qs256, b->d256, b->s256, b->bsums256, k};
+    if (be == 32) return (xq_t){b->qs32, b->d32, b->s32, b->bsums32, k, b->isum32};
+    return (xq_t){b->qs256, b->d256, b->s256, b->bsums256, k, NULL};
 }
 
 /* Row r of x (k = L->in_features wide) rounded to int8 for every block size L's parts use. */
@@ -197,8 +200,9 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
         const int type = L->types[p], be = block_elems(type);
         const xq_t xq = xq_for(b, be, L->in_features);
         const size_t row_bytes = (size_t)(L->in_features / be) * ggml_quant_type_size(type);
-        matmul_thread(tiles_for(type), L->weights[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
-                      L->bias ? L->bias + L->starts[p] : NULL, accumulate, t, nt);
+        quant_matmul_thread(type, L->weights[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
+                            L->bias ? L->bias + L->starts[p] : NULL, accumulate,
+                            b->gemm_scratch + b->gemm_scratch_size * (size_t)t, t, nt);
     }
 }
 
@@ -400,8 +404,12 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.attn_scratch_floats = (size_t)(H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
     B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
-    void *all[] = {B.normed, B.qkv, B.attn, B.gate_up, B.act, B.qs32, B.qs256, B.d32, B.s32,
-                   B.d256, B.s256, B.bsums32, B.bsums256, B.attn_scratch};
+    B.isum32 = malloc(sizeof(int16_t) * rows * (kmax / 32));
+    B.gemm_scratch_size = gemm_scratch_bytes(kmax);
+    B.gemm_scratch = malloc(B.gemm_scratch_size * (size_t)num_threads + 1); /* + 1: never malloc(0) */
+    void *all[] = {B.normed, B.qkv,    B.attn,         B.gate_up, B.act,      B.qs32,
+                   B.qs256,  B.d32,    B.s32,          B.d256,    B.s256,     B.bsums32,
+                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch};
     const int count = (int)(sizeof all / sizeof all[0]);
     int rc = 0;
     for (int i = 0; i < count; i++)

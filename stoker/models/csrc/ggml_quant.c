@@ -15,6 +15,11 @@
  * needs the compiler to keep float operations as written: the library is built
  * with -ffp-contract=off and without -fassociative-math.
  *
+ * AVX-512 VNNI builds have a second pair of kernels for the 32-element block
+ * types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a blocked GEMM for 4 rows of x or more
+ * and small tiles below that, both computing every output with the same
+ * arithmetic (see "exact kernels" below), so the choice by m changes no bit.
+ *
  * One source, built once per ISA level with explicit -m flags by
  * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
  * trick), AVX-VNNI and AVX-512 VNNI (vpdpbusd on 256-bit vectors).
@@ -117,6 +122,7 @@ typedef struct {
     float *s;       /* [m, k / 32] d * sum(qs) per block (types with a min term) */
     int16_t *bsums; /* [m, k / 16] sums of 16 (K-quants) */
     int k;
+    int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term), or NULL where no GEMM runs */
 } xq_t;
 
 /* Round half to even for |v| < 2^22, without libm: the same result as
@@ -147,6 +153,7 @@ static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, c
         xq->d[row * (size_t)nb + b] = d;
         if (be == 32) {
             xq->s[row * (size_t)nb + b] = d * (float)sum;
+            if (xq->isum) xq->isum[row * (size_t)nb + b] = (int16_t)sum;
         } else {
             for (int g = 0; g < 16; g++) {
                 int gs = 0;
@@ -501,6 +508,20 @@ static const tile_fn *tiles_for(int type) {
     }
 }
 
+/* y[row, j0 .. j0 + count - 1] from vals: plus bias, then stored as fp32 or bf16,
+ * or added to y (a residual add in the same fp32 operation torch's `residual + y` performs). */
+ALWAYS_INLINE void write_row(void *y, size_t row, long y_stride, int j0, const float *vals, int count, int y_bf16,
+                             const float *bias, int accumulate) {
+    for (int j = 0; j < count; j++) {
+        const size_t at = row * (size_t)y_stride + (size_t)(j0 + j);
+        float v = vals[j];
+        if (bias) v = v + bias[j0 + j];
+        if (y_bf16) ((uint16_t *)y)[at] = float_to_bf16(v);
+        else if (accumulate) ((float *)y)[at] = ((float *)y)[at] + v;
+        else ((float *)y)[at] = v;
+    }
+}
+
 /* Thread t of nt's share of y = x @ W^T (+ bias) for already quantized x: a
  * contiguous range of weight-row pairs, taken in L2-sized blocks, each swept by
  * the rows of x in L1-sized chunks. The split depends only on n and nt, and
@@ -529,19 +550,318 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
                     float res[MR_MAX * NR_MAX];
                     tiles[(mr - 1) * NR_MAX + (nr - 1)](wp, row_bytes, xq, (size_t)i0, res);
                     for (int i = 0; i < mr; i++)
-                        for (int j = 0; j < nr; j++) {
-                            const size_t at = (size_t)(i0 + i) * (size_t)y_stride + (size_t)(j0 + j);
-                            float v = res[i * NR_MAX + j];
-                            if (bias) v = v + bias[j0 + j];
-                            if (y_bf16) ((uint16_t *)y)[at] = float_to_bf16(v);
-                            else if (accumulate) ((float *)y)[at] = ((float *)y)[at] + v;
-                            else ((float *)y)[at] = v;
-                        }
+                        write_row(y, (size_t)(i0 + i), y_stride, j0, res + i * NR_MAX, nr, y_bf16, bias, accumulate);
                 }
             }
         }
     }
 }
+
+/* ---- exact kernels: a blocked GEMM and small tiles (AVX-512 VNNI builds) ----
+ *
+ * Why: the tile kernels above unpack a weight block for at most MR_MAX rows of
+ * x and spend ~5 vector instructions per 32 multiply-adds: right for one
+ * decoding row, ~5x below what the cores can do on a prefill chunk or a large
+ * decode batch. The GEMM unpacks a panel of 32 weight rows once into VNNI
+ * order (for each 4 k-values, the 32 rows' bytes side by side) and sweeps
+ * every row of x over it, each vpdpbusd doing 64 multiply-adds (16 columns by
+ * 4 k-values).
+ *
+ * Both kernels here compute output (i, j) as: per 32-block b, the exact
+ * integer dot isum of x's int8 with the block's values, then in fp32, block by
+ * block in order,
+ *     acc = fma(float(isum) * d_w, d_x, acc);   acc = fma(m_w, s_x, acc)  (Q4_1, Q5_1)
+ * with no other rounding (one lane of a vector per output). The GEMM takes
+ * the weights as unsigned bytes (the stored value plus the type's offset) and
+ * x as signed, and takes the offset back out in integers (isum - offset *
+ * sum(x)); the tiles take signed values with the sign trick. Same integer,
+ * same float operations: so whichever kernel serves a call (by m alone), each
+ * output is bit-identical, and batch invariance holds across the switch. */
+#if QUANT_ISA == 3
+#define EXACT_KERNELS 1
+#define GEMM_PANEL 32
+#define GEMM_MR 6
+/* Rows of x from which the GEMM serves a call: below, unpacking the panels
+ * costs more than it saves (measured on Zen 4: the tiles win at 1-3 rows). */
+#define GEMM_MIN_ROWS 4
+
+ALWAYS_INLINE int exact_serves(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
+}
+ALWAYS_INLINE int has_min32(int type) { return type == Q4_1 || type == Q5_1; }
+ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
+
+/* A block's 32 stored values as unsigned bytes (value + gemm_offset), element e in byte e. */
+ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
+    switch (type) {
+    case Q4_0: return nibbles32(b + 2);
+    case Q4_1: return nibbles32(b + 4);
+    case Q5_0: return with_high_bits(nibbles32(b + 6), b + 2);
+    case Q5_1: return with_high_bits(nibbles32(b + 8), b + 4);
+    default: return _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8((char)0x80)); /* Q8_0: q + 128 */
+    }
+}
+
+/* Bytes of one thread's GEMM scratch (one unpacked panel) for rows of k elements. */
+static size_t gemm_scratch_bytes(int k) {
+    return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * (size_t)(k / 32) * GEMM_PANEL;
+}
+
+/* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
+ * bytes, then d and m [nb][PANEL] floats; columns past cols are zero. Eight
+ * columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
+static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, int nb, uint8_t *scratch) {
+    const int ts = ggml_quant_type_size(type), has_min = has_min32(type);
+    float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
+    for (int c0 = 0; c0 < GEMM_PANEL; c0 += 8) {
+        for (int b = 0; b < nb; b++) {
+            __m256i v[8];
+            for (int c = 0; c < 8; c++) {
+                float dv = 0.f, mv = 0.f;
+                v[c] = _mm256_setzero_si256();
+                if (c0 + c < cols) {
+                    const uint8_t *blk = w + (size_t)(c0 + c) * row_bytes + (size_t)b * ts;
+                    v[c] = stored32(type, blk);
+                    dv = fp16_at(blk);
+                    mv = has_min ? fp16_at(blk + 2) : 0.f;
+                }
+                d[b * GEMM_PANEL + c0 + c] = dv;
+                mn[b * GEMM_PANEL + c0 + c] = mv;
+            }
+            /* v[c] dword t -> out[t] dword c */
+            const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+            const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+            const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+            const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+            const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+            const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+            const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+            const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+            const __m256i out[8] = {
+                _mm256_permute2x128_si256(b0, b4, 0x20), _mm256_permute2x128_si256(b1, b5, 0x20),
+                _mm256_permute2x128_si256(b2, b6, 0x20), _mm256_permute2x128_si256(b3, b7, 0x20),
+                _mm256_permute2x128_si256(b0, b4, 0x31), _mm256_permute2x128_si256(b1, b5, 0x31),
+                _mm256_permute2x128_si256(b2, b6, 0x31), _mm256_permute2x128_si256(b3, b7, 0x31),
+            };
+            uint8_t *dst = scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4;
+            for (int t = 0; t < 8; t++) _mm256_storeu_si256((__m256i *)(dst + (size_t)t * 4 * GEMM_PANEL), out[t]);
+        }
+    }
+}
+
+/* GEMM_MR rows of x (at[]) by the unpacked panel: out[r][0] columns 0-15, out[r][1] 16-31. */
+static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offset, int has_min,
+                             const uint8_t *scratch, __m512 out[GEMM_MR][2]) {
+    const int k = xq->k;
+    const float *d = (const float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
+    const int8_t *x[GEMM_MR];
+    for (int r = 0; r < GEMM_MR; r++) {
+        x[r] = xq->qs + at[r] * (size_t)k;
+        out[r][0] = out[r][1] = _mm512_setzero_ps();
+    }
+    for (int b = 0; b < nb; b++) {
+        __m512i s[GEMM_MR][2];
+        for (int r = 0; r < GEMM_MR; r++)
+            s[r][0] = s[r][1] = _mm512_set1_epi32(offset ? -offset * (int)xq->isum[at[r] * (size_t)nb + b] : 0);
+        const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
+        for (int t = 0; t < 8; t++) {
+            const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
+            const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
+            for (int r = 0; r < GEMM_MR; r++) {
+                int32_t four;
+                memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+                s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(d + b * GEMM_PANEL), d1 = _mm512_loadu_ps(d + b * GEMM_PANEL + 16);
+        for (int r = 0; r < GEMM_MR; r++) {
+            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nb + b]);
+            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), d0), dx, out[r][0]);
+            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), d1), dx, out[r][1]);
+        }
+        if (has_min) {
+            const __m512 m0 = _mm512_loadu_ps(mn + b * GEMM_PANEL), m1 = _mm512_loadu_ps(mn + b * GEMM_PANEL + 16);
+            for (int r = 0; r < GEMM_MR; r++) {
+                const __m512 sx = _mm512_set1_ps(xq->s[at[r] * (size_t)nb + b]);
+                out[r][0] = _mm512_fmadd_ps(m0, sx, out[r][0]);
+                out[r][1] = _mm512_fmadd_ps(m1, sx, out[r][1]);
+            }
+        }
+    }
+}
+
+/* Thread t of nt's share of the GEMM: a contiguous range of panels, each
+ * unpacked once into scratch (gemm_scratch_bytes(k)) and swept by all m rows. */
+static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
+                        long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
+                        int nt) {
+    const int nb = xq->k / 32, offset = gemm_offset(type), has_min = has_min32(type);
+    const int panels = (n + GEMM_PANEL - 1) / GEMM_PANEL;
+    const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
+    for (int p = lo; p < hi; p++) {
+        const int j0 = p * GEMM_PANEL, cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
+        gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
+        for (int i0 = 0; i0 < m; i0 += GEMM_MR) {
+            const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
+            size_t at[GEMM_MR];
+            for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
+            __m512 out[GEMM_MR][2];
+            gemm_tile(xq, at, nb, offset, has_min, scratch, out);
+            for (int r = 0; r < mr; r++) {
+                float vals[GEMM_PANEL];
+                _mm512_storeu_ps(vals, out[r][0]);
+                _mm512_storeu_ps(vals + 16, out[r][1]);
+                write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
+            }
+        }
+    }
+}
+
+/* Lane q of the result: the sum of the 8 int32 lanes of p[q]. */
+ALWAYS_INLINE __m256i lane_totals(const __m256i p[8]) {
+    const __m256i h0 = _mm256_hadd_epi32(p[0], p[1]), h1 = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i h2 = _mm256_hadd_epi32(p[4], p[5]), h3 = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i g0 = _mm256_hadd_epi32(h0, h1), g1 = _mm256_hadd_epi32(h2, h3);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(g0, g1, 0x20), _mm256_permute2x128_si256(g0, g1, 0x31));
+}
+
+/* Lane q = v[q % NR] (NR 8 or 4). */
+ALWAYS_INLINE __m256 by_column(const float *v, const int NR) {
+    if (NR == 8) return _mm256_setr_ps(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7]);
+    const __m128 h = _mm_setr_ps(v[0], v[1], v[2], v[3]);
+    return _mm256_set_m128(h, h);
+}
+/* Lane q = v[q / NR] (NR 8 or 4). */
+ALWAYS_INLINE __m256 by_row(const float *v, const int NR) {
+    if (NR == 8) return _mm256_set1_ps(v[0]);
+    return _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0]));
+}
+
+/* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
+ * output (q / NR, q % NR), with the GEMM's arithmetic. */
+ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const uint8_t *const *wr, const xq_t *xq,
+                              const size_t *rows, float *res) {
+    const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        w32_t wb[8];
+        float dw[8], mw[8], dx[2], sx[2];
+        for (int j = 0; j < NR; j++) {
+            unpack32(type, wr[j] + (size_t)b * ts, &wb[j]);
+            dw[j] = wb[j].d;
+            mw[j] = wb[j].m;
+        }
+        __m256i p[8];
+        for (int i = 0; i < MR; i++) {
+            const int8_t *x = xq->qs + rows[i] * (size_t)k + (size_t)b * 32;
+            dx[i] = xq->d[rows[i] * (size_t)nb + b];
+            sx[i] = xq->s[rows[i] * (size_t)nb + b];
+            for (int j = 0; j < NR; j++)
+                p[i * NR + j] = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
+        }
+        const __m256 isum = _mm256_cvtepi32_ps(lane_totals(p));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(isum, by_column(dw, NR)), by_row(dx, NR), acc);
+        if (has_min32(type)) acc = _mm256_fmadd_ps(by_column(mw, NR), by_row(sx, NR), acc);
+    }
+    _mm256_storeu_ps(res, acc);
+}
+
+#define EXACT_TILE_FNS(T)                                                                                      \
+    static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_tile(T, 1, 8, wr, xq, rows, res);                                                               \
+    }                                                                                                          \
+    static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_tile(T, 2, 4, wr, xq, rows, res);                                                               \
+    }
+EXACT_TILE_FNS(Q4_0)
+EXACT_TILE_FNS(Q4_1)
+EXACT_TILE_FNS(Q5_0)
+EXACT_TILE_FNS(Q5_1)
+EXACT_TILE_FNS(Q8_0)
+
+typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
+
+/* [0]: one row by 8 columns, [1]: two rows by 4. */
+static const exact_fn *exact_tiles_for(int type) {
+    static const exact_fn t40[] = {exact_Q4_0_1_8, exact_Q4_0_2_4}, t41[] = {exact_Q4_1_1_8, exact_Q4_1_2_4},
+                          t50[] = {exact_Q5_0_1_8, exact_Q5_0_2_4}, t51[] = {exact_Q5_1_1_8, exact_Q5_1_2_4},
+                          t80[] = {exact_Q8_0_1_8, exact_Q8_0_2_4};
+    switch (type) {
+    case Q4_0: return t40;
+    case Q4_1: return t41;
+    case Q5_0: return t50;
+    case Q5_1: return t51;
+    default: return t80;
+    }
+}
+
+/* Thread t of nt's share for m < GEMM_MIN_ROWS rows: groups of 8 weight rows,
+ * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
+ * last group's missing weight rows repeat its last one and are not written. */
+static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
+                               long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
+    const exact_fn *fns = exact_tiles_for(type);
+    const int groups = (n + 7) / 8;
+    const int lo = (int)((long)groups * t / nt), hi = (int)((long)groups * (t + 1) / nt);
+    for (int g = lo; g < hi; g++) {
+        const int j0 = g * 8;
+        const uint8_t *wr[8];
+        for (int j = 0; j < 8; j++) wr[j] = w + (size_t)(j0 + j < n ? j0 + j : n - 1) * row_bytes;
+        int i = 0;
+        for (; i + 2 <= m; i += 2) {
+            const size_t rows[2] = {(size_t)i, (size_t)i + 1};
+            for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
+                const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
+                float res[8];
+                fns[1](wr + 4 * half, xq, rows, res);
+                write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
+                write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
+            }
+        }
+        if (i < m) {
+            const size_t rows[1] = {(size_t)i};
+            float res[8];
+            fns[0](wr, xq, rows, res);
+            write_row(y, rows[0], y_stride, j0, res, n - j0 < 8 ? n - j0 : 8, y_bf16, bias, accumulate);
+        }
+    }
+}
+#else
+#define EXACT_KERNELS 0
+ALWAYS_INLINE int exact_serves(int type) {
+    (void)type;
+    return 0;
+}
+static size_t gemm_scratch_bytes(int k) {
+    (void)k;
+    return 0;
+}
+#endif
+
+/* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
+ * (with xq->isum filled where exact_serves): the exact kernels where this build
+ * has them for the type (the GEMM from GEMM_MIN_ROWS rows, with one unpacked
+ * panel of scratch per thread, gemm_scratch_bytes(k)), else the tile kernels. */
+static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
+                                long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
+                                int nt) {
+#if EXACT_KERNELS
+    if (exact_serves(type)) {
+        if (m >= GEMM_MIN_ROWS)
+            gemm_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
+        else
+            exact_tiles_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
+        return;
+    }
+#endif
+    (void)scratch;
+    matmul_thread(tiles_for(type), w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
+}
+
+/* 1 if this build computes `type` with the exact kernels (GEMM and small tiles). */
+int ggml_quant_exact_kernels(int type) { return exact_serves(type); }
 
 /* y[m, n] (row stride y_stride elements, x's dtype) = x[m, k] @ W^T, W [n, row_bytes] in ggml blocks.
  * Returns 0, 1 when scratch memory could not be allocated, 2 for an unsupported type or shape. */
@@ -552,14 +872,17 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
     if (tiles == NULL || k <= 0 || k % be || m < 0 || n < 0) return 2;
     if (m == 0 || n == 0) return 0;
     const size_t row_bytes = (size_t)(k / be) * ggml_quant_type_size(type);
+    const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
     xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
-               malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k};
+               malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
+               exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
+    uint8_t *scratch = exact ? malloc(gemm_scratch_bytes(k) * (size_t)threads) : NULL;
     int rc = 0;
-    if (!xq.qs || !xq.d || !xq.s || !xq.bsums) {
+    if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && (!xq.isum || !scratch))) {
         rc = 1;
         goto done;
     }
-#pragma omp parallel num_threads(num_threads)
+#pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int i = 0; i < m; i++) quantize_row(x, x_bf16, (size_t)i, k, be, &xq);
@@ -569,13 +892,16 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
 #else
         const int nt = 1, t = 0;
 #endif
-        matmul_thread(tiles, w, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0, t, nt);
+        quant_matmul_thread(type, w, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0,
+                            scratch ? scratch + gemm_scratch_bytes(k) * (size_t)t : NULL, t, nt);
     }
 done:
     free(xq.qs);
     free(xq.d);
     free(xq.s);
     free(xq.bsums);
+    free(xq.isum);
+    free(scratch);
     return rc;
 }
 

@@ -5,7 +5,10 @@ ISA level with explicit -m flags, so a lower path really runs the lower code;
 the best one this CPU can run is used unless STOKER_QUANT_ISA names another.
 
 Output (i, j) is bit-identical whatever m, the tiling and the thread count
-(see the C file), so batching never changes a sequence's result."""
+(see the C file), so batching never changes a sequence's result. On the
+avx512_vnni path the 32-element block types take the "exact" kernels (a
+blocked GEMM from 4 rows, small tiles below, one arithmetic for both;
+docs/quantization.md#the-kernels)."""
 
 from __future__ import annotations
 
@@ -126,6 +129,8 @@ def _library(name: str) -> ctypes.CDLL | None:
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.ggml_quant_matmul.restype = i
     lib.ggml_quant_matmul.argtypes = [i, p, i, i, i, p, i, p, ctypes.c_long, i]
+    lib.ggml_quant_exact_kernels.restype = i
+    lib.ggml_quant_exact_kernels.argtypes = [i]
     lib.ggml_quant_dequantize_rows.restype = i
     lib.ggml_quant_dequantize_rows.argtypes = [i, p, i, p, i, p, i, i]
     return lib
@@ -149,6 +154,14 @@ def _row_elems(weight: torch.Tensor, qtype: GGMLQuantizationType) -> int:
     if weight.shape[1] % type_size:
         raise ValueError(f"a {qtype.name} row is whole {type_size}-byte blocks; got {weight.shape[1]} bytes")
     return weight.shape[1] // type_size * block_elems
+
+
+def exact_kernels(qtype: GGMLQuantizationType) -> bool:
+    """Whether the path in use serves this type with the exact kernels (a blocked
+    GEMM from 4 rows, small tiles below; AVX-512 VNNI builds, 32-element block
+    types): a different fp32 summation than the other paths, the same whatever m."""
+    lib = _lib()
+    return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_exact_kernels(int(qtype)))
 
 
 def ggml_matmul(
