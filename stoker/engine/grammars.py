@@ -9,6 +9,7 @@ message carry a single `str`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import llguidance
@@ -69,3 +70,60 @@ def text_grammar(text: str) -> str:
         except Exception as exc:  # the converter raises plain Exceptions on syntax errors
             raise GrammarError(f"GBNF grammar: {exc}") from None
     return llguidance.LLMatcher.grammar_from_lark(text)
+
+
+def _token_set(ids: Sequence[int]) -> str:
+    """Lark's token-id syntax: <[1,3-16]>."""
+    ranges: list[list[int]] = []
+    for i in sorted(set(ids)):
+        if ranges and ranges[-1][1] == i - 1:
+            ranges[-1][1] = i
+        else:
+            ranges.append([i, i])
+    return "<[" + ",".join(str(a) if a == b else f"{a}-{b}" for a, b in ranges) + "]>"
+
+
+def tagged_calls_grammar(
+    call_schema: dict[str, Any],
+    *,
+    open_tag: str,
+    close_tag: str,
+    parallel: bool,
+    open_token: int | None = None,
+    close_token: int | None = None,
+    text_tokens: Sequence[int] = (),
+) -> str:
+    """Free text in which each open_tag starts a call: then one JSON value valid
+    against call_schema (compact, optionally between single newlines), then
+    close_tag. parallel: any number of calls with text around them; otherwise
+    at most one, and the output ends right after its close_tag.
+
+    The text is any valid UTF-8 and may end (eos) anywhere outside a call. It
+    is matched by a lazy lexeme that ends at the first open_tag, so a `<` or a
+    prefix of the tag in text stays free, however the tokenizer splits it; only
+    the complete tag commits to a call. open_token/close_token: the tags' ids
+    where the tokenizer has them as added tokens (Qwen's), which llguidance
+    sees as special tokens rather than text; both spellings then open and close
+    a call. text_tokens: other special tokens that free text may hold, as
+    unconstrained output may (Qwen3's <think>, for one).
+    """
+    schema = {**call_schema, "x-guidance": _JSON_OPTIONS}
+    special = f"special: {_token_set(text_tokens)}\n" if text_tokens else ""
+    lead = "(TEXT special)* " if text_tokens else ""
+    opener = f"{lead}call_open"
+    if open_token is not None:
+        opener += f" | text {_token_set([open_token])}"
+    closer = json.dumps(close_tag)
+    if close_token is not None:
+        closer = f"({closer} | {_token_set([close_token])})"
+    start = "call* text" if parallel else "text | call"
+    return llguidance.LLMatcher.grammar_from_lark(
+        "%llguidance {}\n"
+        f"start: {start}\n"
+        f"text: {lead}TEXT\n"
+        f"{special}"
+        f'call: opener "\\n"? %json {json.dumps(schema)} "\\n"? {closer}\n'
+        f"opener: {opener}\n"
+        f"call_open[lazy]: TEXT {json.dumps(open_tag)}\n"
+        "TEXT: /(?s:.)*/\n"
+    )

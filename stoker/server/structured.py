@@ -35,6 +35,20 @@ class Constraint:
     grammar: str
     param: str
     """The request field it came from, for error messages."""
+    embeds_schemas: bool = False
+    """A Lark grammar stoker wrote around the request's JSON schemas (auto tool
+    calls): a compile error is reported as the schema problem alone, without
+    the lines of a grammar the client never wrote."""
+
+
+_SCHEMA_ERROR = "failed to compile JSON schema: "
+
+
+def _compile_error(constraint: Constraint, error: GrammarError) -> str:
+    message = str(error)
+    if constraint.embeds_schemas and _SCHEMA_ERROR in message:
+        message = message.split(_SCHEMA_ERROR, 1)[1].split("\n", 1)[0]
+    return message
 
 
 def _json_schema(value: Any, param: str) -> str:
@@ -124,7 +138,7 @@ class GrammarChecker:
             # The compile drops the GIL: a slow one blocks neither the event loop nor the engine.
             await asyncio.wait_for(asyncio.to_thread(compiler.compile, constraint.grammar), self.timeout_s)
         except GrammarError as exc:
-            raise bad_request(f"{param}: {exc}", param=param) from None
+            raise bad_request(f"{param}: {_compile_error(constraint, exc)}", param=param) from None
         except TimeoutError:
             raise bad_request(
                 f"{param}: the constraint took longer than {self.timeout_s:g} s to compile; simplify it",

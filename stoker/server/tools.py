@@ -7,11 +7,16 @@ constraint, and the reply parsed back into tool_calls.
 - "required": the reply is constrained to {"name": ..., "arguments": ...} with
   name one of the tools and arguments valid for that tool -- a JSON array of
   such calls (at least one) when parallel_tool_calls is true (the default).
-- "auto" (the default with tools): unconstrained; the model is shown the tools
-  and asked to answer with <tool_call>{"name": ..., "arguments": ...}</tool_call>
-  blocks (the Hermes/Qwen convention). Blocks that parse as JSON and name a
-  known tool become calls; any other text stays content. A small model may
-  not follow the convention; required or a named function guarantee a call.
+- "auto" (the default with tools): the model is shown the tools and asked to
+  answer with <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks
+  (the Hermes/Qwen convention). Its text is free, but once it has written the
+  whole opening tag the block is constrained: a call of one of the tools with
+  valid arguments, then the closing tag (and with parallel_tool_calls false,
+  nothing after it). Blocks that parse and name a known tool become calls; the
+  rest stays content. Where the chat template renders tools in a format of its
+  own (Llama 3.1's JSON, ...) the reply stays unconstrained and is parsed the
+  same way. A model may still answer in text; required or a named function
+  guarantee a call.
 
 Templates that render `tools` themselves (Qwen2.5, Llama 3.1, Hermes ...)
 receive them; for others (SmolLM2's ChatML) a system message lists them and
@@ -26,8 +31,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from stoker.engine.grammars import json_schema_grammar
+from stoker.engine.grammars import json_schema_grammar, tagged_calls_grammar
 from stoker.engine.structured import GrammarError
+from stoker.models.tokenizer import Tokenizer
 from stoker.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool, bad_request
 from stoker.server.structured import Constraint
 
@@ -55,7 +61,13 @@ def _parameters(tool: Tool) -> dict[str, Any]:
     return tool.function.parameters if tool.function.parameters is not None else ANY_OBJECT
 
 
-def plan_tools(body: ChatCompletionRequest, other_constraint: Constraint | None) -> ToolPlan:
+def uses_call_tags(template: str | None) -> bool:
+    """The model is asked for <tool_call> blocks: by stoker's own note (a template
+    without tool support) or by a template that renders them (Qwen, Hermes)."""
+    return template is None or "tools" not in template or CALL_OPEN in template
+
+
+def plan_tools(body: ChatCompletionRequest, other_constraint: Constraint | None, tokenizer: Tokenizer) -> ToolPlan:
     """What tool_choice asks for; 400 for an unknown function or a clash."""
     tools = body.tools or []
     names = [t.function.name for t in tools]
@@ -86,12 +98,29 @@ def plan_tools(body: ChatCompletionRequest, other_constraint: Constraint | None)
             plan.constraint = Constraint(json_schema_grammar(_call_schema(plan)), "tools")
         except GrammarError as exc:
             raise bad_request(f"tools: {exc}", param="tools") from None
+    elif plan.active and other_constraint is None and uses_call_tags(tokenizer.chat_template):
+        # A bad tool schema surfaces when the front end compiles this: a 400 on "tools".
+        plan.constraint = Constraint(_auto_grammar(plan, tokenizer), "tools", embeds_schemas=True)
     return plan
 
 
-def _call_schema(plan: ToolPlan) -> dict[str, Any]:
-    if plan.mode == "named":
-        return _parameters(next(t for t in plan.tools if t.function.name == plan.named))
+def _auto_grammar(plan: ToolPlan, tokenizer: Tokenizer) -> str:
+    added = tokenizer.hf.get_added_vocab()
+    open_token, close_token = added.get(CALL_OPEN), added.get(CALL_CLOSE)
+    structural = {*tokenizer.eos_token_ids, open_token, close_token}
+    return tagged_calls_grammar(
+        _one_call_schema(plan.tools),
+        open_tag=CALL_OPEN,
+        close_tag=CALL_CLOSE,
+        parallel=plan.parallel,
+        open_token=open_token,
+        close_token=close_token,
+        text_tokens=sorted(i for i in added.values() if i not in structural),
+    )
+
+
+def _one_call_schema(tools: list[Tool]) -> dict[str, Any]:
+    """{"name": <one of tools>, "arguments": <valid for that tool>}."""
     calls = [
         {
             "type": "object",
@@ -99,9 +128,15 @@ def _call_schema(plan: ToolPlan) -> dict[str, Any]:
             "required": ["name", "arguments"],
             "additionalProperties": False,
         }
-        for t in plan.tools
+        for t in tools
     ]
-    call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _call_schema(plan: ToolPlan) -> dict[str, Any]:
+    if plan.mode == "named":
+        return _parameters(next(t for t in plan.tools if t.function.name == plan.named))
+    call = _one_call_schema(plan.tools)
     return {"type": "array", "items": call, "minItems": 1} if plan.parallel else call
 
 

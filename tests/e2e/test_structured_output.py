@@ -10,6 +10,7 @@ import jsonschema_rs
 import openai
 import pytest
 from conftest import ServerProcess
+from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, Field
 from structured_schemas import SCHEMAS
 
@@ -128,6 +129,53 @@ def test_tool_calls_are_valid(client: openai.OpenAI, choice: str, stream: bool) 
             if choice == "named":
                 assert call.function.name == "get_weather"
             jsonschema_rs.validate(schemas[call.function.name], json.loads(call.function.arguments))
+
+
+# A history in which the model has called a tool before: the default model then
+# opens a <tool_call> of its own at temperature 0 (it seldom does unprompted).
+ROME_CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Rome", "unit": "c"}'},
+}
+FEW_SHOT = [
+    {"role": "user", "content": "What is the weather in Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [ROME_CALL]},
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 24, "sky": "clear"}'},
+    {"role": "assistant", "content": "It is 24 C and clear in Rome."},
+    *ASK,
+]
+
+
+def test_auto_tool_calls_are_valid_and_text_comes_through(client: openai.OpenAI) -> None:
+    """tool_choice auto: the model chooses; a call it opens is valid (constrained
+    body), a text answer is content with no stray <tool_call> in it."""
+    kwargs = dict(model=MODEL, messages=FEW_SHOT, tools=[WEATHER, TIME], max_tokens=48)
+
+    def streamed_reply() -> ChatCompletion:
+        with client.chat.completions.stream(**kwargs, temperature=0) as s:
+            for _ in s:
+                pass
+            return s.get_final_completion()
+
+    with ThreadPoolExecutor(4) as pool:  # one batch: the replies share the engine's steps
+        pending = [pool.submit(client.chat.completions.create, **kwargs, temperature=1.0, seed=k) for k in range(2)]
+        streamed_pending = pool.submit(streamed_reply)
+        greedy = client.chat.completions.create(**kwargs, temperature=0)
+        sampled = [p.result() for p in pending]
+        streamed = streamed_pending.result()
+    assert streamed.choices[0].finish_reason == greedy.choices[0].finish_reason == "tool_calls"
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for reply in (greedy, streamed, *sampled):
+        choice = reply.choices[0]
+        if choice.finish_reason == "tool_calls":
+            for call in choice.message.tool_calls:
+                jsonschema_rs.validate(schemas[call.function.name], json.loads(call.function.arguments))
+        elif choice.finish_reason == "stop":
+            assert choice.message.content and choice.message.tool_calls is None
+        if choice.finish_reason != "length":  # a reply cut inside a block keeps it as content
+            assert "<tool_call>" not in (choice.message.content or "")
+    assert greedy.choices[0].message.tool_calls[0].function.name == "get_weather"
 
 
 def test_tool_results_in_the_history(client: openai.OpenAI) -> None:

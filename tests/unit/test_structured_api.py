@@ -5,17 +5,21 @@ the compile check bounds size and time; tool replies parse into tool_calls."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import httpx
 import pytest
+from tokenizers import AddedToken
 
 from stoker.config import default_model_path
 from stoker.engine.grammars import json_schema_grammar
+from stoker.engine.structured import GrammarCompiler
 from stoker.errors import APIError
 from stoker.models.loader import load_tokenizer
+from stoker.models.tokenizer import Tokenizer
 from stoker.server.protocol import ChatCompletionRequest
-from stoker.server.structured import Constraint, GrammarChecker
+from stoker.server.structured import Constraint, GrammarChecker, requested_constraint
 from stoker.server.tools import parse_reply, plan_tools, prepare_messages
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,35 +125,35 @@ def test_size_and_time_limits(tokenizer) -> None:
         _check(slow, big)
 
 
-def _plan(**body):
+def _plan(tokenizer, **body):
     request = ChatCompletionRequest.model_validate({"messages": CHAT, **body})
-    return plan_tools(request, None)
+    return plan_tools(request, None, tokenizer)
 
 
-def test_tool_replies_parse_into_calls() -> None:
-    named = _plan(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+def test_tool_replies_parse_into_calls(tokenizer) -> None:
+    named = _plan(tokenizer, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}})
     content, calls = parse_reply('{"city": "Oslo"}', named)
     assert content is None and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
-    required = _plan(tools=[WEATHER], tool_choice="required")
+    required = _plan(tokenizer, tools=[WEATHER], tool_choice="required")
     _, calls = parse_reply(
         '[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_weather", "arguments": {"city": "B"}}]',
         required,
     )
     assert [json.loads(c["function"]["arguments"])["city"] for c in calls] == ["A", "B"]
     assert len({c["id"] for c in calls}) == 2
-    auto = _plan(tools=[WEATHER])
+    auto = _plan(tokenizer, tools=[WEATHER])
     content, calls = parse_reply(
         'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "C"}}</tool_call>', auto
     )
     assert content == "Sure." and calls[0]["function"]["name"] == "get_weather"
     assert parse_reply('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', auto)[1] == []
     assert parse_reply('{"city": "cut by max_tok', named) == ('{"city": "cut by max_tok', [])
-    assert parse_reply("plain", _plan())[1] == []
+    assert parse_reply("plain", _plan(tokenizer))[1] == []
 
 
 def test_history_with_calls_renders_for_a_template_without_tools(tokenizer) -> None:
-    plan = _plan(tools=[WEATHER])
+    plan = _plan(tokenizer, tools=[WEATHER])
     history = [
         *CHAT,
         {
@@ -168,7 +172,9 @@ def test_history_with_calls_renders_for_a_template_without_tools(tokenizer) -> N
         and '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}' in text
     )
     assert "<|im_start|>tool\nsunny" in text
-    assert prepare_messages(history, _plan(), tokenizer.chat_template)[0][0] == CHAT[0]  # no tools: nothing added
+    assert (
+        prepare_messages(history, _plan(tokenizer), tokenizer.chat_template)[0][0] == CHAT[0]
+    )  # no tools: nothing added
 
 
 def test_valid_constraints_pass_the_check_and_reach_the_engine(http: httpx.Client) -> None:
@@ -222,3 +228,58 @@ def test_streamed_tool_replies_keep_their_logprobs(fake_server, tool_choice) -> 
     streamed = [e for ev in events for c in ev["choices"] if c["logprobs"] for e in c["logprobs"]["content"]]
     assert [e["token"] for e in streamed] == expected == ["a", "b", "c"]
     assert all(len(e["top_logprobs"]) == 2 for e in streamed)
+
+
+def _qwen_like(tokenizer, template: str):
+    """The default tokenizer with <tool_call> and </tool_call> as added tokens
+    (as Qwen2.5 has them) and another added token (as Qwen3's <think>)."""
+    hf = copy.deepcopy(tokenizer.hf)
+    hf.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>", "<think>")])
+    return Tokenizer(hf, tokenizer.eos_token_ids, chat_template=template)
+
+
+def test_auto_constrains_calls_only_in_the_tool_call_convention(tokenizer) -> None:
+    """Constrained where the model is asked for <tool_call> blocks: stoker's own
+    note (a template without tools) or a template that renders them (Qwen,
+    Hermes); not where a template has a call format of its own (Llama 3.1)."""
+    plain = _plan(tokenizer, tools=[WEATHER])
+    assert plain.constraint is not None and plain.constraint.param == "tools"
+    assert "<tool_call>" in plain.constraint.grammar and "get_weather" in plain.constraint.grammar
+    assert _plan(tokenizer, tools=[WEATHER], parallel_tool_calls=False).constraint.grammar != plain.constraint.grammar
+    qwen = _qwen_like(
+        tokenizer, "{% if tools %}<tools>{{ tools }}</tools> answer in <tool_call></tool_call>{% endif %}"
+    )
+    assert _plan(qwen, tools=[WEATHER]).constraint is not None
+    llama31 = _qwen_like(tokenizer, '{% if tools %}Respond in the format {"name": ..., "parameters": ...}{% endif %}')
+    assert _plan(llama31, tools=[WEATHER]).constraint is None
+    body = {"messages": CHAT, "tools": [WEATHER], "response_format": {"type": "json_object"}}
+    other = requested_constraint(ChatCompletionRequest.model_validate(body))
+    assert (
+        plan_tools(ChatCompletionRequest.model_validate(body), other, tokenizer).constraint is None
+    )  # the format wins
+    assert _plan(tokenizer, tools=[WEATHER], tool_choice="none").constraint is None
+
+
+def test_auto_grammar_uses_the_tags_added_tokens(tokenizer) -> None:
+    """Where <tool_call> is one added token, llguidance sees it as a special
+    token, not as text: the grammar must open a call on that token, and let
+    free text hold the tokenizer's other added tokens."""
+    qwen = _qwen_like(tokenizer, "{% if tools %}<tool_call>{% endif %}")
+    grammar = _plan(qwen, tools=[WEATHER]).constraint.grammar
+    compiler = GrammarCompiler(qwen.hf, qwen.vocab_size, qwen.eos_token_ids)
+
+    def accepts(text: str) -> bool:
+        matcher = compiler.matcher(grammar)
+        return all(matcher.consume_token(t) for t in qwen.encode(text, add_special_tokens=False))
+
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    assert qwen.encode("<tool_call>", add_special_tokens=False) == [qwen.hf.get_added_vocab()["<tool_call>"]]
+    assert accepts(f"<think>hm</think> a < b {call} and {call}")
+    assert not accepts('<tool_call>\n{"name": "get_time"')
+    assert not accepts('<tool_call>\n{"name": "get_weather", "arguments": {"town": ')
+
+
+def test_auto_with_a_bad_tool_schema_is_a_400_naming_it(http: httpx.Client) -> None:
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}
+    error = _error(http.post("/v1/chat/completions", json={"messages": CHAT, "tools": [tool]}))
+    assert error["param"] == "tools" and error["message"] == "tools: Invalid type: strin"

@@ -279,7 +279,7 @@ async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str
     endpoint). vllm-router's kv_aware policy asks for them and matches them against the KV
     events replicas publish (docs/routers.md)."""
     version = get_state(request).version_for(body.model)
-    plan = plan_tools(body, requested_constraint(body))
+    plan = plan_tools(body, requested_constraint(body), version.tokenizer)
     return {"model": version.name, "token_ids": chat_prompt_ids(body, version.tokenizer, plan)}
 
 
@@ -303,7 +303,7 @@ async def chat_attempt(
     model = version.name
     tokenizer = version.tokenizer
     constraint = requested_constraint(body)
-    plan = plan_tools(body, constraint)
+    plan = plan_tools(body, constraint, tokenizer)
     constraint = plan.constraint or constraint
     if constraint is not None:
         await version.grammars.check(constraint)
