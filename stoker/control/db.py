@@ -201,6 +201,11 @@ def migrate(engine: Engine) -> int:
             # Held until this transaction ends; a replica that waited here then
             # sees the tables the first one created (DDL is transactional there).
             conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK})
+        elif engine.dialect.name == "sqlite":
+            # The driver begins a transaction lazily, at the first write: two
+            # servers starting together on one file both read version 0 and the
+            # second's CREATE TABLE failed. Take the write lock before reading.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
         version = current_version(conn)
         if version > SCHEMA_VERSION:
             raise RuntimeError(

@@ -170,3 +170,24 @@ def test_cli_create_list_show_revoke(tmp_path, capsys):
     assert main(["keys", "list", "--db", db]) == 0
     assert "revoked" in capsys.readouterr().out
     assert main(["keys", "revoke", "--db", db, "nope"]) == 1
+
+
+def _open_db_in_process(path: str) -> str:
+    from stoker.control.db import open_db
+
+    try:
+        open_db(path).dispose()
+    except Exception as exc:  # the result is compared, not raised, across processes
+        return repr(exc)
+    return "ok"
+
+
+def test_servers_starting_together_on_one_sqlite_file_both_open_it(tmp_path) -> None:
+    """Two servers on the default SQLite file at once: the second's CREATE TABLE
+    used to fail ("already exists") because both read schema version 0."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        for round_ in range(3):
+            path = str(tmp_path / f"race{round_}.db")
+            assert pool.map(_open_db_in_process, [path] * 3) == ["ok"] * 3

@@ -16,7 +16,7 @@
  * with -ffp-contract=off and without -fassociative-math.
  *
  * AVX-512 VNNI builds have a second pair of kernels for the 32-element block
- * types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a blocked GEMM for 4 rows of x or more
+ * types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a blocked GEMM for 8 rows of x or more
  * and small tiles below that, both computing every output with the same
  * arithmetic (see "exact kernels" below), so the choice by m changes no bit.
  *
@@ -582,8 +582,8 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
 #define GEMM_PANEL 32
 #define GEMM_MR 6
 /* Rows of x from which the GEMM serves a call: below, unpacking the panels
- * costs more than it saves (measured on Zen 4: the tiles win at 1-3 rows). */
-#define GEMM_MIN_ROWS 4
+ * costs more than it saves (measured on Zen 4 in decode steps, weights from memory). */
+#define GEMM_MIN_ROWS 8
 
 ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
@@ -745,21 +745,28 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
                               const size_t *rows, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
     __m256 acc = _mm256_setzero_ps();
+    const int8_t *x[2];
+    for (int i = 0; i < MR; i++) x[i] = xq->qs + rows[i] * (size_t)k;
     for (int b = 0; b < nb; b++) {
-        w32_t wb[8];
         float dw[8], mw[8], dx[2], sx[2];
-        for (int j = 0; j < NR; j++) {
-            unpack32(type, wr[j] + (size_t)b * ts, &wb[j]);
-            dw[j] = wb[j].d;
-            mw[j] = wb[j].m;
-        }
         __m256i p[8];
+        /* Each weight block's dots right after its unpack: only the 8 integer sums stay live. */
+        for (int j = 0; j < NR; j++) {
+            w32_t wb;
+            /* Eight weight rows stream side by side: more than the hardware prefetcher
+             * follows when the weights come from memory (a decode step), so ask ahead. */
+            _mm_prefetch((const char *)(wr[j] + (size_t)b * ts) + 1024, _MM_HINT_T0);
+            unpack32(type, wr[j] + (size_t)b * ts, &wb);
+            dw[j] = wb.d;
+            mw[j] = wb.m;
+            for (int i = 0; i < MR; i++) {
+                const int8_t *xb = x[i] + (size_t)b * 32;
+                p[i * NR + j] = is_signed32(type) ? dot_signed(wb.q, wb.aq, xb) : dot_unsigned(wb.q, xb);
+            }
+        }
         for (int i = 0; i < MR; i++) {
-            const int8_t *x = xq->qs + rows[i] * (size_t)k + (size_t)b * 32;
             dx[i] = xq->d[rows[i] * (size_t)nb + b];
             sx[i] = xq->s[rows[i] * (size_t)nb + b];
-            for (int j = 0; j < NR; j++)
-                p[i * NR + j] = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
         }
         const __m256 isum = _mm256_cvtepi32_ps(lane_totals(p));
         acc = _mm256_fmadd_ps(_mm256_mul_ps(isum, by_column(dw, NR)), by_row(dx, NR), acc);
