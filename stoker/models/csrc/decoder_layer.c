@@ -17,9 +17,10 @@
  *
  * Batch invariance: a row's result never depends on the other rows. The
  * matmuls are ggml_quant.c's (bit-identical whatever m and the split, see
- * there, including the switch between its exact GEMM and tiles by m). Every other reduction (norm sums, q.k dots, softmax
- * sums, p.v sums) runs over one row or one (row, head) in a fixed order
- * written out here with 8 explicit partial sums, so it vectorizes without
+ * there, including the switch between its exact GEMM and tiles by m). Every
+ * other reduction (norm sums, q.k dots, softmax sums, p.v sums) runs over one
+ * row or one (row, head) in a fixed order written out here with 8 explicit
+ * partial sums, so it vectorizes without
  * the compiler reassociating anything (built like ggml_quant.c:
  * -ffp-contract=off, no -fassociative-math). Which thread runs an item never
  * changes its arithmetic. Attention treats a prefill row exactly as a decode
@@ -121,7 +122,7 @@ typedef struct {
     float *attn_scratch; /* per thread: scores [max_context] then acc [head_dim] */
     size_t attn_scratch_floats;
     int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
-    uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax) */
+    uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax, n); none for a small decode step */
     size_t gemm_scratch_size;
 } Buffers;
 
@@ -405,7 +406,7 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.attn_scratch_floats = (size_t)(H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
     B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
     B.isum32 = malloc(sizeof(int16_t) * rows * (kmax / 32));
-    B.gemm_scratch_size = gemm_scratch_bytes(kmax);
+    B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
     B.gemm_scratch = malloc(B.gemm_scratch_size * (size_t)num_threads + 1); /* + 1: never malloc(0) */
     void *all[] = {B.normed, B.qkv,    B.attn,         B.gate_up, B.act,      B.qs32,
                    B.qs256,  B.d32,    B.s32,          B.d256,    B.s256,     B.bsums32,

@@ -350,6 +350,7 @@ typedef struct {
     float d, m;
 } w32_t;
 
+ALWAYS_INLINE int has_min32(int type) { return type == Q4_1 || type == Q5_1; }
 ALWAYS_INLINE int is_signed32(int type) { return type == Q4_0 || type == Q5_0 || type == Q8_0; }
 
 ALWAYS_INLINE void unpack32(const int type, const uint8_t *b, w32_t *w) {
@@ -406,7 +407,7 @@ ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
 ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
                           const xq_t *xq, size_t i0, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
-    const int has_min = type == Q4_1 || type == Q5_1;
+    const int has_min = has_min32(type);
     acc_t acc[MR_MAX][NR_MAX];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = acc_zero();
@@ -588,7 +589,6 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
 ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
 }
-ALWAYS_INLINE int has_min32(int type) { return type == Q4_1 || type == Q5_1; }
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 
 /* A block's 32 stored values as unsigned bytes (value + gemm_offset), element e in byte e. */
@@ -602,8 +602,9 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
     }
 }
 
-/* Bytes of one thread's GEMM scratch (one unpacked panel) for rows of k elements. */
-static size_t gemm_scratch_bytes(int k) {
+/* Bytes of one thread's GEMM scratch (one unpacked panel) for m rows of k elements: none below GEMM_MIN_ROWS. */
+static size_t gemm_scratch_bytes(int k, int m) {
+    if (m < GEMM_MIN_ROWS) return 0;
     return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * (size_t)(k / 32) * GEMM_PANEL;
 }
 
@@ -693,7 +694,7 @@ static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offse
 }
 
 /* Thread t of nt's share of the GEMM: a contiguous range of panels, each
- * unpacked once into scratch (gemm_scratch_bytes(k)) and swept by all m rows. */
+ * unpacked once into scratch (gemm_scratch_bytes(k, m)) and swept by all m rows. */
 static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                         long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
                         int nt) {
@@ -841,8 +842,8 @@ ALWAYS_INLINE int exact_serves(int type) {
     (void)type;
     return 0;
 }
-static size_t gemm_scratch_bytes(int k) {
-    (void)k;
+static size_t gemm_scratch_bytes(int k, int m) {
+    (void)k, (void)m;
     return 0;
 }
 #endif
@@ -850,7 +851,7 @@ static size_t gemm_scratch_bytes(int k) {
 /* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
  * (with xq->isum filled where exact_serves): the exact kernels where this build
  * has them for the type (the GEMM from GEMM_MIN_ROWS rows, with one unpacked
- * panel of scratch per thread, gemm_scratch_bytes(k)), else the tile kernels. */
+ * panel of scratch per thread, gemm_scratch_bytes(k, m)), else the tile kernels. */
 static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                 long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
                                 int nt) {
@@ -883,9 +884,10 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
     xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
                malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
                exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
-    uint8_t *scratch = exact ? malloc(gemm_scratch_bytes(k) * (size_t)threads) : NULL;
+    const size_t scratch_bytes = exact ? gemm_scratch_bytes(k, m) : 0;
+    uint8_t *scratch = scratch_bytes ? malloc(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
-    if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && (!xq.isum || !scratch))) {
+    if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {
         rc = 1;
         goto done;
     }
@@ -900,7 +902,7 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
         const int nt = 1, t = 0;
 #endif
         quant_matmul_thread(type, w, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0,
-                            scratch ? scratch + gemm_scratch_bytes(k) * (size_t)t : NULL, t, nt);
+                            scratch ? scratch + scratch_bytes * (size_t)t : NULL, t, nt);
     }
 done:
     free(xq.qs);
