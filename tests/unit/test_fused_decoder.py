@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from test_quant_model import Q4_K_M, TOKENS, T, _last_logits, _prompts, write_quant_gguf
+from test_quant_model import HEAD_DIM, Q4_K_M, TOKENS, T, _last_logits, _prompts, write_quant_gguf
 
 from stoker import LLM, SamplingParams
 from stoker.engine.params import RequestOutput
@@ -39,18 +40,24 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
-def _llm(path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch, **args: int) -> LLM:
+def _llm(path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch, **args: Any) -> LLM:
     monkeypatch.setenv("STOKER_FUSED_DECODER", "1" if fused else "0")
     llm = LLM(str(path), dtype="float32", quantization="auto", num_kv_blocks=96, **args)
     assert (llm.engine.runner.model.fused is not None) == fused
     return llm
 
 
-@pytest.mark.parametrize(("arch", "mix", "default"), CASES, ids=IDS)
+@pytest.mark.parametrize(
+    ("arch", "mix", "default", "head_dim", "engine_args"),
+    [*((*case, HEAD_DIM, {}) for case in CASES), ("llama", {}, T.Q8_0, 80, {"block_size": 12})],
+    ids=[*IDS, "llama-head80-block12"],
+)
 def test_fused_matches_torch_path(
     arch: str,
     mix: dict[T, T],
     default: T,
+    head_dim: int,
+    engine_args: dict[str, Any],
     isa: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -65,19 +72,30 @@ def test_fused_matches_torch_path(
     the torch path itself. Hence: every prompt within 3%, and at least one
     (the short ones never cross a boundary here) within 1e-5. A wrong rotary,
     slot, cache read, norm or bias moves every prompt by tens of percent."""
-    path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default)
+    path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default, head_dim=head_dim)
     prompts = _prompts(len(TOKENS))
-    fused = _last_logits(_llm(path, True, monkeypatch), prompts)
-    torch_path = _last_logits(_llm(path, False, monkeypatch), prompts)
+    fused = _last_logits(_llm(path, True, monkeypatch, **engine_args), prompts)
+    torch_path = _last_logits(_llm(path, False, monkeypatch, **engine_args), prompts)
     errors = sorted(float((a - b).norm() / b.norm()) for a, b in zip(fused, torch_path))
     assert errors[0] < 1e-5 and errors[-1] < 0.03, errors
 
 
-@pytest.mark.parametrize(("arch", "mix", "default"), CASES[1:], ids=IDS[1:])
+@pytest.mark.parametrize(
+    ("arch", "mix", "default", "head_dim", "engine_args"),
+    [
+        *((*case, HEAD_DIM, {}) for case in CASES[1:]),
+        # attention's other shapes: a head of 64 + 16 floats, blocks of 12 keys
+        # (a chunk of 8 keys then spans two blocks), the cache in int8
+        ("llama", {}, T.Q8_0, 80, {"block_size": 12, "kv_cache_dtype": "int8"}),
+    ],
+    ids=[*IDS[1:], "llama-head80-block12-int8kv"],
+)
 def test_batch_invariant_greedy(
     arch: str,
     mix: dict[T, T],
     default: T,
+    head_dim: int,
+    engine_args: dict[str, Any],
     isa: str,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -89,7 +107,7 @@ def test_batch_invariant_greedy(
     score of batched steps moves no argmax here but does move the logprobs).
     The torch path must never run: every step of a fused model goes through
     the fused call."""
-    path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default)
+    path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default, head_dim=head_dim)
 
     def no_torch_path(*args: object, **kwargs: object) -> None:
         raise AssertionError("a step of a fused model took the torch path")
@@ -104,9 +122,9 @@ def test_batch_invariant_greedy(
         assert logprobs is not None
         return [(t.token_id, t.logprob) for t in logprobs]
 
-    llm = _llm(path, True, monkeypatch)
+    llm = _llm(path, True, monkeypatch, **engine_args)
     alone = [tokens(llm.generate([p], params)[0]) for p in prompts]
-    batched_llm = _llm(path, True, monkeypatch, max_num_batched_tokens=24, max_num_seqs=8)
+    batched_llm = _llm(path, True, monkeypatch, max_num_batched_tokens=24, max_num_seqs=8, **engine_args)
     batched = [tokens(o) for o in batched_llm.generate(prompts, params)]
     assert batched == alone
 

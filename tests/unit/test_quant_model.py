@@ -46,10 +46,16 @@ TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_tokens(), "he"]
 
 
 def write_quant_gguf(
-    path: Path, arch: str, types: dict[str, GGMLQuantizationType], default: GGMLQuantizationType, seed: int = 0
+    path: Path,
+    arch: str,
+    types: dict[str, GGMLQuantizationType],
+    default: GGMLQuantizationType,
+    seed: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> Path:
     """A tiny GGUF whose projections are random `default` blocks (or types[part]),
-    token_embd Q8_0 (tied LM head), norms and biases F32."""
+    token_embd Q8_0 (tied LM head), norms and biases F32. The loader reads
+    head_dim from attn_q's rows."""
     gen = torch.Generator().manual_seed(seed)
     w = GGUFWriter(str(path), arch)
     w.add_name("tiny-quant")
@@ -83,10 +89,10 @@ def write_quant_gguf(
     blocks("token_embd.weight", T.Q8_0, len(TOKENS), HIDDEN)
     dense("output_norm.weight", (HIDDEN,), 1.0)
     shapes = {
-        "attn_q": (HEADS * HEAD_DIM, HIDDEN),
-        "attn_k": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "attn_v": (KV_HEADS * HEAD_DIM, HIDDEN),
-        "attn_output": (HIDDEN, HEADS * HEAD_DIM),
+        "attn_q": (HEADS * head_dim, HIDDEN),
+        "attn_k": (KV_HEADS * head_dim, HIDDEN),
+        "attn_v": (KV_HEADS * head_dim, HIDDEN),
+        "attn_output": (HIDDEN, HEADS * head_dim),
         "ffn_gate": (FFN, HIDDEN),
         "ffn_up": (FFN, HIDDEN),
         "ffn_down": (HIDDEN, FFN),
@@ -101,8 +107,8 @@ def write_quant_gguf(
             if arch == "qwen2" and part in ("attn_q", "attn_k", "attn_v"):
                 dense(f"blk.{i}.{part}.bias", (rows,))
         if arch == "qwen3":
-            dense(f"blk.{i}.attn_q_norm.weight", (HEAD_DIM,), 1.0)
-            dense(f"blk.{i}.attn_k_norm.weight", (HEAD_DIM,), 1.0)
+            dense(f"blk.{i}.attn_q_norm.weight", (head_dim,), 1.0)
+            dense(f"blk.{i}.attn_k_norm.weight", (head_dim,), 1.0)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

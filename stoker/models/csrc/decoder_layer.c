@@ -38,6 +38,7 @@
 #include "ggml_quant.c"
 
 #define MAX_PARTS 4
+#define ATTEND_ROWS 8 /* rows of one sequence that attention serves together */
 
 /* One linear layer: row-stacked parts (a Q4_K_M qkv is Q4_K rows then Q6_K rows). */
 typedef struct {
@@ -119,8 +120,10 @@ typedef struct {
     int8_t *qs32, *qs256;                       /* the rows of a linear's input as int8 */
     float *d32, *s32, *d256, *s256;
     int16_t *bsums32, *bsums256;
-    float *attn_scratch; /* per thread: scores [max_context] then acc [head_dim] */
+    float *attn_scratch; /* per thread: see attend */
     size_t attn_scratch_floats;
+    int *group_starts; /* attention's row groups: rows group_starts[i] .. group_starts[i + 1] - 1 */
+    int num_groups;
     int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
     uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax, n); none for a small decode step */
     size_t gemm_scratch_size;
@@ -209,68 +212,164 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
 
 /* ---- attention ----------------------------------------------------------- */
 
-/* Row r, query heads h0 .. h0 + count - 1 (all of one kv head's group):
- * softmax(q k^T * scale) v over the row's context (its position + 1 keys, all
- * in the cache by now), read block by block. The heads share each K and V row
- * load; each head's arithmetic is the same whatever `count` is, so how heads
- * are grouped into work items never changes a result. Scratch: count * (the
- * context rounded up to 8 + head_dim) floats. */
-static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv_row, int r, int h0, int count,
-                   float *restrict attn_row, float *restrict scratch) {
-    const int D = M->head_dim, KVH = M->num_kv_heads, BS = S->block_size;
-    const int kvh = h0 / (M->num_heads / KVH);
-    const int L = (int)S->positions[r] + 1;
-    const size_t Lpad = ((size_t)L + 7) / 8 * 8;
-    const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r] : r) * S->max_blocks;
-    const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
-    float *scores = scratch, *acc = scratch + (size_t)count * Lpad; /* [count, Lpad], [count, D] */
-    float m[64], inv[64];
-    float widened[512]; /* an int8 row as floats */
+/* Eight floats: the unit the attention loops work in. GCC and clang lower it to
+ * what the ISA has (one ymm register on AVX2/AVX-512, two xmm on SSE2), and
+ * every operation on it is lane by lane, so it does exactly the scalar
+ * arithmetic of the same loops written out per float. */
+typedef float f8 __attribute__((vector_size(32)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+typedef int32_t i8x8 __attribute__((vector_size(32)));
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (i8x8){__VA_ARGS__})
+#endif
 
-    /* Block by block: no division per key (block_size is only known at run time). */
-    for (int g = 0; g < count; g++) m[g] = -INFINITY;
-    for (int t0 = 0; t0 < L; t0 += BS) {
-        const size_t kb = ((size_t)table[t0 / BS] * BS * KVH + kvh);
-        const int nk = L - t0 < BS ? L - t0 : BS;
-        for (int i = 0; i < nk; i++) {
-            const float *restrict k = kv_row(S, kc, kb + (size_t)i * KVH, D, widened);
+static inline f8 load8(const float *p) {
+    f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
+
+/* dot8(q, k[i], D) for eight rows k[i] at once. Each key keeps dot8's eight
+ * lane sums, and the tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) is
+ * done across the eight keys by shuffles, so each score is bit-identical to
+ * dot8's: why a decode row and a prefill row agree whatever the chunking. */
+static inline f8 dot8_x8(const float *restrict q, const float *const k[8], int D) {
+    f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+    for (int d = 0; d < D; d += 8) {
+        const f8 x = load8(q + d);
+        a0 = a0 + x * load8(k[0] + d);
+        a1 = a1 + x * load8(k[1] + d);
+        a2 = a2 + x * load8(k[2] + d);
+        a3 = a3 + x * load8(k[3] + d);
+        a4 = a4 + x * load8(k[4] + d);
+        a5 = a5 + x * load8(k[5] + d);
+        a6 = a6 + x * load8(k[6] + d);
+        a7 = a7 + x * load8(k[7] + d);
+    }
+    /* b = lanes 0-3 + lanes 4-7, two keys a vector: [l0+l4, l1+l5, l2+l6, l3+l7] each */
+#define HALVES(x, y) (SHUFFLE8(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
+#define PAIRS(x, y) (SHUFFLE8(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE8(x, y, 1, 3, 5, 7, 9, 11, 13, 15))
+    const f8 b01 = HALVES(a0, a1), b23 = HALVES(a2, a3), b45 = HALVES(a4, a5), b67 = HALVES(a6, a7);
+    /* [(l0+l4)+(l1+l5), (l2+l6)+(l3+l7)] per key, keys 0-3 and 4-7; then their sum per key */
+    return PAIRS(PAIRS(b01, b23), PAIRS(b45, b67));
+#undef HALVES
+#undef PAIRS
+}
+
+/* Pointers to the cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the
+ * block table; keys past the context (t0 + i >= L) point at key t0, and their
+ * results are never read. An int8 cache is widened into `widened` [8, D]. */
+static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
+                            int L, const float *rows[8], float *restrict widened) {
+    const int BS = S->block_size;
+    for (int i = 0; i < 8; i++) {
+        const int t = t0 + i < L ? t0 + i : t0;
+        const size_t index = ((size_t)table[t / BS] * BS + (size_t)(t % BS)) * KVH + kvh;
+        rows[i] = kv_row(S, cache, index, D, widened + (size_t)i * D);
+    }
+}
+
+/* Rows r0 .. r0 + nrows - 1 (all of one sequence: they read the same block
+ * table), query heads h0 .. h0 + count - 1 (all of one kv head's group):
+ * softmax(q k^T * scale) v over each row's context (its position + 1 keys, all
+ * in the cache by now), eight keys at a time. The rows and heads share each
+ * chunk of K and V rows, which is the point: a prompt's rows would otherwise
+ * each stream its whole context from memory. What a (row, head) computes never
+ * depends on which rows or heads share its item, so the grouping never changes
+ * a result. Per (row, head): score = dot8(q, k) * scale; weights
+ * exp(score - max) summed in eight lanes by key index mod 8, then the dot8
+ * tree; out[d] = (sum over keys in order of weight * v[d]) / that sum.
+ * Scratch: nrows * count * (the longest context rounded up to 8 + head_dim) floats. */
+static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
+                   float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
+    const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
+    const int kvh = h0 / (H / KVH), heads = nrows * count; /* (row, head) pairs, row-major */
+    int lengths[ATTEND_ROWS], longest = 0;
+    for (int j = 0; j < nrows; j++) {
+        lengths[j] = (int)S->positions[r0 + j] + 1;
+        longest = lengths[j] > longest ? lengths[j] : longest;
+    }
+    const size_t Lpad = ((size_t)longest + 7) / 8 * 8;
+    const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r0] : r0) * S->max_blocks;
+    const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
+    float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
+    float m[ATTEND_ROWS * 64], inv[ATTEND_ROWS * 64];
+    float widened[8 * 512]; /* eight int8 rows as floats */
+    const float *rows[8];
+
+    for (int x = 0; x < heads; x++) m[x] = -INFINITY;
+    for (int t0 = 0; t0 < longest; t0 += 8) {
+        key_rows(S, kc, table, kvh, KVH, D, t0, longest, rows, widened);
+        for (int j = 0; j < nrows; j++) {
+            if (t0 >= lengths[j]) continue;
+            const int nk = lengths[j] - t0 < 8 ? lengths[j] - t0 : 8;
+            const float *q = qkv + (size_t)(r0 + j) * qkv_w + (size_t)h0 * D;
             for (int g = 0; g < count; g++) {
-                const float s = dot8(qkv_row + (size_t)(h0 + g) * D, k, D) * M->scale;
-                scores[g * Lpad + t0 + i] = s;
-                m[g] = fmaxf(m[g], s);
+                const int x = j * count + g;
+                float *sx = scores + x * Lpad + t0;
+                store8(sx, dot8_x8(q + (size_t)g * D, rows, D) * M->scale);
+                for (int i = 0; i < nk; i++) m[x] = sx[i] > m[x] ? sx[i] : m[x];
             }
         }
     }
-    for (int g = 0; g < count; g++) {
-        float *sg = scores + g * Lpad;
+    for (int x = 0; x < heads; x++) {
+        float *sx = scores + x * Lpad;
+        const int L = lengths[x / count];
         float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
         int t = 0;
         for (; t + 8 <= L; t += 8)
             for (int j = 0; j < 8; j++) {
-                sg[t + j] = exp_nonpositive(sg[t + j] - m[g]);
-                lanes[j] = lanes[j] + sg[t + j];
+                sx[t + j] = exp_nonpositive(sx[t + j] - m[x]);
+                lanes[j] = lanes[j] + sx[t + j];
             }
         for (; t < L; t++) {
-            sg[t] = exp_nonpositive(sg[t] - m[g]);
-            lanes[t % 8] = lanes[t % 8] + sg[t];
+            sx[t] = exp_nonpositive(sx[t] - m[x]);
+            lanes[t % 8] = lanes[t % 8] + sx[t];
         }
-        inv[g] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
+        inv[x] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
     }
-    for (size_t i = 0; i < (size_t)count * D; i++) acc[i] = 0.f;
-    for (int t0 = 0; t0 < L; t0 += BS) {
-        const size_t vb = ((size_t)table[t0 / BS] * BS * KVH + kvh);
-        const int nk = L - t0 < BS ? L - t0 : BS;
-        for (int i = 0; i < nk; i++) {
-            const float *restrict v = kv_row(S, vc, vb + (size_t)i * KVH, D, widened);
-            for (int g = 0; g < count; g++) {
-                const float p = scores[g * Lpad + t0 + i];
-                float *restrict ag = acc + (size_t)g * D;
-                for (int d = 0; d < D; d++) ag[d] = ag[d] + p * v[d];
+    for (size_t i = 0; i < (size_t)heads * D; i++) acc[i] = 0.f;
+    for (int t0 = 0; t0 < longest; t0 += 8) {
+        key_rows(S, vc, table, kvh, KVH, D, t0, longest, rows, widened);
+        for (int x = 0; x < heads; x++) {
+            const int L = lengths[x / count];
+            if (t0 >= L) continue;
+            const int nk = L - t0 < 8 ? L - t0 : 8;
+            const float *restrict p = scores + x * Lpad + t0;
+            float *restrict ax = acc + (size_t)x * D;
+            int d = 0;
+            /* 64 of the head's accumulators stay in registers over the chunk's keys */
+            for (; d + 64 <= D; d += 64) {
+                f8 c0 = load8(ax + d), c1 = load8(ax + d + 8), c2 = load8(ax + d + 16), c3 = load8(ax + d + 24);
+                f8 c4 = load8(ax + d + 32), c5 = load8(ax + d + 40), c6 = load8(ax + d + 48), c7 = load8(ax + d + 56);
+                for (int i = 0; i < nk; i++) {
+                    const float *v = rows[i] + d, w = p[i];
+                    c0 = c0 + w * load8(v);
+                    c1 = c1 + w * load8(v + 8);
+                    c2 = c2 + w * load8(v + 16);
+                    c3 = c3 + w * load8(v + 24);
+                    c4 = c4 + w * load8(v + 32);
+                    c5 = c5 + w * load8(v + 40);
+                    c6 = c6 + w * load8(v + 48);
+                    c7 = c7 + w * load8(v + 56);
+                }
+                store8(ax + d, c0), store8(ax + d + 8, c1), store8(ax + d + 16, c2), store8(ax + d + 24, c3);
+                store8(ax + d + 32, c4), store8(ax + d + 40, c5), store8(ax + d + 48, c6), store8(ax + d + 56, c7);
+            }
+            for (; d < D; d += 8) {
+                f8 c = load8(ax + d);
+                for (int i = 0; i < nk; i++) c = c + p[i] * load8(rows[i] + d);
+                store8(ax + d, c);
             }
         }
     }
-    for (int g = 0; g < count; g++)
-        for (int d = 0; d < D; d++) attn_row[(size_t)(h0 + g) * D + d] = acc[(size_t)g * D + d] * inv[g];
+    for (int x = 0; x < heads; x++) {
+        float *out = attn + (size_t)(r0 + x / count) * H * D + (size_t)(h0 + x % count) * D;
+        for (int d = 0; d < D; d++) out[d] = acc[(size_t)x * D + d] * inv[x];
+    }
 }
 
 /* q/k norm (Qwen3), RoPE on q and k in place in the qkv row, then k and v into the cache. */
@@ -317,13 +416,15 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) position_row(M, S, Ly, l, B->qkv + (size_t)r * qkv_w, r);
-        /* One item per (row, kv head) when there are enough of them to keep the
-         * threads busy (heads of a group share K/V loads), else one per (row, head). */
-        const int per_item = n * M->num_kv_heads >= 2 * nt ? H / M->num_kv_heads : 1;
+        /* One item per (group of a sequence's rows, kv head) when there are enough
+         * of them to keep the threads busy (heads of a group share K/V loads),
+         * else one per (group, head). */
+        const int G = B->num_groups, per_item = G * M->num_kv_heads >= 2 * nt ? H / M->num_kv_heads : 1;
 #pragma omp for schedule(dynamic, 1)
-        for (int item = 0; item < n * (H / per_item); item++) {
-            const int r = item / (H / per_item), h0 = item % (H / per_item) * per_item;
-            attend(M, S, l, B->qkv + (size_t)r * qkv_w, r, h0, per_item, B->attn + (size_t)r * H * D, attn_scratch);
+        for (int item = 0; item < G * (H / per_item); item++) {
+            const int group = item / (H / per_item), h0 = item % (H / per_item) * per_item;
+            const int r0 = B->group_starts[group], nrows = B->group_starts[group + 1] - r0;
+            attend(M, S, l, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h0, per_item, attn_scratch);
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
@@ -403,14 +504,24 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.s256 = malloc(sizeof(float) * rows * (kmax / 32));
     B.bsums32 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
-    B.attn_scratch_floats = (size_t)(H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
+    B.attn_scratch_floats =
+        (size_t)ATTEND_ROWS * (H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
+    /* Consecutive rows of one sequence (a prompt chunk, a verification), up to ATTEND_ROWS at a time. */
+    B.group_starts = malloc(sizeof(int) * (rows + 1));
+    B.num_groups = 0;
+    for (int r = 0; B.group_starts && r < n; r++) {
+        const int start = B.num_groups ? B.group_starts[B.num_groups - 1] : 0;
+        if (r == 0 || !S->row_seq || S->row_seq[r] != S->row_seq[r - 1] || r - start == ATTEND_ROWS)
+            B.group_starts[B.num_groups++] = r;
+    }
+    if (B.group_starts) B.group_starts[B.num_groups] = n;
     B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
     B.isum32 = malloc(sizeof(int16_t) * rows * (kmax / 32));
     B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
     B.gemm_scratch = malloc(B.gemm_scratch_size * (size_t)num_threads + 1); /* + 1: never malloc(0) */
     void *all[] = {B.normed, B.qkv,    B.attn,         B.gate_up, B.act,      B.qs32,
                    B.qs256,  B.d32,    B.s32,          B.d256,    B.s256,     B.bsums32,
-                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch};
+                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch, B.group_starts};
     const int count = (int)(sizeof all / sizeof all[0]);
     int rc = 0;
     for (int i = 0; i < count; i++)
