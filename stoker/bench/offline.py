@@ -25,6 +25,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-len", type=int, default=128, help="tokens generated per prompt (ignore_eos)")
     p.add_argument("--dtype", default="float32,bfloat16", help="comma-separated: float32, bfloat16")
     p.add_argument(
+        "--hf-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="transformers' dtype for every --dtype (default: the same dtype); e.g. stoker's quantized"
+        " float32 path against transformers' faster bfloat16",
+    )
+    p.add_argument(
         "--quantization",
         default="auto",
         choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
@@ -250,16 +257,17 @@ def run(args: argparse.Namespace) -> int:
                     {**run_stoker(args.model, dtype, b, prompts, args.output_len, args.quantization), "dtype": dtype}
                 )
                 console.print(_line(rows[-1]))
-        if not args.skip_hf:
-            model = load_hf(model_path, dtype)
+        hf_dtype = args.hf_dtype or dtype
+        if not args.skip_hf and not any(r["engine"] == "transformers" and r["dtype"] == hf_dtype for r in rows):
+            model = load_hf(model_path, hf_dtype)
             for b in hf_sizes:
-                rows.append({**run_hf(model, prompts, b, args.output_len, pad_id), "dtype": dtype})
+                rows.append({**run_hf(model, prompts, b, args.output_len, pad_id), "dtype": hf_dtype})
                 console.print(_line(rows[-1]))
             del model
             gc.collect()
     table = Table(title="offline throughput (best batch size of each)")
     for col in (
-        "dtype",
+        "dtype (stoker / transformers)",
         "stoker out tok/s (batch)",
         "transformers out tok/s (batch)",
         "output ratio",
@@ -269,13 +277,14 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     summary = []
     for dtype in args.dtype.split(","):
-        s, h = best(rows, "stoker", dtype), best(rows, "transformers", dtype)
+        s, h = best(rows, "stoker", dtype), best(rows, "transformers", args.hf_dtype or dtype)
         same = None
         if s and h:  # informative: transformers' padded batches may round differently
             same = sum(a == b for a, b in zip(s["outputs"], h["outputs"]))
         summary.append(
             {
                 "dtype": dtype,
+                "hf_dtype": args.hf_dtype or dtype,
                 "stoker": s and _strip(s),
                 "transformers": h and _strip(h),
                 "output_ratio": s["output_tok_s"] / h["output_tok_s"] if s and h else None,
@@ -289,7 +298,7 @@ def run(args: argparse.Namespace) -> int:
 
         ratio = summary[-1]["output_ratio"]
         table.add_row(
-            dtype,
+            f"{dtype} / {args.hf_dtype or dtype}",
             fmt(s),
             fmt(h),
             f"{ratio:.2f}x" if ratio else "-",

@@ -58,6 +58,23 @@ def test_offline_bench_runs_both_engines_and_reports_the_ratio(tiny: str, tmp_pa
     assert (tmp_path / "offline.md").read_text().count("| stoker |") == 1
 
 
+def test_hf_dtype_sets_the_baseline_for_every_stoker_dtype(tiny: str, tmp_path) -> None:
+    """--hf-dtype: transformers runs once, in that dtype, and each stoker dtype's
+    ratio is against it (stoker's quantized float32 path vs transformers' bf16)."""
+    if offline.stoker_available():
+        pytest.skip(f"engine unavailable: {offline.stoker_available()}")
+    args = ["--model", tiny, "--num-prompts", "2", "--input-len", "8:16", "--output-len", "3"]
+    args += ["--batch-sizes", "2", "--dtype", "float32,bfloat16", "--hf-dtype", "bfloat16", "--out", str(tmp_path)]
+    assert offline.main(args) == 0
+    data = json.loads((tmp_path / "offline.json").read_text())
+    hf_runs = [r for r in data["runs"] if r["engine"] == "transformers"]
+    assert [r["dtype"] for r in hf_runs] == ["bfloat16"]
+    for summary in data["summary"]:
+        stoker = next(r for r in data["runs"] if r["engine"] == "stoker" and r["dtype"] == summary["dtype"])
+        assert summary["hf_dtype"] == "bfloat16"
+        assert summary["output_ratio"] == pytest.approx(stoker["output_tok_s"] / hf_runs[0]["output_tok_s"])
+
+
 def test_greedy_tokens_agree_with_transformers_unpadded(tiny: str) -> None:
     """A fast-but-wrong engine must not look good: at batch 1 (no padding) in
     fp32 both sides produce the same greedy tokens."""
