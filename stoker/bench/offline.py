@@ -13,9 +13,10 @@ import os
 import random
 import sys
 import time
-from typing import Any
+from typing import Any, get_args
 
 from stoker.bench.workload import parse_int_list
+from stoker.config import KVCacheDTypeName
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
         help="stoker's weight format (docs/quantization.md)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=list(get_args(KVCacheDTypeName)),
+        help="stoker's KV cache format (docs/quantization.md#kv-cache-quantization)",
     )
     p.add_argument("--batch-sizes", default="1,8,16,32", help="transformers static batch sizes")
     p.add_argument("--stoker-batch-sizes", default=None, help="stoker max_num_seqs values (default: --batch-sizes)")
@@ -130,10 +137,17 @@ def run_stoker(
     prompts: list[list[int]],
     out_len: int,
     quantization: str = "auto",
+    kv_cache_dtype: str = "auto",
 ) -> dict:
     from stoker import LLM, SamplingParams
 
-    llm = LLM(model=model_path, dtype=dtype, max_num_seqs=max_num_seqs, quantization=quantization)
+    llm = LLM(
+        model=model_path,
+        dtype=dtype,
+        max_num_seqs=max_num_seqs,
+        quantization=quantization,
+        kv_cache_dtype=kv_cache_dtype,
+    )
     params = SamplingParams(max_tokens=out_len, ignore_eos=True, temperature=0)
     # Warm up on reversed tokens so the measured prompts find nothing in the prefix cache.
     llm.generate([prompts[0][::-1][:32]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0), use_tqdm=False)
@@ -254,7 +268,12 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_stoker and not why_not:
             for b in stoker_sizes:
                 rows.append(
-                    {**run_stoker(args.model, dtype, b, prompts, args.output_len, args.quantization), "dtype": dtype}
+                    {
+                        **run_stoker(
+                            args.model, dtype, b, prompts, args.output_len, args.quantization, args.kv_cache_dtype
+                        ),
+                        "dtype": dtype,
+                    }
                 )
                 console.print(_line(rows[-1]))
         hf_dtype = args.hf_dtype or dtype

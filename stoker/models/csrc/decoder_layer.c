@@ -212,26 +212,6 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
 
 /* ---- attention ----------------------------------------------------------- */
 
-/* Eight floats: the unit the attention loops work in. GCC and clang lower it to
- * what the ISA has (one ymm register on AVX2/AVX-512, two xmm on SSE2), and
- * every operation on it is lane by lane, so it does exactly the scalar
- * arithmetic of the same loops written out per float. */
-typedef float f8 __attribute__((vector_size(32)));
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-typedef int32_t i8x8 __attribute__((vector_size(32)));
-#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (i8x8){__VA_ARGS__})
-#endif
-
-static inline f8 load8(const float *p) {
-    f8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
-
 /* dot8(q, k[i], D) for eight rows k[i] at once. Each key keeps dot8's eight
  * lane sums, and the tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) is
  * done across the eight keys by shuffles, so each score is bit-identical to
@@ -265,10 +245,15 @@ static inline f8 dot8_x8(const float *restrict q, const float *const k[8], int D
 static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
                             int L, const float *rows[8], float *restrict widened) {
     const int BS = S->block_size;
+    int block = t0 / BS, offset = t0 % BS; /* of key t0 + i: one division a chunk, not one a key */
     for (int i = 0; i < 8; i++) {
-        const int t = t0 + i < L ? t0 + i : t0;
-        const size_t index = ((size_t)table[t / BS] * BS + (size_t)(t % BS)) * KVH + kvh;
+        if (t0 + i >= L) {
+            rows[i] = rows[0];
+            continue;
+        }
+        const size_t index = ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
         rows[i] = kv_row(S, cache, index, D, widened + (size_t)i * D);
+        if (++offset == BS) block++, offset = 0;
     }
 }
 

@@ -51,6 +51,34 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Eight floats (and eight int32): GCC/clang vector extensions, lowered to what
+ * the ISA has (a ymm register on AVX2/AVX-512, two xmm on SSE2). Every
+ * operation is lane by lane, so code on them does exactly the scalar
+ * arithmetic of the same loop written out per element. */
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC notes that passing these by value without AVX differs in ABI: the
+ * helpers below are static and inlined, so no call ever crosses an ABI. */
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+typedef float f8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef int8_t i8x8 __attribute__((vector_size(8)));
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE8(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE8(a, b, ...) __builtin_shuffle(a, b, (i32x8){__VA_ARGS__})
+#endif
+
+ALWAYS_INLINE f8 load8(const float *p) {
+    f8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+ALWAYS_INLINE void store8(float *p, f8 v) { memcpy(p, &v, sizeof v); }
+ALWAYS_INLINE f8 select8(i32x8 mask, f8 a, f8 b) { return (f8)(((i32x8)a & mask) | ((i32x8)b & ~mask)); }
+ALWAYS_INLINE f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
+ALWAYS_INLINE f8 min8(f8 a, f8 b) { return select8(a < b, a, b); }
+
 /* GGMLQuantizationType values. */
 enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
@@ -125,31 +153,35 @@ typedef struct {
     int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term), or NULL where no GEMM runs */
 } xq_t;
 
-/* Round half to even for |v| < 2^22, without libm: the same result as
- * vroundps/rint in the default rounding mode. */
-ALWAYS_INLINE float round_even(float v) { return (v + 12582912.f) - 12582912.f; }
 
 static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, const xq_t *xq) {
     const int nb = k / be;
     int8_t *qs = xq->qs + row * (size_t)k;
     for (int b = 0; b < nb; b++) {
-        float v[256];
-        float amax = 0.f;
-        for (int e = 0; e < be; e++) {
-            const size_t idx = row * (size_t)k + (size_t)b * be + e;
-            v[e] = x_bf16 ? bf16_to_float(((const uint16_t *)x)[idx]) : ((const float *)x)[idx];
-            const float a = v[e] < 0.f ? -v[e] : v[e];
-            amax = a > amax ? a : amax;
+        float widened[256];
+        const float *v = (const float *)x + row * (size_t)k + (size_t)b * be;
+        if (x_bf16) {
+            for (int e = 0; e < be; e++) widened[e] = bf16_to_float(((const uint16_t *)x)[row * (size_t)k + (size_t)b * be + e]);
+            v = widened;
         }
+        f8 amax8 = {0.f};
+        for (int e = 0; e < be; e += 8) amax8 = max8(amax8, (f8)((i32x8)load8(v + e) & 0x7fffffff)); /* |v| */
+        float amax = 0.f;
+        for (int j = 0; j < 8; j++) amax = amax8[j] > amax ? amax8[j] : amax;
         const float d = amax / 127.f;
         const float id = d != 0.f ? 1.f / d : 0.f;
-        int sum = 0;
-        for (int e = 0; e < be; e++) {
-            float r = round_even(v[e] * id);
-            r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
-            qs[b * be + e] = (int8_t)r;
-            sum += (int8_t)r;
+        i32x8 sum8 = {0};
+        for (int e = 0; e < be; e += 8) {
+            /* (y + 1.5 * 2^23) - 1.5 * 2^23 rounds half to even for |y| < 2^22
+             * without libm: vroundps/rint's result in the default rounding mode. */
+            const f8 r = min8(max8((load8(v + e) * id + 12582912.f) - 12582912.f, (f8){0.f} - 127.f), (f8){0.f} + 127.f);
+            const i32x8 q = __builtin_convertvector(r, i32x8); /* exact: r is a whole number */
+            const i8x8 q8 = __builtin_convertvector(q, i8x8);
+            memcpy(qs + b * be + e, &q8, sizeof q8);
+            sum8 += q;
         }
+        int sum = 0;
+        for (int j = 0; j < 8; j++) sum += sum8[j];
         xq->d[row * (size_t)nb + b] = d;
         if (be == 32) {
             xq->s[row * (size_t)nb + b] = d * (float)sum;
