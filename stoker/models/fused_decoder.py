@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.models")
 
 MAX_PARTS = 4  # as in decoder_layer.c
+# The cache row formats decoder_layer.c reads (its KV_F32, KV_INT8, KV_BF16).
+_KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
 _i, _f, _p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -88,7 +90,7 @@ class _Step(ctypes.Structure):
         ("k_caches", _p),
         ("v_caches", _p),
         ("block_size", _i),
-        ("kv_int8", _i),
+        ("kv_format", _i),
     ]
 
 
@@ -211,12 +213,18 @@ class FusedDecoder:
         return fused
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the KV cache is one it reads (float32, or int8 rows with scales (kv_quant.py),
-        contiguous, on the CPU); fixed per runner. An fp8 cache takes the per-layer path."""
+        """Whether the KV cache is one it reads (float32, bfloat16, or int8 rows with scales
+        (kv_quant.py), contiguous, on the CPU); fixed per runner. An fp8 or float16 cache
+        takes the per-layer path."""
         k, v = kv_caches[0]
-        if k.dtype == torch.int8 and v.dtype == torch.int8:
-            return k.is_cpu and v.is_cpu and k.is_contiguous() and v.is_contiguous()
-        return _f32(k) and _f32(v)
+        return (
+            k.dtype == v.dtype
+            and k.dtype in _KV_FORMATS
+            and k.is_cpu
+            and v.is_cpu
+            and k.is_contiguous()
+            and v.is_contiguous()
+        )
 
     def _caches(
         self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
@@ -257,7 +265,7 @@ class FusedDecoder:
             k_caches=ctypes.addressof(k_ptrs),
             v_caches=ctypes.addressof(v_ptrs),
             block_size=kv_caches[0][0].shape[1],
-            kv_int8=int(kv_caches[0][0].dtype == torch.int8),
+            kv_format=_KV_FORMATS[kv_caches[0][0].dtype],
         )
         rc = lib.decoder_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), torch.get_num_threads()

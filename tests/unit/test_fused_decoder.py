@@ -87,8 +87,9 @@ def test_fused_matches_torch_path(
         # attention's other shapes: a head of 64 + 16 floats, blocks of 12 keys
         # (a chunk of 8 keys then spans two blocks), the cache in int8
         ("llama", {}, T.Q8_0, 80, {"block_size": 12, "kv_cache_dtype": "int8"}),
+        ("llama", {}, T.Q4_0, HEAD_DIM, {"kv_cache_dtype": "bfloat16"}),
     ],
-    ids=[*IDS[1:], "llama-head80-block12-int8kv"],
+    ids=[*IDS[1:], "llama-head80-block12-int8kv", "llama-bf16kv"],
 )
 def test_batch_invariant_greedy(
     arch: str,

@@ -249,19 +249,21 @@ def test_int8_greedy_tokens_do_not_depend_on_scheduling(tiny: Path, path: str, e
 
 
 @pytest.mark.skipif(quant_kernels._library("portable") is None, reason="no C compiler")
-def test_fused_decoder_with_int8_cache_matches_the_per_layer_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bfloat16"])
+def test_fused_decoder_with_a_narrow_cache_matches_the_per_layer_path(
+    kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused C stack quantizes k/v as it writes them and reads them back
-    itself; the per-layer path does both in torch + the C attention kernels. Same
-    cache format, so the logits agree to float rounding (int8 flips of a value
-    on a rounding edge allowed: 3%, see test_fused_decoder)."""
+    """The fused C stack rounds k/v (int8 with a scale, or bf16) as it writes
+    them and reads them back itself; the per-layer path does both in torch + the
+    C attention kernels. Same cache format, so the logits agree to float
+    rounding (int8 flips of a value on a rounding edge allowed: 3%, see
+    test_fused_decoder)."""
     gguf = write_quant_gguf(tmp_path / "tiny.gguf", "llama", {}, GGMLQuantizationType.Q8_0)
     prompts = [list(range(3, 3 + n)) for n in (5, 19, 40)]
     logits = {}
     for fused in ("1", "0"):
         monkeypatch.setenv("STOKER_FUSED_DECODER", fused)
-        llm = LLM(str(gguf), dtype="float32", kv_cache_dtype="int8", num_kv_blocks=32)
+        llm = LLM(str(gguf), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=32)
         model = llm.engine.runner.model
         assert (model.fused is not None and model.fused.serves(llm.engine.runner.kv_caches)) == (fused == "1")
         logits[fused] = _last_logits(llm, prompts)
@@ -269,7 +271,7 @@ def test_fused_decoder_with_int8_cache_matches_the_per_layer_path(
         logits[fused + "f32"] = _last_logits(float_cache, prompts)
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(logits["1"], logits["0"])]
     assert max(errors) < 0.03, errors
-    # ...and the int8 cache really is in use on the fused path.
+    # ...and the narrow cache really is in use on the fused path.
     assert any(not torch.equal(a, b) for a, b in zip(logits["1"], logits["1f32"]))
 
 

@@ -27,10 +27,10 @@
  * row of context position + 1, so a prompt token's attention is the same
  * computation whether its prompt came alone, chunked or next to others.
  *
- * fp32 activations; a KV cache of fp32 rows, or of int8 rows with their
- * float32 scale (stoker/models/kv_quant.py: quantized here as k and v are
- * written, as torch.round would, and widened a row at a time as attention
- * reads them). The Python side (fused_decoder.py) checks that and builds the
+ * fp32 activations; a KV cache of fp32 rows, of bf16 rows (rounded as
+ * torch rounds, widened exactly), or of int8 rows with their float32 scale
+ * (stoker/models/kv_quant.py: quantized here as k and v are written, as
+ * torch.round would, and widened a row at a time as attention reads them). The Python side (fused_decoder.py) checks that and builds the
  * Model tables once at load.
  */
 #include <math.h>
@@ -38,6 +38,7 @@
 #include "ggml_quant.c"
 
 #define MAX_PARTS 4
+enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 }; /* cache row formats, as fused_decoder.py passes them */
 #define ATTEND_ROWS 8 /* rows of one sequence that attention serves together */
 
 /* One linear layer: row-stacked parts (a Q4_K_M qkv is Q4_K rows then Q6_K rows). */
@@ -75,19 +76,26 @@ typedef struct {
     const int32_t *row_seq; /* NULL: one sequence per row (all decodes) */
     void *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, row] */
     int block_size;
-    int kv_int8; /* 0: rows of head_dim floats; 1: head_dim int8 then a float32 scale */
+    int kv_format; /* KV_F32, KV_INT8 or KV_BF16 */
 } Step;
 
 /* Bytes of one (token, kv head) row of the cache. */
 static inline size_t kv_row_bytes(const Step *S, int D) {
-    return S->kv_int8 ? (size_t)D + sizeof(float) : (size_t)D * sizeof(float);
+    return S->kv_format == KV_INT8 ? (size_t)D + sizeof(float)
+           : S->kv_format == KV_BF16 ? (size_t)D * sizeof(uint16_t)
+                                     : (size_t)D * sizeof(float);
 }
 
 /* Row `index` (in rows) of a cache as floats: the row itself for an fp32
- * cache, else widened and scaled into buf. */
+ * cache, else widened (and scaled, for int8) into buf. bf16 widens exactly. */
 static inline const float *kv_row(const Step *S, const void *cache, size_t index, int D, float *restrict buf) {
     const uint8_t *row = (const uint8_t *)cache + index * kv_row_bytes(S, D);
-    if (!S->kv_int8) return (const float *)row;
+    if (S->kv_format == KV_F32) return (const float *)row;
+    if (S->kv_format == KV_BF16) {
+        const uint16_t *restrict h = (const uint16_t *)row;
+        for (int d = 0; d < D; d++) buf[d] = bf16_to_float(h[d]);
+        return buf;
+    }
     float scale;
     memcpy(&scale, row + D, sizeof scale);
     const int8_t *restrict q = (const int8_t *)row;
@@ -96,11 +104,17 @@ static inline const float *kv_row(const Step *S, const void *cache, size_t index
 }
 
 /* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / 127,
- * q = round-half-even(x * (127 / max|x|))) for an int8 cache. */
+ * q = round-half-even(x * (127 / max|x|))) for an int8 cache; rounded to
+ * nearest even, as torch's .to(torch.bfloat16), for a bf16 one. */
 static inline void kv_store(const Step *S, void *cache, size_t index, const float *restrict x, int D) {
     uint8_t *row = (uint8_t *)cache + index * kv_row_bytes(S, D);
-    if (!S->kv_int8) {
+    if (S->kv_format == KV_F32) {
         memcpy(row, x, sizeof(float) * D);
+        return;
+    }
+    if (S->kv_format == KV_BF16) {
+        uint16_t *restrict h = (uint16_t *)row;
+        for (int d = 0; d < D; d++) h[d] = float_to_bf16(x[d]);
         return;
     }
     float amax = 0.f;
@@ -241,7 +255,7 @@ static inline f8 dot8_x8(const float *restrict q, const float *const k[8], int D
 
 /* Pointers to the cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the
  * block table; keys past the context (t0 + i >= L) point at key t0, and their
- * results are never read. An int8 cache is widened into `widened` [8, D]. */
+ * results are never read. An int8 or bf16 cache is widened into `widened` [8, D]. */
 static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
                             int L, const float *rows[8], float *restrict widened) {
     const int BS = S->block_size;
@@ -282,7 +296,7 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
     float m[ATTEND_ROWS * 64], inv[ATTEND_ROWS * 64];
-    float widened[8 * 512]; /* eight int8 rows as floats */
+    float widened[8 * 512]; /* eight int8 or bf16 rows as floats */
     const float *rows[8];
 
     for (int x = 0; x < heads; x++) m[x] = -INFINITY;
