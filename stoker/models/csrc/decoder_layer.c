@@ -39,6 +39,7 @@
 
 #define MAX_PARTS 4
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 }; /* cache row formats, as fused_decoder.py passes them */
+#define KV_PREFETCH_KEYS 32 /* how far ahead attention prefetches cache rows */
 #define ATTEND_ROWS 8 /* rows of one sequence that attention serves together */
 
 /* One linear layer: row-stacked parts (a Q4_K_M qkv is Q4_K rows then Q6_K rows). */
@@ -268,6 +269,20 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
         const size_t index = ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
         rows[i] = kv_row(S, cache, index, D, widened + (size_t)i * D);
         if (++offset == BS) block++, offset = 0;
+    }
+    /* The rows of keys KV_PREFETCH_KEYS ahead: a decode row reads its context
+     * once, from memory, in rows spread over blocks where the hardware
+     * prefetcher loses the stream, so the loads above would wait on DRAM. */
+    const int ahead = t0 + KV_PREFETCH_KEYS;
+    if (ahead < L) {
+        const size_t row_bytes = kv_row_bytes(S, D);
+        int pb = ahead / BS, po = ahead % BS;
+        for (int i = 0; i < 8 && ahead + i < L; i++) {
+            const char *next =
+                (const char *)cache + (((size_t)table[pb] * BS + (size_t)po) * KVH + kvh) * row_bytes;
+            for (size_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line);
+            if (++po == BS) pb++, po = 0;
+        }
     }
 }
 
