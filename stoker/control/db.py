@@ -153,9 +153,9 @@ def make_engine(db: str | None = None) -> Engine:
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
-            # WAL lets the CLI read keys while the server's ledger writer commits.
-            cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
+            # WAL lets the CLI read keys while the server's ledger writer commits.
+            _wal_journal(cur)
             cur.close()
 
     elif url.startswith("postgresql"):
@@ -168,6 +168,26 @@ def make_engine(db: str | None = None) -> Engine:
 
 
 CONNECT_TIMEOUT = 3
+SQLITE_LOCK_WAIT_S = 30.0
+
+
+def _wal_journal(cur: Any) -> None:
+    """PRAGMA journal_mode=WAL, waiting out another process converting the same
+    new file: SQLite answers "database is locked" at once there, without its
+    busy handler (seen with 3 servers starting together on one file, ~6% of
+    the time). Once one has converted it the file stays WAL and this is a no-op."""
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + SQLITE_LOCK_WAIT_S
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def is_shared(engine: Engine) -> bool:
