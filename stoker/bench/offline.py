@@ -296,14 +296,15 @@ def run(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right")
     summary = []
     for dtype in args.dtype.split(","):
-        s, h = best(rows, "stoker", dtype), best(rows, "transformers", args.hf_dtype or dtype)
+        hf_dtype = args.hf_dtype or dtype
+        s, h = best(rows, "stoker", dtype), best(rows, "transformers", hf_dtype)
         same = None
         if s and h:  # informative: transformers' padded batches may round differently
             same = sum(a == b for a, b in zip(s["outputs"], h["outputs"]))
         summary.append(
             {
                 "dtype": dtype,
-                "hf_dtype": args.hf_dtype or dtype,
+                "hf_dtype": hf_dtype,
                 "stoker": s and _strip(s),
                 "transformers": h and _strip(h),
                 "output_ratio": s["output_tok_s"] / h["output_tok_s"] if s and h else None,
@@ -317,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
 
         ratio = summary[-1]["output_ratio"]
         table.add_row(
-            f"{dtype} / {args.hf_dtype or dtype}",
+            f"{dtype} / {hf_dtype}",
             fmt(s),
             fmt(h),
             f"{ratio:.2f}x" if ratio else "-",

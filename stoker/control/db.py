@@ -144,7 +144,7 @@ def make_engine(db: str | None = None) -> Engine:
     if url.startswith("sqlite"):
         from sqlalchemy.pool import StaticPool
 
-        kwargs: dict = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+        kwargs: dict = {"connect_args": {"check_same_thread": False, "timeout": SQLITE_LOCK_WAIT_S}}
         if url in ("sqlite://", "sqlite:///:memory:"):
             # One shared connection, or every thread would see its own empty database.
             kwargs["poolclass"] = StaticPool
@@ -153,7 +153,6 @@ def make_engine(db: str | None = None) -> Engine:
         @event.listens_for(engine, "connect")
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA busy_timeout=30000")
             # WAL lets the CLI read keys while the server's ledger writer commits.
             _wal_journal(cur)
             cur.close()

@@ -20,9 +20,9 @@
  * there, including the switch between its exact GEMM and tiles by m). Every
  * other reduction (norm sums, q.k dots, softmax sums, p.v sums) runs over one
  * row or one (row, head) in a fixed order written out here with 8 explicit
- * partial sums, so it vectorizes without
- * the compiler reassociating anything (built like ggml_quant.c:
- * -ffp-contract=off, no -fassociative-math). Which thread runs an item never
+ * partial sums, so it vectorizes without the compiler reassociating anything
+ * (built like ggml_quant.c: -ffp-contract=off, no -fassociative-math). Which
+ * thread runs an item never
  * changes its arithmetic. Attention treats a prefill row exactly as a decode
  * row of context position + 1, so a prompt token's attention is the same
  * computation whether its prompt came alone, chunked or next to others.
@@ -30,8 +30,9 @@
  * fp32 activations; a KV cache of fp32 rows, of bf16 rows (rounded as
  * torch rounds, widened exactly), or of int8 rows with their float32 scale
  * (stoker/models/kv_quant.py: quantized here as k and v are written, as
- * torch.round would, and widened a row at a time as attention reads them). The Python side (fused_decoder.py) checks that and builds the
- * Model tables once at load.
+ * torch.round would, and widened a row at a time as attention reads them).
+ * The Python side (fused_decoder.py) checks that and builds the Model tables
+ * once at load.
  */
 #include <math.h>
 
@@ -87,10 +88,20 @@ static inline size_t kv_row_bytes(const Step *S, int D) {
                                      : (size_t)D * sizeof(float);
 }
 
+/* Where row `index` (in rows) of a cache starts. */
+static inline uint8_t *kv_row_at(const Step *S, const void *cache, size_t index, int D) {
+    return (uint8_t *)cache + index * kv_row_bytes(S, D);
+}
+
+/* Row index of key `offset` of block `block` of a sequence (block table `table`), kv head kvh. */
+static inline size_t kv_index(const int64_t *table, int BS, int KVH, int kvh, int block, int offset) {
+    return ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
+}
+
 /* Row `index` (in rows) of a cache as floats: the row itself for an fp32
  * cache, else widened (and scaled, for int8) into buf. bf16 widens exactly. */
 static inline const float *kv_row(const Step *S, const void *cache, size_t index, int D, float *restrict buf) {
-    const uint8_t *row = (const uint8_t *)cache + index * kv_row_bytes(S, D);
+    const uint8_t *row = kv_row_at(S, cache, index, D);
     if (S->kv_format == KV_F32) return (const float *)row;
     if (S->kv_format == KV_BF16) {
         const uint16_t *restrict h = (const uint16_t *)row;
@@ -108,7 +119,7 @@ static inline const float *kv_row(const Step *S, const void *cache, size_t index
  * q = round-half-even(x * (127 / max|x|))) for an int8 cache; rounded to
  * nearest even, as torch's .to(torch.bfloat16), for a bf16 one. */
 static inline void kv_store(const Step *S, void *cache, size_t index, const float *restrict x, int D) {
-    uint8_t *row = (uint8_t *)cache + index * kv_row_bytes(S, D);
+    uint8_t *row = kv_row_at(S, cache, index, D);
     if (S->kv_format == KV_F32) {
         memcpy(row, x, sizeof(float) * D);
         return;
@@ -266,8 +277,7 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
             rows[i] = rows[0];
             continue;
         }
-        const size_t index = ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
-        rows[i] = kv_row(S, cache, index, D, widened + (size_t)i * D);
+        rows[i] = kv_row(S, cache, kv_index(table, BS, KVH, kvh, block, offset), D, widened + (size_t)i * D);
         if (++offset == BS) block++, offset = 0;
     }
     /* The rows of keys KV_PREFETCH_KEYS ahead: a decode row reads its context
@@ -278,8 +288,7 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
         const size_t row_bytes = kv_row_bytes(S, D);
         int pb = ahead / BS, po = ahead % BS;
         for (int i = 0; i < 8 && ahead + i < L; i++) {
-            const char *next =
-                (const char *)cache + (((size_t)table[pb] * BS + (size_t)po) * KVH + kvh) * row_bytes;
+            const uint8_t *next = kv_row_at(S, cache, kv_index(table, BS, KVH, kvh, pb, po), D);
             for (size_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line);
             if (++po == BS) pb++, po = 0;
         }

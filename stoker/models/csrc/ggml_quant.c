@@ -153,7 +153,6 @@ typedef struct {
     int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term), or NULL where no GEMM runs */
 } xq_t;
 
-
 static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, const xq_t *xq) {
     const int nb = k / be;
     int8_t *qs = xq->qs + row * (size_t)k;
