@@ -83,7 +83,9 @@ class EngineConfig(BaseModel):
     q8_0/q4_0/q4_1/q5_0/q5_1: linear layers quantized to that format at load (embeddings and LM head Q8_0,
     norms dense; CPU only). See docs/quantization.md."""
     kv_cache_dtype: KVCacheDTypeName = "auto"
-    """KV cache element type (vLLM's --kv-cache-dtype). auto: same as dtype; bfloat16 (or bf16), float32, float16;
+    """KV cache element type (vLLM's --kv-cache-dtype). auto: bfloat16 where a GGUF's weights stay quantized on
+    the CPU (activations are float32 there; a bf16 cache holds twice the tokens and decodes faster, at no measured
+    cost in perplexity: docs/perf/kv-cache-quant.md), else same as dtype; bfloat16 (or bf16), float32, float16;
     int8 / fp8_e4m3: each token's K and V per head stored as one byte per value plus a float32 scale, so the same
     memory holds ~1.9x the tokens of bf16 (~3.8x of float32) at a small cost in accuracy; attention reads them
     directly. See docs/quantization.md."""

@@ -1,6 +1,12 @@
 """c=16 chat load against a running server: rounds of 16 unconstrained then 16 json_schema requests (the 20 schemas of tests/e2e/structured_schemas.py); prints tok/s, validity and the grammar metrics.
 
-python docs/perf/structured_load.py http://127.0.0.1:8000 [rounds]
+python docs/perf/structured_load.py http://127.0.0.1:8000 [rounds] [--equal-length]
+
+--equal-length: every request, constrained or not, generates exactly MAXT tokens
+(unconstrained ones ignore eos; constrained ones follow a schema of at least 40
+items, each an object with a string and an integer, which no reply closes in MAXT
+tokens), so both halves run the same number of steps at the same concurrency and
+the throughput ratio is the grammar's cost alone.
 """
 
 import json
@@ -14,19 +20,42 @@ import jsonschema_rs
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "tests" / "e2e"))
 from structured_schemas import SCHEMAS
 
-URL = sys.argv[1]
-C, ROUNDS, MAXT = 16, int(sys.argv[2]) if len(sys.argv) > 2 else 2, 64
+EQUAL = "--equal-length" in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != "--equal-length"]
+URL = ARGS[0]
+C, ROUNDS, MAXT = 16, int(ARGS[1]) if len(ARGS) > 1 else 2, 64
+LONG_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1}},
+                "required": ["name", "quantity"],
+                "additionalProperties": False,
+            },
+            "minItems": 40,
+        }
+    },
+    "required": ["items"],
+    "additionalProperties": False,
+}
 client = httpx.Client(base_url=URL, timeout=600)
 
 
 def one(i, constrained):
     name, prompt, schema = SCHEMAS[i % len(SCHEMAS)]
+    if EQUAL:
+        name, prompt, schema = "shopping_list", "List forty things to buy for a camping trip, with quantities.", LONG_SCHEMA
     body = {
         "messages": [{"role": "user", "content": prompt + " Answer in JSON."}],
         "max_tokens": MAXT,
         "temperature": 1.0,
         "seed": i,
     }
+    if EQUAL and not constrained:
+        body["ignore_eos"] = True
     if constrained:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
     r = client.post("/v1/chat/completions", json=body).json()
@@ -46,6 +75,7 @@ def metric(text, name):
 
 
 totals = {True: [0, 0.0], False: [0, 0.0]}
+before = client.get("/metrics").text
 valid = [0, 0, 0]
 for rnd in range(ROUNDS):
     for constrained in (False, True):
@@ -68,8 +98,8 @@ print(
 )
 print(f"constrained finished 'stop': valid {valid[0]}, invalid {valid[1]}; cut by max_tokens={MAXT}: {valid[2]}")
 m = client.get("/metrics").text
-n = metric(m, "stoker:grammar_mask_seconds_count")
-s = metric(m, "stoker:grammar_mask_seconds_sum")
+n = metric(m, "stoker:grammar_mask_seconds_count") - metric(before, "stoker:grammar_mask_seconds_count")
+s = metric(m, "stoker:grammar_mask_seconds_sum") - metric(before, "stoker:grammar_mask_seconds_sum")
 print(
     f"grammar mask: {n:.0f} steps, mean {1e3 * s / max(n, 1):.2f} ms/step; compiles {metric(m, 'stoker:grammar_compile_seconds_count'):.0f}, mean {1e3 * metric(m, 'stoker:grammar_compile_seconds_sum') / max(1, metric(m, 'stoker:grammar_compile_seconds_count')):.2f} ms; structured requests {metric(m, 'stoker:structured_requests_total'):.0f}"
 )
