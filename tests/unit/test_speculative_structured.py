@@ -211,25 +211,31 @@ def test_seeded_sampling_constrained_identical(base: LLM, ngram: LLM) -> None:
     assert sum(o.outputs[0].num_accepted_draft_tokens for o, p in zip(outs, params) if p.grammar) > 0
 
 
-def test_matcher_state_after_rejections_is_the_kept_tokens(ngram: LLM) -> None:
-    """Step by step: every running constrained sequence's matcher gives the
-    mask a fresh matcher fed its output tokens gives, so rolled-back guesses
-    left nothing behind."""
-    core = ngram.engine
-    prompts, params = _batch(ngram, 6)
+def test_matcher_state_after_rejections_and_preemption_is_the_kept_tokens(tiny: Path, base: LLM) -> None:
+    """Step by step, through a cache small enough to preempt: every running
+    constrained sequence's matcher gives the mask a fresh matcher fed its
+    output tokens gives, so rolled-back guesses left nothing behind; and the
+    outputs are those of decoding without speculation."""
+    small = _llm(tiny, "ngram", num_kv_blocks=20, max_num_batched_tokens=64)
+    core = small.engine
+    prompts, params = _batch(small, 8)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         core.add_request(EngineCoreRequest(f"m{i}", p, sp, 0.0))
-    drafted = core.stats().spec_draft_tokens
+    outputs: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
-        core.step()
+        for delta in core.step():
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
         for r in core.scheduler.running:
             if r.grammar is not None:
-                fresh = _sequence_grammar(ngram, r.params.grammar or "")
+                fresh = _sequence_grammar(small, r.params.grammar or "")
                 for token in r.output_token_ids:
                     fresh.accept(token)
                 assert torch.equal(r.grammar.next_bitmask(), fresh.next_bitmask()), r.output_token_ids
-    assert core.stats().spec_draft_tokens > drafted
+    stats = core.stats()
+    assert stats.spec_accepted_tokens > 0 and core.scheduler.num_preemptions > 0
     assert core.kv.num_used_blocks == 0
+    expected = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    assert [outputs[f"m{i}"] for i in range(len(prompts))] == expected
 
 
 def test_draft_model_constrained_identical(tiny: Path, base: LLM) -> None:
