@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import SampleRow
 
@@ -49,6 +51,10 @@ class ScheduledRequest:
     """Speculative tokens at the end of token_ids (stoker/engine/spec/): each
     position is sampled, and the runner keeps the drafts up to the first that
     the target model's own sample disagrees with, plus that sample."""
+    draft_bitmasks: list[torch.Tensor] = field(default_factory=list)
+    """For a grammar-constrained sequence with drafts: the mask of each position
+    after the first (the first's is sampling.token_bitmask), draft_bitmasks[j]
+    being the grammar's next-token mask once drafts 0 .. j are consumed."""
 
     @property
     def request_id(self) -> str:

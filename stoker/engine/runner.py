@@ -169,13 +169,22 @@ class ModelRunner:
 def verification_rows(s: ScheduledRequest) -> list[SampleRow]:
     """One sampling row per position of a decode with drafts: row j samples the
     token after draft j - 1, as if drafts 0 .. j - 1 had been generated (so
-    penalties and min_tokens see them)."""
+    penalties and min_tokens see them, and a grammar-constrained row gets the
+    grammar's mask at that point)."""
     first = s.sampling
     if first is None:
         raise ValueError("drafts on a sequence that does not sample")
     drafts = s.draft_token_ids
+    masks = s.draft_bitmasks
+    if first.token_bitmask is not None and len(masks) != len(drafts):
+        raise ValueError(f"a constrained sequence with {len(drafts)} drafts needs as many bitmasks, got {len(masks)}")
     return [first] + [
-        replace(first, output_token_ids=first.output_token_ids + drafts[:j]) for j in range(1, len(drafts) + 1)
+        replace(
+            first,
+            output_token_ids=first.output_token_ids + drafts[:j],
+            token_bitmask=masks[j - 1] if masks else None,
+        )
+        for j in range(1, len(drafts) + 1)
     ]
 
 

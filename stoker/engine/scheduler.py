@@ -17,6 +17,8 @@ import itertools
 import time
 from collections import deque
 
+import torch
+
 from stoker.engine.kv_cache import Block, KVCacheManager
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import EngineCoreOutput, FinishReason
@@ -109,14 +111,25 @@ class Scheduler:
         out.preempted.append(victim.key)
 
     def _scheduled(
-        self, request: Request, num_computed: int, num_new: int, drafts: list[int] | None = None
+        self,
+        request: Request,
+        num_computed: int,
+        num_new: int,
+        drafts: list[int] | None = None,
+        bitmasks: list[torch.Tensor] | None = None,
     ) -> ScheduledRequest:
-        """Snapshot what the runner needs; called once the request's blocks are allocated."""
+        """Snapshot what the runner needs; called once the request's blocks are
+        allocated. `bitmasks`: a constrained sequence's masks already computed
+        while checking its drafts (one per sampled position)."""
+        drafts = drafts or []
         end = num_computed + num_new
         sampling = None
+        draft_bitmasks: list[torch.Tensor] = []
         if end == request.num_tokens:
             bitmask = None
-            if request.grammar is not None:
+            if request.grammar is not None and bitmasks:
+                bitmask, draft_bitmasks = bitmasks[0], bitmasks[1 : 1 + len(drafts)]
+            elif request.grammar is not None:
                 started = time.perf_counter()
                 bitmask = request.grammar.next_bitmask()
                 self._step_mask_seconds += time.perf_counter() - started
@@ -134,34 +147,48 @@ class Scheduler:
             targets = request.prompt_token_ids[num_computed + 1 : min(end + 1, request.num_prompt_tokens)]
         return ScheduledRequest(
             key=request.key,
-            token_ids=request.token_ids[num_computed:end] + (drafts or []),
+            token_ids=request.token_ids[num_computed:end] + drafts,
             num_computed_tokens=num_computed,
             block_ids=self.kv.block_ids(request),
             sampling=sampling,
             num_prompt_logprobs=request.params.prompt_logprobs if targets else None,
             prompt_logprob_targets=targets,
-            num_draft_tokens=len(drafts or ()),
+            num_draft_tokens=len(drafts),
+            draft_bitmasks=draft_bitmasks,
         )
 
-    def _drafts(self) -> dict[RequestKey, list[int]]:
+    def _drafts(self) -> tuple[dict[RequestKey, list[int]], dict[RequestKey, list[torch.Tensor]]]:
         """Speculative tokens for this step's decoding sequences: never past a
         sequence's max_tokens (the last position of a step always yields one
-        token of the model's own) or the context; none for grammar-constrained
-        ones. Empty when the speculator is off or the step is too full for it."""
+        token of the model's own) or the context. A grammar-constrained
+        sequence's guesses are cut at the first one its grammar refuses, and
+        the second dict holds its mask for each position the step would
+        sample (SequenceGrammar.check_drafts). Empty when the speculator is
+        off or the step is too full for it."""
         if self.speculator is None:
-            return {}
+            return {}, {}
         decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         if not self.speculator.step_allows(len(decoding)):
-            return {}
+            return {}, {}
         wanted = []
         for r in decoding:
             limit = min(r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1)
             asked = r.params.num_speculative_tokens
             if asked is not None:
                 limit = min(limit, asked)
-            if limit > 0 and r.grammar is None:
+            if limit > 0:
                 wanted.append((r.key, r.token_ids, limit))
-        return self.speculator.drafts(wanted)
+        drafts = self.speculator.drafts(wanted)
+        masks: dict[RequestKey, list[torch.Tensor]] = {}
+        for key, guesses in drafts.items():
+            grammar = self.requests[key].grammar
+            if grammar is not None:
+                started = time.perf_counter()
+                checked = grammar.check_drafts(guesses, self.eos_token_ids)
+                self._step_mask_seconds += time.perf_counter() - started
+                drafts[key] = checked.token_ids
+                masks[key] = checked.bitmasks
+        return drafts, masks
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -170,7 +197,7 @@ class Scheduler:
         # Decodes before prefill chunks, so a long prompt never stalls token streams.
         self.running.sort(key=lambda r: (r.num_tokens - r.num_computed_tokens > 1, self.service_key(r)))
 
-        all_drafts = self._drafts()
+        all_drafts, all_masks = self._drafts()
         for request in list(self.running):
             if request not in self.running:
                 continue  # preempted earlier in this loop
@@ -178,9 +205,10 @@ class Scheduler:
             if num_new <= 0:
                 continue
             drafts = all_drafts.get(request.key, [])[: budget[0] - 1]
+            masks = all_masks.get(request.key)  # only for a decode: its first is this step's mask
             # Drafts only take free blocks: never preempt anyone for a guess.
             if drafts and num_new == 1 and self.kv.allocate(request, 1 + len(drafts)):
-                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, 1, drafts))
+                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, 1, drafts, masks))
                 budget[0] -= 1 + len(drafts)
                 continue
             while not self.kv.allocate(request, num_new):
@@ -189,7 +217,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new))
+                out.scheduled.append(self._scheduled(request, request.num_computed_tokens, num_new, bitmasks=masks))
                 budget[0] -= num_new
 
         if not out.preempted:

@@ -10,6 +10,11 @@ an LLMatcher:
 - Scheduler.update_from_output advances the matcher with each accepted token,
   and finishes the sequence (finish_reason "stop") when the grammar is done.
 
+With speculative decoding the guesses are walked through the matcher first
+(SequenceGrammar.check_drafts): cut at the first token the grammar refuses,
+one mask per position the step samples, then rolled back, so the accepted
+tokens still advance the matcher in that one place.
+
 Preemption recomputes KV but keeps the sequence's tokens, so the matcher's
 state stays exactly right; nothing has to be rolled back or replayed.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -116,6 +122,27 @@ def allowed_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmasks.shape[0], -1)[:, :vocab_size].bool()
 
 
+def allows(bitmask: torch.Tensor, token_id: int) -> bool:
+    """Whether one bitmask (int32 words) has token_id's bit set."""
+    if not 0 <= token_id < bitmask.shape[0] * _BITS:
+        return False
+    return bool((int(bitmask[token_id // _BITS]) >> (token_id % _BITS)) & 1)
+
+
+@dataclass(frozen=True)
+class CheckedDrafts:
+    """Speculative guesses the grammar allows, with the mask of every position
+    the step samples."""
+
+    token_ids: list[int]
+    """The longest prefix of the guesses the grammar accepts (never an
+    end-of-sequence token, never past the grammar's end)."""
+    bitmasks: list[torch.Tensor]
+    """len(token_ids) + 1 masks: bitmasks[j] is the next-token mask once
+    token_ids[:j] are consumed, so position j samples exactly as it would
+    decoding without speculation."""
+
+
 class SequenceGrammar:
     """One sequence's matcher: the next-token mask, and advancing by accepted tokens."""
 
@@ -131,6 +158,34 @@ class SequenceGrammar:
             # the sequence rather than sample from an all -inf row.
             mask[self.eos_token_id // _BITS] |= 1 << (self.eos_token_id % _BITS)
         return mask
+
+    def check_drafts(self, drafts: list[int], end_token_ids: frozenset[int]) -> CheckedDrafts:
+        """Walk speculative guesses through the matcher and roll it back: its
+        state afterwards is what it was, so accept() stays the one place it
+        advances. An end-of-sequence guess (eos_token_id, end_token_ids) is
+        never kept: the matcher counts such a token in its history only while
+        the grammar is not yet stopped, so rolling it back could not be exact,
+        and the target samples it at that position anyway."""
+        masks = [self.next_bitmask()]
+        if self.matcher.is_stopped():
+            return CheckedDrafts([], masks)
+        # validate_tokens changes nothing, where a refused consume_token would
+        # leave the matcher in its error state for good.
+        valid = self.matcher.validate_tokens(drafts)
+        kept: list[int] = []
+        for token in drafts[:valid]:
+            if token == self.eos_token_id or token in end_token_ids or not allows(masks[-1], token):
+                break
+            if not self.matcher.consume_token(token):
+                # Never expected (validated); the error stays and accept() reports it.
+                break
+            kept.append(token)
+            masks.append(self.next_bitmask())
+            if self.matcher.is_stopped():  # the grammar is complete: nothing may follow
+                break
+        if kept:
+            self.matcher.rollback(len(kept))  # a failure is an error state, which accept() reports
+        return CheckedDrafts(kept, masks)
 
     def accept(self, token_id: int) -> None:
         """Advance by a sampled token; afterwards check `done` and `error`."""
