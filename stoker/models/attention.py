@@ -253,12 +253,13 @@ class TorchSDPAAttention:
         """One chunk's causal attention, written into out [n, heads, head_dim] (contiguous)."""
         gqa = q.shape[1] != k_cache.shape[2]
         qs = q.transpose(0, 1).unsqueeze(0)
-        if chunk.causal_mask is None and not is_quantized(k_cache.dtype):
+        if chunk.causal_mask is None and k_cache.dtype == q.dtype:
             ks, vs = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
-            # A quantized cache is read back even for a whole prompt: attending to the
-            # fresh k/v instead would make a prompt's result depend on how it was chunked.
+            # A cache narrower than the activations (int8, fp8, or bf16 under float32) is
+            # read back even for a whole prompt: attending to the fresh k/v instead would
+            # make a prompt's result depend on how it was chunked or cached.
             ks = _gather(k_cache, chunk.block_ids, q.dtype)[:, : chunk.context_len].unsqueeze(0)
             vs = _gather(v_cache, chunk.block_ids, q.dtype)[:, : chunk.context_len].unsqueeze(0)
             if chunk.causal_mask is None:

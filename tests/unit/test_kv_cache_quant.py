@@ -145,6 +145,32 @@ def test_prefill_chunks_read_the_quantized_cache(head_dim: int, dtype: torch.dty
             )
 
 
+def test_a_whole_prompt_reads_a_bf16_cache_under_float32_activations() -> None:
+    """bf16 rows under float32 queries (the default cache of a quantized GGUF):
+    torch SDPA attends over the rounded rows it wrote, not the fresh k/v, so a
+    prompt prefilled whole matches the same prompt's later chunk over cached
+    context to float rounding."""
+    n, head_dim = 13, 16
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, t, head_dim, generator=g) for t in (H, KVH, KVH))
+    k_cache = torch.zeros(8, BS, KVH, head_dim, dtype=torch.bfloat16)
+    v_cache = torch.zeros_like(k_cache)
+    table = [5, 2, 7, 1]
+    write_kv(k_cache, v_cache, k, v, torch.tensor([table[p // BS] * BS + p % BS for p in range(n)]))
+    backend = TorchSDPAAttention()
+
+    def attend(start: int) -> torch.Tensor:
+        chunk = backend._with_mask(PrefillChunk(0, n - start, n, torch.tensor(table)))
+        meta = backend.build_metadata(AttentionInputs(torch.zeros(0, dtype=torch.long), [], [], [chunk], BS, 0))
+        out = paged_attention(q[start:], k[start:], v[start:], k_cache, v_cache, meta, head_dim**-0.5)
+        return out.view(n - start, H, head_dim)
+
+    whole, tail = attend(0), attend(6)
+    torch.testing.assert_close(whole[6:], tail, atol=1e-6, rtol=1e-6)
+    rounded = _naive(q, k.bfloat16().float(), v.bfloat16().float())
+    torch.testing.assert_close(whole, rounded, atol=1e-5, rtol=1e-5)
+
+
 def test_the_c_backend_is_chosen_for_a_quantized_cache() -> None:
     backend = attention.select_attention_backend(torch.device("cpu"), torch.int8, torch.float32, 64)
     expected = CPUPagedAttention if cpu_kernels.load_paged_attention() else TorchSDPAAttention
