@@ -148,8 +148,14 @@ class EngineConfig(BaseModel):
     server when set. Off (None): nothing is recorded."""
     kv_events_topic: str = ""
     """Topic frame of every KV event message (subscribers filter on it); vLLM's default is empty."""
+    kv_events_replay_endpoint: str | None = None
+    """ZeroMQ address (tcp://*:PORT) of a ROUTER socket where a subscriber that missed batches asks for them
+    again, as vLLM's replay_endpoint: it sends the first missing sequence number (8 bytes, big-endian) and gets
+    every batch still held from there as [sequence, payload], then [-1, empty]. Needs kv_events_endpoint."""
+    kv_events_buffer_steps: int = Field(10_000, ge=1, le=1_000_000)
+    """Latest KV event batches held for replay (vLLM's buffer_steps)."""
 
-    @field_validator("kv_events_endpoint")
+    @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _kv_events_endpoint(cls, value: str | None) -> str | None:
         from stoker.engine.kv_events import check_endpoint  # light: msgspec and zmq, no torch
@@ -163,6 +169,13 @@ class EngineConfig(BaseModel):
                 "kv_events_endpoint (--kv-events-endpoint) publishes the prefix cache's blocks; "
                 "it needs enable_prefix_caching"
             )
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError(
+                "kv_events_replay_endpoint (--kv-events-replay-endpoint) replays published KV event batches; "
+                "it needs kv_events_endpoint (--kv-events-endpoint)"
+            )
+        if self.kv_events_replay_endpoint and self.kv_events_replay_endpoint == self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint must differ from kv_events_endpoint")
         if self.speculative_method == "draft" and not self.speculative_model:
             raise ValueError(
                 "speculative_method draft needs a draft model: set speculative_model (--speculative-model)"

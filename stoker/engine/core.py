@@ -96,7 +96,12 @@ class EngineCore:
         # Bound before the weights load: an endpoint in use fails the start at once, in one line.
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events_endpoint and config.enable_prefix_caching:
-            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.kv_events_topic)
+            self.kv_events = KVEventPublisher(
+                config.kv_events_endpoint,
+                config.kv_events_topic,
+                config.kv_events_replay_endpoint,
+                config.kv_events_buffer_steps,
+            )
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)

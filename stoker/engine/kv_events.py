@@ -20,6 +20,14 @@ hashes serve, sent as their first 8 bytes as an unsigned integer (vLLM's
 default form). Block size must agree: --kv-event-block-size on the router,
 --block-size here.
 
+Replay (vLLM's replay_endpoint): a subscriber that sees a gap in the
+sequence numbers asks a ROUTER socket (--kv-events-replay-endpoint) for the
+batches from the first one it missed: it sends that number as 8 bytes,
+big-endian, and gets back each batch still held from there on as
+[sequence, payload], then [-1 (signed), empty payload] to end. The latest
+--kv-events-buffer-steps batches are held, dropped ones included (a replay
+is how a slow subscriber gets them after all).
+
 Cost: nothing when --kv-events-endpoint is unset (the block pool holds None
 and checks it where a key is set or dropped). When set: a few list appends
 per cached block, one encode and one non-blocking send per engine step that
@@ -31,7 +39,9 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -137,16 +147,25 @@ class KVEventLog:
 
 
 class KVEventPublisher:
-    """A publishing socket bound at endpoint; one message per publish(), never blocking."""
+    """A publishing socket bound at endpoint; one message per publish(), never
+    blocking. With replay_endpoint, the latest buffer_steps batches are held and
+    a thread answers replay requests there."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(
+        self, endpoint: str, topic: str = "", replay_endpoint: str | None = None, buffer_steps: int = 10_000
+    ) -> None:
         self.endpoint = endpoint
         self.topic = topic.encode()
         self.seq = 0
         self.num_published = 0
         self.num_dropped = 0
+        self.num_replays = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context(io_threads=1)
+        self._history: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self._history_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._replay_thread: threading.Thread | None = None
         # XPUB rather than PUB: a PUB socket drops silently at its high-water mark,
         # XPUB with NODROP answers EAGAIN instead, so a dropped batch can be counted.
         # Subscribers (SUB sockets) cannot tell the difference.
@@ -154,18 +173,35 @@ class KVEventPublisher:
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.XPUB_NODROP, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._bind(self._socket, endpoint, "--kv-events-endpoint")
+        if replay_endpoint:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            self._bind(replay, replay_endpoint, "--kv-events-replay-endpoint")
+            # The thread owns the ROUTER socket from here on (ZeroMQ sockets are not thread-safe).
+            self._replay_thread = threading.Thread(
+                target=self._serve_replays, args=(replay,), name="kv-events-replay", daemon=True
+            )
+            self._replay_thread.start()
+            log.info("replaying up to %d KV event batches on %s", buffer_steps, replay_endpoint)
+        log.info("publishing KV cache events on %s (topic %r)", endpoint, topic)
+
+    def _bind(self, socket: zmq.Socket[bytes], endpoint: str, flag: str) -> None:
         try:
-            self._socket.bind(endpoint)
+            socket.bind(endpoint)
         except zmq.ZMQError as exc:
+            socket.close(linger=0)
             self.close()
             # ValueError: the engine process reports it as the one line it fails with.
-            raise ValueError(f"--kv-events-endpoint {endpoint}: cannot bind: {exc}") from None
-        log.info("publishing KV cache events on %s (topic %r)", endpoint, topic)
+            raise ValueError(f"{flag} {endpoint}: cannot bind: {exc}") from None
 
     def publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> bool:
         """Send one batch; False (and counted) if ZeroMQ would have had to block."""
         self._drain_subscriptions()
         payload = self._encoder.encode(KVEventBatch(time.time(), events))
+        if self._replay_thread is not None:
+            with self._history_lock:
+                self._history.append((self.seq, payload))
         try:
             self._socket.send_multipart([self.topic, self.seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
         except zmq.Again:
@@ -187,6 +223,38 @@ class KVEventPublisher:
             except zmq.Again:
                 return
 
+    def held_since(self, start: int) -> list[tuple[int, bytes]]:
+        """The held batches numbered start or later, oldest first."""
+        with self._history_lock:
+            return [(seq, payload) for seq, payload in self._history if seq >= start]
+
+    def _serve_replays(self, socket: zmq.Socket[bytes]) -> None:
+        try:
+            while not self._stop.is_set():
+                if not socket.poll(100):
+                    continue
+                frames = socket.recv_multipart()
+                # [identity, start] from a DEALER; [identity, b"", start] from a REQ socket,
+                # whose replies must carry the same empty delimiter.
+                envelope, start = frames[:-1], frames[-1]
+                end = [*envelope, (-1).to_bytes(8, "big", signed=True), b""]
+                if len(envelope) not in (1, 2) or len(start) != 8:
+                    log.warning("KV event replay: a request that is not one 8-byte sequence number, ignored")
+                    socket.send_multipart(end)
+                    continue
+                self.num_replays += 1
+                for seq, payload in self.held_since(int.from_bytes(start, "big")):
+                    socket.send_multipart([*envelope, seq.to_bytes(8, "big"), payload])
+                socket.send_multipart(end)
+        except zmq.ZMQError as exc:
+            if not self._stop.is_set():
+                log.error("KV event replay stopped: %s", exc)
+        finally:
+            socket.close(linger=0)
+
     def close(self) -> None:
+        self._stop.set()
+        if self._replay_thread is not None:
+            self._replay_thread.join(timeout=5)
         self._socket.close(linger=0)
         self._ctx.term()

@@ -207,6 +207,58 @@ def test_a_full_queue_drops_and_counts_instead_of_blocking(monkeypatch: pytest.M
         pub.close()
 
 
+@pytest.mark.parametrize("client_type", [zmq.REQ, zmq.DEALER], ids=["req", "dealer"])
+def test_replay_sends_the_held_batches_from_the_asked_number(client_type: int) -> None:
+    """vLLM's replay protocol: 8-byte start, then [seq, payload] per held batch, then [-1, b""].
+    Only the latest buffer_steps are held; an ill-formed request gets the end marker alone."""
+    port, replay_port = free_port(), free_port()
+    pub = KVEventPublisher(f"tcp://127.0.0.1:{port}", TOPIC, f"tcp://127.0.0.1:{replay_port}", buffer_steps=3)
+    client = pub._ctx.socket(client_type)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"tcp://127.0.0.1:{replay_port}")
+    decoder = msgspec.msgpack.Decoder()
+
+    def replay(request: bytes) -> list[tuple[int, Any]]:
+        client.send_multipart([b"", request] if client_type == zmq.DEALER else [request])
+        got = []
+        while True:
+            assert client.poll(5000), "no reply from the replay socket"
+            frames = client.recv_multipart()
+            seq, payload = frames[-2:]
+            if not payload:
+                assert int.from_bytes(seq, "big", signed=True) == -1
+                return got
+            got.append((int.from_bytes(seq, "big"), decoder.decode(payload)))
+            if client_type == zmq.REQ:  # a REQ socket takes one reply per request
+                return got
+
+    try:
+        for i in range(5):
+            pub.publish([kv_events.BlockRemoved([i])])
+        if client_type == zmq.DEALER:
+            got = replay((3).to_bytes(8, "big"))
+            assert [seq for seq, _ in got] == [3, 4]
+            assert got[0][1][1][0]["block_hashes"] == [3]
+            assert [seq for seq, _ in replay((0).to_bytes(8, "big"))] == [2, 3, 4]  # only 3 held
+            assert replay((9).to_bytes(8, "big")) == []
+            assert replay(b"junk") == []
+        else:
+            assert [seq for seq, _ in replay((4).to_bytes(8, "big"))] == [4]
+        assert pub.num_replays >= 1
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_replay_needs_the_publisher_and_its_own_address() -> None:
+    with pytest.raises(ValidationError, match="needs kv_events_endpoint"):
+        EngineConfig.model_validate({"kv_events_replay_endpoint": "tcp://*:5558"})
+    with pytest.raises(ValidationError, match="must differ"):
+        EngineConfig.model_validate({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5557"})
+    with pytest.raises(ValidationError, match="ZeroMQ address"):
+        EngineConfig.model_validate({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "5558"})
+
+
 def test_disabled_records_nothing(tiny: Path) -> None:
     config = EngineConfig.model_validate(
         {"model": str(tiny), "dtype": "float32", "num_kv_blocks": 12, "block_size": BS, "speculative_method": "none"}
