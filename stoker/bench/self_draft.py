@@ -69,6 +69,12 @@ class DraftFigures:
     step_ms: float
     """A one-row decode step of the draft."""
     cost_ratio: float
+    bytes_ratio: float
+    """Weight bytes of the draft over the target's: what a step costs where it only
+    reads weights (the memory-bound limit; fixed per-step costs make it higher)."""
+    speedup_bytes: float
+    """Best over k, predicted with the draft's step at bytes_ratio of the target's:
+    an optimistic bound that timing noise cannot move much."""
     """step_ms / the target's one-row step."""
     best_k: int
     speedup: float
@@ -185,6 +191,12 @@ def agreement_needed(goal: float, draft_step: float, verify: list[float], max_k:
     return best
 
 
+def weight_bytes(path: Path) -> int:
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
+
+
 def own_sequences(target: _Forward, target_path: str, num_tokens: int) -> list[tuple[list[int], int]]:
     """(prompt + the target's greedy answer, prompt length) for grounded copy prompts and plain questions."""
     from stoker.bench.workload import LengthDist, grounded
@@ -247,6 +259,7 @@ def measure(args: argparse.Namespace) -> list[DraftFigures]:
         timed = [functools.partial(target_rows, r) for r in range(1, args.max_k + 2)]
         *verify, step = interleaved_best([*timed, functools.partial(draft_row, 1)], args.repeats)
         a = statistics.fmean(agree_own)
+        bytes_ratio = weight_bytes(path) / weight_bytes(Path(target_path))
         per_k = [tokens_per_verify(runs, k) for k in range(1, args.max_k + 1)]
         rates = [speedup(per_k[k - 1], k, step, verify) for k in range(1, args.max_k + 1)]
         best = max(range(1, args.max_k + 1), key=lambda k: rates[k - 1])
@@ -259,6 +272,10 @@ def measure(args: argparse.Namespace) -> list[DraftFigures]:
                 agreement_text=statistics.fmean(agree_text),
                 step_ms=step * 1000,
                 cost_ratio=step / verify[0],
+                bytes_ratio=bytes_ratio,
+                speedup_bytes=max(
+                    speedup(per_k[k - 1], k, bytes_ratio * verify[0], verify) for k in range(1, args.max_k + 1)
+                ),
                 best_k=best,
                 speedup=rates[best - 1],
                 speedup_iid=speedup(iid_tokens_per_verify(a, best), best, step, verify),
@@ -273,17 +290,18 @@ def measure(args: argparse.Namespace) -> list[DraftFigures]:
 
 def render(figures: list[DraftFigures]) -> str:
     lines = [
-        "| draft | layers | agreement (own answers) | agreement (text) | step ms | target ms | cost ratio | best k "
-        "| tokens/verify at best k | predicted speedup | i.i.d. formula | agreement needed for the goal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| draft | layers | agreement (own answers) | agreement (text) | step ms | target ms | cost ratio | bytes ratio "
+        "| best k | tokens/verify at best k | predicted speedup | i.i.d. formula | at bytes ratio "
+        "| agreement needed for the goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for f in figures:
         needed = "unreachable" if f.agreement_for_goal is None else f"{f.agreement_for_goal:.2f}"
         lines.append(
             f"| {f.spec} | {f.layers} | {f.agreement_own:.3f} | {f.agreement_text:.3f} | {f.step_ms:.2f} "
             f"| {f.target_step_ms[0]:.2f} "
-            f"| {f.cost_ratio:.2f} | {f.best_k} | {f.tokens_per_verify[f.best_k - 1]:.2f} | {f.speedup:.2f}x "
-            f"| {f.speedup_iid:.2f}x | {needed} |"
+            f"| {f.cost_ratio:.2f} | {f.bytes_ratio:.2f} | {f.best_k} | {f.tokens_per_verify[f.best_k - 1]:.2f} "
+            f"| {f.speedup:.2f}x | {f.speedup_iid:.2f}x | {f.speedup_bytes:.2f}x | {needed} |"
         )
     return "\n".join(lines)
 
