@@ -231,6 +231,7 @@ def measure(args: argparse.Namespace) -> list[DraftFigures]:
 
     target_path = args.model or default_model_path()
     _, num_layers = block_count(GGUFReader(target_path))
+    candidates = [(spec, parse_layers(spec, num_layers)) for spec in args.drafts.split(",")]  # bad specs fail first
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="stoker-self-draft-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     capacity = max(args.window, 2048)
@@ -244,8 +245,7 @@ def measure(args: argparse.Namespace) -> list[DraftFigures]:
     target_rows = target.decode_at(context)
 
     figures = []
-    for spec in args.drafts.split(","):
-        layers = parse_layers(spec, num_layers)
+    for spec, layers in candidates:
         path = write_layer_subset(target_path, out_dir / f"self-draft-{spec.replace(':', '')}.gguf", layers)
         draft = _Forward(load(str(path)), capacity)
         runs: list[int] = []
