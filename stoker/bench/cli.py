@@ -18,8 +18,8 @@ from stoker.bench.workload import LengthDist, Tokenizer
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality}")
-    from stoker.bench import kernels, offline, quality
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft}")
+    from stoker.bench import kernels, offline, quality, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
         ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
@@ -35,6 +35,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "perplexity over a text through servers' echo+logprobs, side by side",
             quality.add_arguments,
             quality.run_cli,
+        ),
+        (
+            "self-draft",
+            "would a layer subset of the model pay as its own speculative draft? (agreement, cost, speedup)",
+            self_draft.add_arguments,
+            self_draft.run,
         ),
     ]
     for name, help_text, add_arguments, run in commands:
