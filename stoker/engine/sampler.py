@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from stoker.engine.params import SamplingParams, TokenLogprob
-from stoker.engine.structured import allowed_tokens
+from stoker.engine.structured import banned_tokens
 
 # Temperatures below this are treated as greedy: dividing by them overflows.
 _MIN_TEMPERATURE = 1e-5
@@ -209,11 +209,14 @@ def _apply_grammar(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> 
     """Tokens outside each constrained row's bitmask to -inf (only those rows)."""
     masks = torch.stack([m for i in which if (m := rows[i].token_bitmask) is not None])
     vocab = x.shape[1]
-    allowed = allowed_tokens(masks.to(x.device), min(vocab, masks.shape[1] * 32))
-    if allowed.shape[1] < vocab:  # logits wider than the grammar's vocabulary
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    banned = banned_tokens(masks.cpu(), min(vocab, masks.shape[1] * 32)).to(x.device)
+    if banned.shape[1] < vocab:  # logits wider than the grammar's vocabulary
+        banned = torch.nn.functional.pad(banned, (0, vocab - banned.shape[1]), value=True)
+    if len(which) == x.shape[0]:  # every row constrained: in place, no gather and scatter
+        x.masked_fill_(banned, -math.inf)
+        return
     idx = _index(which, x)
-    x[idx] = x[idx].masked_fill_(~allowed, -math.inf)
+    x[idx] = x[idx].masked_fill_(banned, -math.inf)
 
 
 def _apply_suppression(x: torch.Tensor, suppress: list[list[int]]) -> None:

@@ -17,7 +17,7 @@ from stoker import LLM, SamplingParams
 from stoker.engine.grammars import choice_grammar, json_schema_grammar, regex_grammar, text_grammar
 from stoker.engine.params import FinishReason
 from stoker.engine.sampler import Sampler, SampleRow
-from stoker.engine.structured import allowed_tokens, bitmask_words
+from stoker.engine.structured import allowed_tokens, banned_tokens, bitmask_words
 
 # Bounded schemas: a random model never chooses to close a free string, so
 # free-length strings and numbers would run to max_tokens.
@@ -175,3 +175,14 @@ def test_sampler_masks_only_constrained_rows() -> None:
     out = Sampler()(logits, rows)[1]
     assert out.token_id in (3, 64) and out.logprob is not None
     assert {t for t, _ in out.logprob.top} == {3, 64}
+    # Every row constrained (the in-place path), with logits wider than the mask's vocabulary.
+    wide = torch.randn(2, vocab + 40)
+    wide[:, vocab + 5] = 99.0  # past the grammar's vocabulary: never allowed
+    both = [SampleRow(SamplingParams(temperature=0.0), [1], [], None, [2], mask) for _ in range(2)]
+    assert [s.token_id for s in Sampler()(wide, both)] == [int(wide[i, [3, 64]].argmax()) * 61 + 3 for i in range(2)]
+
+
+@pytest.mark.parametrize("vocab", [33, 100, 49150, 49152])
+def test_banned_tokens_are_exactly_the_unset_bits(vocab: int) -> None:
+    masks = torch.randint(-(2**31), 2**31 - 1, (5, bitmask_words(vocab)), dtype=torch.int32)
+    assert torch.equal(banned_tokens(masks, vocab), ~allowed_tokens(masks, vocab))
