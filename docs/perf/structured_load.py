@@ -2,9 +2,9 @@
 
 python docs/perf/structured_load.py http://127.0.0.1:8000 [rounds] [--equal-length]
 
---equal-length: every request, constrained or not, generates exactly MAXT tokens
+--equal-length: every request, constrained or not, generates exactly 256 tokens
 (unconstrained ones ignore eos; constrained ones follow a schema of at least 40
-items, each an object with a string and an integer, which no reply closes in MAXT
+items, each an object with a string and an integer, which no reply closes in 256
 tokens), so both halves run the same number of steps at the same concurrency and
 the throughput ratio is the grammar's cost alone.
 """
@@ -23,7 +23,8 @@ from structured_schemas import SCHEMAS
 EQUAL = "--equal-length" in sys.argv
 ARGS = [a for a in sys.argv[1:] if a != "--equal-length"]
 URL = ARGS[0]
-C, ROUNDS, MAXT = 16, int(ARGS[1]) if len(ARGS) > 1 else 2, 64
+C, ROUNDS = 16, int(ARGS[1]) if len(ARGS) > 1 else 2
+MAXT = 256 if EQUAL else 64
 LONG_SCHEMA = {
     "type": "object",
     "properties": {

