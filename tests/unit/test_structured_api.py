@@ -125,6 +125,53 @@ def test_size_and_time_limits(tokenizer) -> None:
         _check(slow, big)
 
 
+def test_a_slow_compile_stalls_neither_the_event_loop_nor_other_requests(tokenizer) -> None:
+    """A big schema compiles in a worker thread (llguidance drops the GIL): while
+    it runs, the event loop keeps ticking and a small schema's check finishes
+    first; past the timeout the big one is a 400 and the small one still passes."""
+    big = json_schema_grammar(
+        {
+            "type": "object",
+            "properties": {
+                f"p{i}": {
+                    "type": "object",
+                    "properties": {"a": {"type": "string", "pattern": "[a-z]{3,9}@x"}, "b": {"enum": list("xyz")}},
+                }
+                for i in range(800)
+            },
+            "required": [f"p{i}" for i in range(800)],
+        }
+    )
+    small = json_schema_grammar({"type": "object", "properties": {"n": {"type": "integer"}}})
+
+    async def scenario(timeout_s: float) -> tuple[list[str], int]:
+        checker = GrammarChecker(tokenizer, max_bytes=1 << 20, timeout_s=timeout_s)
+        await checker.check(Constraint(json_schema_grammar({"type": "string"}), "guided_json"))  # wraps the tokenizer
+        finished: list[str] = []
+        ticks = 0
+
+        async def check(name: str, grammar: str) -> None:
+            try:
+                await checker.check(Constraint(grammar, "guided_json"))
+                finished.append(name)
+            except APIError as exc:
+                finished.append(f"{name}: {exc.status} {exc.message}")
+
+        slow = asyncio.create_task(check("big", big))
+        await asyncio.sleep(0)  # the big compile starts first
+        fast = asyncio.create_task(check("small", small))
+        while not slow.done():
+            ticks += 1
+            await asyncio.sleep(0.001)
+        await fast
+        return finished, ticks
+
+    finished, ticks = asyncio.run(scenario(30.0))
+    assert finished == ["small", "big"] and ticks >= 3, (finished, ticks)
+    finished, _ = asyncio.run(scenario(0.05))  # the big one compiles in ~0.1 s, the small in ~1 ms
+    assert "small" in finished and any(f.startswith("big: 400") and "longer than" in f for f in finished), finished
+
+
 def _plan(tokenizer, **body):
     request = ChatCompletionRequest.model_validate({"messages": CHAT, **body})
     return plan_tools(request, None, tokenizer)
