@@ -859,7 +859,20 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
                 write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
             }
         }
-        if (i < m) {
+        if (m == 1) {
+            /* One row (a single stream's decode): the 2 x 4 tile with the row twice, its
+             * copy discarded. Same arithmetic per output as 1 x 8 (see the top), but four
+             * weight rows stream at a time instead of eight, which the loads keep up
+             * with: 4-5% faster per decode step on Zen 4, where the doubled dots are
+             * free because the step waits on memory. */
+            const size_t rows[2] = {0, 0};
+            for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
+                const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
+                float res[8];
+                fns[1](wr + 4 * half, xq, rows, res);
+                write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
+            }
+        } else if (i < m) {
             const size_t rows[1] = {(size_t)i};
             float res[8];
             fns[0](wr, xq, rows, res);
