@@ -30,7 +30,7 @@ from stoker.engine.outputs import ScheduledRequest
 from stoker.engine.params import EngineCoreRequest, FinishReason
 from stoker.engine.runner import verification_rows
 from stoker.engine.sampler import SampleRow
-from stoker.engine.structured import GrammarCompiler, SequenceGrammar, allowed_tokens, bitmask_words
+from stoker.engine.structured import GrammarCompiler, SequenceGrammar, banned_tokens, bitmask_words
 
 ANIMALS = {
     "type": "array",
@@ -152,7 +152,7 @@ def test_check_drafts_never_guesses_past_the_grammars_end_or_an_eos(base: LLM) -
     green = tok.encode("green")
     checked = choice.check_drafts(green + green + [eos], frozenset({eos}))
     assert checked.token_ids == green  # the grammar is complete after it: nothing may follow
-    ends = allowed_tokens(checked.bitmasks[-1].unsqueeze(0), base.engine.model_config.vocab_size)[0]
+    ends = ~banned_tokens(checked.bitmasks[-1].unsqueeze(0), base.engine.model_config.vocab_size)[0]
     assert ends.nonzero().flatten().tolist() == [eos]
     assert not choice.done  # rolled back
     # An accepting grammar that could go on: an eos guess is still cut (the target samples it itself).

@@ -26,7 +26,7 @@ from tiny_models import make_tiny_hf_model
 from stoker import LLM, SamplingParams
 from stoker.config import default_model_path
 from stoker.engine.params import CompletionOutput, FinishReason
-from stoker.engine.structured import allowed_tokens, next_token_bitmask
+from stoker.engine.structured import banned_tokens, next_token_bitmask
 from stoker.models.loader import load_tokenizer
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.protocol import ChatCompletionRequest
@@ -202,7 +202,7 @@ def test_text_without_a_tag_is_free(llm: LLM, tokenizer: Tokenizer) -> None:
         matcher = compiler.matcher(grammar)
         text = b""
         for token in o.token_ids:
-            allowed = allowed_tokens(next_token_bitmask(matcher, vocab).unsqueeze(0), vocab)[0]
+            allowed = ~banned_tokens(next_token_bitmask(matcher, vocab).unsqueeze(0), vocab)[0]
             assert all(allowed[i] for i in eos)
             for i in (~allowed).nonzero().flatten().tolist():
                 masked += 1
