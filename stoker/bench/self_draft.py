@@ -69,13 +69,13 @@ class DraftFigures:
     step_ms: float
     """A one-row decode step of the draft."""
     cost_ratio: float
+    """step_ms / the target's one-row step."""
     bytes_ratio: float
     """Weight bytes of the draft over the target's: what a step costs where it only
     reads weights (the memory-bound limit; fixed per-step costs make it higher)."""
     speedup_bytes: float
     """Best over k, predicted with the draft's step at bytes_ratio of the target's:
     an optimistic bound that timing noise cannot move much."""
-    """step_ms / the target's one-row step."""
     best_k: int
     speedup: float
     """Predicted at best_k, from the measured runs of agreement."""
@@ -143,15 +143,10 @@ def interleaved_best(runs: list[Callable[[], object]], repeats: int) -> list[flo
 
 
 def load(path: str) -> DecoderModel:
-    """The model at `path` as the engine builds it (weights in their GGUF blocks, float32 activations)."""
-    from stoker.engine.core import resolve_dtype
-    from stoker.models.loader import load_model, weights_stay_quantized
-    from stoker.models.registry import build_model
+    """The model at `path` as the engine's draft path builds it (weights in their GGUF blocks, float32 activations)."""
+    from stoker.engine.spec.draft import load_draft_model
 
-    device = torch.device("cpu")
-    dtype = resolve_dtype("auto", device, weights_stay_quantized(path, "cpu", "auto"))
-    loaded = load_model(path, dtype, "cpu", "auto")
-    return build_model(loaded.config, loaded.weights, dtype, device, loaded.config.max_position_embeddings)
+    return load_draft_model(path, "auto", torch.device("cpu"))
 
 
 def agreement_runs(draft: list[int], target: list[int]) -> list[int]:

@@ -44,6 +44,18 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def load_draft_model(path: str, quantization: str, device: torch.device) -> DecoderModel:
+    """The model at `path` built as a draft is: its own dtype for `auto` (float32
+    where its weights stay quantized on the CPU), the given quantization."""
+    from stoker.engine.core import resolve_dtype
+    from stoker.models.loader import load_model, weights_stay_quantized
+    from stoker.models.registry import build_model
+
+    dtype = resolve_dtype("auto", device, weights_stay_quantized(path, str(device), quantization))
+    loaded = load_model(path, dtype, str(device), quantization)
+    return build_model(loaded.config, loaded.weights, dtype, device, loaded.config.max_position_embeddings)
+
+
 class DraftProposer:
     def __init__(self, model: DecoderModel, num_blocks: int, block_size: int, kv_dtype: torch.dtype) -> None:
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
@@ -64,19 +76,13 @@ class DraftProposer:
         """The draft model at `path`, with a KV cache of capacity_tokens. Refuses a
         model whose vocabulary differs from the served one's (ValueError naming
         --speculative-model and both sizes): its token ids would mean other text."""
-        from stoker.engine.core import resolve_dtype
-        from stoker.models.loader import load_model, weights_stay_quantized
-        from stoker.models.registry import build_model
-
-        dtype = resolve_dtype("auto", device, weights_stay_quantized(path, str(device), quantization))
-        loaded = load_model(path, dtype, str(device), quantization)
-        if loaded.config.vocab_size != vocab_size:
+        model = load_draft_model(path, quantization, device)
+        if model.config.vocab_size != vocab_size:
             raise ValueError(
-                f"--speculative-model {path}: its vocabulary has {loaded.config.vocab_size} tokens, the served "
+                f"--speculative-model {path}: its vocabulary has {model.config.vocab_size} tokens, the served "
                 f"model's {vocab_size}; a draft model must share the served model's tokenizer"
             )
-        model = build_model(loaded.config, loaded.weights, dtype, device, loaded.config.max_position_embeddings)
-        return cls(model, -(-capacity_tokens // block_size) + 1, block_size, dtype)
+        return cls(model, -(-capacity_tokens // block_size) + 1, block_size, model.dtype)
 
     def _sequence(self, key: RequestKey) -> _DraftSequence:
         seq = self._sequences.get(key)
