@@ -836,9 +836,28 @@ static const exact_fn *exact_tiles_for(int type) {
     }
 }
 
+/* Rows rows[0] and rows[1] of x by the 8 weight rows wr (output columns j0 ..),
+ * as two 2 x 4 tiles; only the first `outputs` of the two rows are written. */
+static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t *xq, const size_t rows[2],
+                       int outputs, int j0, int n, void *y, long y_stride, int y_bf16, const float *bias,
+                       int accumulate) {
+    for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
+        const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
+        float res[8];
+        fns[1](wr + 4 * half, xq, rows, res);
+        write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
+        if (outputs == 2) write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
+    }
+}
+
 /* Thread t of nt's share for m < GEMM_MIN_ROWS rows: groups of 8 weight rows,
  * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
- * last group's missing weight rows repeat its last one and are not written. */
+ * last group's missing weight rows repeat its last one and are not written.
+ * One row alone (a single stream's decode) takes the 2 x 4 tile with itself
+ * twice, its copy discarded: the same arithmetic per output as 1 x 8 (see the
+ * top), but four weight rows stream at a time instead of eight, which the loads
+ * keep up with: 4-5% faster per decode step on Zen 4, where the doubled dots
+ * are free because the step waits on memory. */
 static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
     const exact_fn *fns = exact_tiles_for(type);
@@ -851,27 +870,11 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
         int i = 0;
         for (; i + 2 <= m; i += 2) {
             const size_t rows[2] = {(size_t)i, (size_t)i + 1};
-            for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
-                const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
-                float res[8];
-                fns[1](wr + 4 * half, xq, rows, res);
-                write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
-                write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
-            }
+            pair_tiles(fns, wr, xq, rows, 2, j0, n, y, y_stride, y_bf16, bias, accumulate);
         }
         if (m == 1) {
-            /* One row (a single stream's decode): the 2 x 4 tile with the row twice, its
-             * copy discarded. Same arithmetic per output as 1 x 8 (see the top), but four
-             * weight rows stream at a time instead of eight, which the loads keep up
-             * with: 4-5% faster per decode step on Zen 4, where the doubled dots are
-             * free because the step waits on memory. */
             const size_t rows[2] = {0, 0};
-            for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
-                const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
-                float res[8];
-                fns[1](wr + 4 * half, xq, rows, res);
-                write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
-            }
+            pair_tiles(fns, wr, xq, rows, 1, j0, n, y, y_stride, y_bf16, bias, accumulate);
         } else if (i < m) {
             const size_t rows[1] = {(size_t)i};
             float res[8];
