@@ -19,6 +19,7 @@ import torch
 
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer
+from stoker.engine.grammar_compiler import GrammarCompiler, GrammarError
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
@@ -38,7 +39,7 @@ from stoker.engine.spec.draft import DraftProposer
 from stoker.engine.spec.ngram import NgramProposer
 from stoker.engine.spec.policy import SpeculationPolicy, row_costs
 from stoker.engine.spec.speculator import Speculator
-from stoker.engine.structured import GrammarCompiler, GrammarError, SequenceGrammar
+from stoker.engine.structured import SequenceGrammar
 from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.loader import load_model, weights_stay_quantized
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa

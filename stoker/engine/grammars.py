@@ -15,7 +15,7 @@ from typing import Any
 import llguidance
 from llguidance.gbnf_to_lark import gbnf_to_lark
 
-from stoker.engine.structured import GrammarError
+from stoker.engine.grammar_compiler import GrammarError
 
 JSON_OBJECT_SCHEMA: dict[str, Any] = {"type": "object"}
 """OpenAI's {"type": "json_object"}: any JSON object."""

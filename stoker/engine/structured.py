@@ -18,100 +18,36 @@ tokens still advance the matcher in that one place.
 Preemption recomputes KV but keeps the sequence's tokens, so the matcher's
 state stays exactly right; nothing has to be rolled back or replayed.
 
-Compiling a grammar (building the matcher's lexer and parser tables) is cached
-by grammar string, least recently used first out; each sequence gets a
-deep copy of the compiled matcher. llguidance bounds compile and per-token
-work by "fuel" limits, so a pathological schema fails fast with an error
-instead of stalling the step.
+Compiling grammars (and their cache) is stoker/engine/grammar_compiler.py;
+each sequence gets a deep copy of the compiled matcher.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import llguidance
-import llguidance.hf
-import llguidance.torch
+
+# llguidance.numpy, not llguidance.torch: importing the latter runs a
+# torch.compile decorator, which imports dynamo and inductor (~1 s of every
+# engine start) for a kernel stoker does not use.
+import llguidance.numpy
 import numpy as np
 import torch
 
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
-
 _BITS = 32
-
-
-class GrammarError(ValueError):
-    """The grammar does not compile (bad schema, regex or grammar syntax, or a
-    resource limit); the message names the problem."""
-
-
-def parser_limits() -> llguidance.LLParserLimits:
-    """llguidance's default limits (about 20 ms of lexer work to build, about
-    15 ms per token at worst) -- the same in the front end, which validates,
-    and in the engine, which runs."""
-    return llguidance.LLParserLimits()
 
 
 def bitmask_words(vocab_size: int) -> int:
     return -(-vocab_size // _BITS)
 
 
-class GrammarCompiler:
-    """Compiles grammars for one tokenizer, with an LRU cache of compiled matchers."""
-
-    def __init__(
-        self,
-        hf_tokenizer: PreTrainedTokenizerFast,
-        vocab_size: int,
-        eos_token_ids: list[int] | None,
-        cache_size: int = 256,
-    ) -> None:
-        self.vocab_size = vocab_size
-        """The logits' width: masks cover every id below it."""
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token_ids)
-        self.cache_size = cache_size
-        self._cache: OrderedDict[str, llguidance.LLMatcher] = OrderedDict()
-        self._lock = threading.Lock()  # the front end compiles from worker threads
-        self.num_compiled = 0
-        self.compile_seconds: deque[float] = deque(maxlen=256)
-        """Durations of the latest compiles (num_compiled counts them all)."""
-
-    def compile(self, grammar: str) -> llguidance.LLMatcher:
-        """A compiled matcher in its initial state (the cached one: copy before use).
-        Raises GrammarError naming the problem."""
-        with self._lock:
-            cached = self._cache.get(grammar)
-            if cached is not None:
-                self._cache.move_to_end(grammar)
-                return cached
-        started = time.perf_counter()
-        matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
-        with self._lock:
-            self.compile_seconds.append(time.perf_counter() - started)
-            self.num_compiled += 1
-            if matcher.is_error():
-                raise GrammarError(matcher.get_error())
-            self._cache[grammar] = matcher
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
-        return matcher
-
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        """A fresh matcher for one sequence."""
-        return self.compile(grammar).deep_copy()
-
-
 def next_token_bitmask(matcher: llguidance.LLMatcher, vocab_size: int) -> torch.Tensor:
     """The tokens the grammar allows next, as int32 words (bit i of word w:
     token 32w + i). Called only for a sequence that samples this step."""
-    mask = torch.zeros(bitmask_words(vocab_size), dtype=torch.int32)
-    llguidance.torch.fill_next_token_bitmask(matcher, mask.unsqueeze(0), 0)
-    return mask
+    mask = np.zeros((1, bitmask_words(vocab_size)), dtype=np.int32)
+    llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+    return torch.from_numpy(mask[0])
 
 
 def banned_tokens(bitmasks: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import struct
 import tempfile
 from collections.abc import Callable
-from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -37,42 +34,15 @@ if TYPE_CHECKING:
 from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
+from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
 from stoker.models.registry import gguf_architecture
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.models")
 
-# Bump when the cached layout or its derivation changes, so stale entries are ignored.
-_CACHE_VERSION = "1"
 # Dequantized weights are cached only up to this size: a 7B model in float32 would cost 28 GB of disk.
 _WEIGHT_CACHE_MAX_BYTES = 4 << 30
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("STOKER_CACHE_DIR") or Path.home() / ".cache" / "stoker")
-
-
-def _gguf_cache_dir(path: str) -> Path:
-    """Identity of a GGUF: path, size, mtime and its first MiB (header + vocabulary).
-
-    Hashing whole multi-GB files would cost more than the cache saves; the
-    conversion code's versions are part of the key because they shape the output.
-    """
-    st = os.stat(path)
-    h = hashlib.sha256()
-    ident = [
-        _CACHE_VERSION,
-        os.path.abspath(path),
-        st.st_size,
-        st.st_mtime_ns,
-        version("gguf"),
-        version("transformers"),
-    ]
-    h.update(repr(ident).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(1 << 20))
-    return cache_root() / "gguf" / h.hexdigest()[:32]
 
 
 def _cached(target: Path, build: Callable[[Path], None]) -> Path:
@@ -106,7 +76,6 @@ _GGUF_LAYER_PARTS: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
 }
 _GGUF_TOP: dict[str, str] = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_QUANT_SUFFIX = re.compile(r"[._-](i?q\d\w*|f16|f32|bf16|fp16|fp32)$")
 
 
 def _hf_name(gguf_name: str) -> str | None:
@@ -126,14 +95,8 @@ def _gguf_meta(path: str) -> dict[str, Any]:
     def build(tmp: Path) -> None:
         _write_json(tmp / "meta.json", _read_gguf_header(path))
 
-    meta_dir = _cached(_gguf_cache_dir(path) / "meta", build)
+    meta_dir = _cached(gguf_cache_dir(path) / "meta", build)
     return _read_json(meta_dir / "meta.json")
-
-
-def gguf_model_name(path: str) -> str:
-    """A GGUF's model name: its file name in lower case, without the quantization suffix."""
-    stem = os.path.basename(path).lower().removesuffix(".gguf")
-    return _QUANT_SUFFIX.sub("", stem) or stem
 
 
 def _read_gguf_header(path: str) -> dict[str, Any]:
@@ -250,7 +213,7 @@ def load_gguf(
             dense = _gguf_weights(path, meta, config, dtype, frozenset())
             save_file({k: v for k, v in dense.items() if isinstance(v, torch.Tensor)}, str(tmp / "model.safetensors"))
 
-        folder = _cached(_gguf_cache_dir(path) / f"weights-{str(dtype).removeprefix('torch.')}", build)
+        folder = _cached(gguf_cache_dir(path) / f"weights-{str(dtype).removeprefix('torch.')}", build)
         weights = dict(load_file(str(folder / "model.safetensors"), device=device))
     else:
         weights = {k: _to_device(v, device) for k, v in _gguf_weights(path, meta, config, dtype, frozenset()).items()}
@@ -344,11 +307,6 @@ def _gguf_weights(
             w = _unpermute(w, heads)
         weights[t["hf"]] = w.to(dtype=dtype).contiguous()
     return weights
-
-
-def gguf_tokenizer_folder(path: str) -> Path:
-    """Where gguf_tokenizer keeps the tokenizer it converted from this GGUF."""
-    return _gguf_cache_dir(path) / "tokenizer"
 
 
 def gguf_tokenizer(path: str) -> Tokenizer:

@@ -23,14 +23,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
-from stoker.models.gguf_loader import (
-    cache_root,
-    gguf_model_name,
-    gguf_tokenizer,
-    gguf_tokenizer_folder,
-    keeps_quantized,
-    load_gguf,
-)
+from stoker.models.gguf_loader import gguf_tokenizer, keeps_quantized, load_gguf
+from stoker.models.identity import is_gguf, model_name
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
 from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
@@ -39,11 +33,8 @@ from stoker.models.tokenizer import Tokenizer
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "LoadedModel",
-    "cache_root",
     "load_model",
     "load_tokenizer",
-    "model_name",
-    "tokenizer_folder",
 ]
 
 
@@ -62,7 +53,7 @@ def load_model(path: str, dtype: torch.dtype, device: str = "cpu", quantization:
     (every weight a dense tensor) so callers that compare tensors keep doing so.
     """
     check_quantization(quantization, device)
-    if _is_gguf(path):
+    if is_gguf(path):
         config, weights, tokenizer = load_gguf(path, dtype, device, "auto" if quantization == "auto" else "none")
         loaded = LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
     else:
@@ -78,42 +69,14 @@ def weights_stay_quantized(path: str, device: str, quantization: str) -> bool:
     check_quantization(quantization, device)
     if quantization in QUANTIZE_AT_LOAD:
         return True
-    return _is_gguf(path) and keeps_quantized(path, device, quantization)
+    return is_gguf(path) and keeps_quantized(path, device, quantization)
 
 
 def load_tokenizer(path: str) -> Tokenizer:
     """Just the tokenizer (e.g. for the HTTP process, which never holds weights)."""
-    if _is_gguf(path):
+    if is_gguf(path):
         return gguf_tokenizer(path)
     return _folder_tokenizer(path, _read_json(Path(path) / "config.json"))
-
-
-def model_name(path: str) -> str:
-    """The name a model is served under unless --served-model-name says otherwise
-    (ModelConfig.name): a GGUF's file name without its quantization suffix, a
-    folder's name; lower case. Known without loading the model."""
-    if _is_gguf(path):
-        return gguf_model_name(path)
-    return Path(path).resolve().name.lower()
-
-
-def tokenizer_folder(path: str) -> str:
-    """A folder holding the model's tokenizer in Hugging Face's layout
-    (tokenizer.json, tokenizer_config.json), which other tools (a router) can
-    load: the model's own folder, or for a GGUF the one converted from its
-    header into the cache (present once the model has been loaded)."""
-    if _is_gguf(path):
-        return str(gguf_tokenizer_folder(path))
-    return os.path.abspath(path)
-
-
-def _is_gguf(path: str) -> bool:
-    if os.path.isdir(path):
-        return False
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no model at {path!r}: expected a .gguf file or a Hugging Face folder")
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
 
 
 # --- Hugging Face folders -------------------------------------------------------

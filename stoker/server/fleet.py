@@ -32,7 +32,7 @@ from stoker.config import EngineConfig, default_model_path
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
 from stoker.errors import APIError
 from stoker.models.digest import check_digest_syntax, model_digest
-from stoker.models.loader import model_name
+from stoker.models.identity import model_name
 from stoker.server.config import ServerConfig
 from stoker.server.protocol import unavailable
 from stoker.server.structured import GrammarChecker

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from stoker.engine.grammar_compiler import GrammarCompiler, GrammarError
 from stoker.engine.grammars import (
     JSON_OBJECT_SCHEMA,
     choice_grammar,
@@ -25,7 +26,6 @@ from stoker.engine.grammars import (
     regex_grammar,
     text_grammar,
 )
-from stoker.engine.structured import GrammarCompiler, GrammarError
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.protocol import SamplingFields, bad_request
 

@@ -31,8 +31,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from stoker.engine.grammar_compiler import GrammarError
 from stoker.engine.grammars import json_schema_grammar, tagged_calls_grammar
-from stoker.engine.structured import GrammarError
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.protocol import ChatCompletionRequest, NamedToolChoice, Tool, bad_request
 from stoker.server.structured import Constraint

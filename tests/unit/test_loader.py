@@ -13,7 +13,8 @@ import pytest
 import torch
 from tiny_models import make_tiny_hf_model, set_config
 
-from stoker.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer, model_name, tokenizer_folder
+from stoker.models.identity import model_name, tokenizer_folder
+from stoker.models.loader import SUPPORTED_ARCHITECTURES, load_model, load_tokenizer
 
 
 def reference_state(folder: Path) -> dict[str, torch.Tensor]:

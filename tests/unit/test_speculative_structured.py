@@ -25,12 +25,13 @@ import torch
 from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
+from stoker.engine.grammar_compiler import GrammarCompiler
 from stoker.engine.grammars import choice_grammar, json_schema_grammar, regex_grammar
 from stoker.engine.outputs import ScheduledRequest
 from stoker.engine.params import EngineCoreRequest, FinishReason
 from stoker.engine.runner import verification_rows
 from stoker.engine.sampler import SampleRow
-from stoker.engine.structured import GrammarCompiler, SequenceGrammar, banned_tokens, bitmask_words
+from stoker.engine.structured import SequenceGrammar, banned_tokens, bitmask_words
 
 ANIMALS = {
     "type": "array",

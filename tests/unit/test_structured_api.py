@@ -13,8 +13,8 @@ import pytest
 from tokenizers import AddedToken
 
 from stoker.config import default_model_path
+from stoker.engine.grammar_compiler import GrammarCompiler
 from stoker.engine.grammars import json_schema_grammar
-from stoker.engine.structured import GrammarCompiler
 from stoker.errors import APIError
 from stoker.models.loader import load_tokenizer
 from stoker.models.tokenizer import Tokenizer

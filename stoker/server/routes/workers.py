@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 import stoker
 from stoker.engine.client import EngineUnavailableError
 from stoker.engine.params import EngineStats
-from stoker.models.loader import model_name, tokenizer_folder
+from stoker.models.identity import model_name, tokenizer_folder
 from stoker.server.protocol import unavailable
 from stoker.server.state import ServerState, get_state
 
