@@ -21,23 +21,20 @@ import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 # transformers converts the tokenizer; it must never try to reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np
 import torch
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
 from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
 from stoker.models.registry import gguf_architecture
-from stoker.models.tokenizer import Tokenizer
+from stoker.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 log = logging.getLogger("stoker.models")
 
@@ -310,17 +307,16 @@ def _gguf_weights(
 
 
 def gguf_tokenizer(path: str) -> Tokenizer:
-    from transformers import AutoTokenizer
-
     def convert(tmp: Path) -> None:
+        from transformers import AutoTokenizer
+
         hf = AutoTokenizer.from_pretrained(
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
         hf.save_pretrained(tmp)
 
     folder = _cached(gguf_tokenizer_folder(path), convert)
-    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    return Tokenizer(cast("PreTrainedTokenizerFast", hf), eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
+    return Tokenizer(load_hf_tokenizer(folder), eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -12,15 +12,12 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 # Set before transformers/huggingface_hub are imported anywhere below: nothing may reach a hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerFast
 
 from stoker.config import ModelConfig
 from stoker.models.gguf_loader import gguf_tokenizer, keeps_quantized, load_gguf
@@ -28,7 +25,7 @@ from stoker.models.identity import is_gguf, model_name
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
 from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
-from stoker.models.tokenizer import Tokenizer
+from stoker.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
@@ -147,10 +144,8 @@ def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:
 
 
 def _folder_tokenizer(path: str, raw: dict[str, Any]) -> Tokenizer:
-    from transformers import AutoTokenizer
-
     folder = Path(path)
-    hf = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    hf = load_hf_tokenizer(folder)
     template = hf.chat_template if isinstance(hf.chat_template, str) else None
     if template is None:
         # Older transformers only read tokenizer_config.json; look at both places ourselves.
@@ -161,7 +156,7 @@ def _folder_tokenizer(path: str, raw: dict[str, Any]) -> Tokenizer:
     eos = _as_list(raw.get("eos_token_id"))
     eos += _as_list(_read_json(folder / "generation_config.json", {}).get("eos_token_id"))
     return Tokenizer(
-        cast("PreTrainedTokenizerFast", hf),
+        hf,
         eos_token_ids=eos,
         chat_template=template if isinstance(template, str) else None,
     )

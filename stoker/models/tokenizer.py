@@ -8,13 +8,40 @@ model's full set of end-of-sequence ids.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:  # importing transformers costs seconds; only the loader needs it at run time
     from transformers import PreTrainedTokenizerFast
 
 ALLOWED_ROLES: frozenset[str] = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+GENERIC_TOKENIZER_CLASSES: frozenset[str] = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+"""tokenizer_config.json class names that mean transformers' generic fast
+tokenizer, with no model-specific subclass (what saving a GGUF's converted
+tokenizer writes)."""
+
+
+def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
+    """A folder's Hugging Face tokenizer, as AutoTokenizer loads it.
+
+    AutoTokenizer resolves the class through transformers' model registry,
+    whose import costs ~1.3 s of every start (engine and front end alike). A
+    folder naming the generic fast tokenizer gets that class directly, which
+    is the class AutoTokenizer would pick; any other name goes through
+    AutoTokenizer, so model-specific subclasses keep their behaviour.
+    """
+    config_path = folder / "tokenizer_config.json"
+    named = json.loads(config_path.read_text()).get("tokenizer_class") if config_path.exists() else None
+    if named in GENERIC_TOKENIZER_CLASSES:
+        from transformers import PreTrainedTokenizerFast
+
+        return cast("PreTrainedTokenizerFast", PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True))
+    from transformers import AutoTokenizer
+
+    return cast("PreTrainedTokenizerFast", AutoTokenizer.from_pretrained(folder, local_files_only=True))
 
 
 class Tokenizer:

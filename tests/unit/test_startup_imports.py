@@ -4,7 +4,8 @@ The front end imports its app before it spawns the engine, so whatever that
 import pulls in delays the engine's start: torch and transformers (1-3 s)
 must stay out of it. The engine imports torch, but not dynamo and inductor
 (~1 s more; llguidance.torch pulls them in through a torch.compile
-decorator).
+decorator). A tokenizer folder naming the generic fast class loads without
+AutoTokenizer's model registry, and gives what AutoTokenizer gives.
 """
 
 from __future__ import annotations
@@ -13,6 +14,11 @@ import subprocess
 import sys
 
 import pytest
+
+from stoker.config import default_model_path
+from stoker.models.identity import gguf_tokenizer_folder
+from stoker.models.loader import load_tokenizer
+from stoker.models.tokenizer import load_hf_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -35,3 +41,18 @@ def test_the_engine_core_does_not_import_torch_compile() -> None:
     assert "torch" in modules
     assert "torch._dynamo" not in modules
     assert "torch._inductor" not in modules
+
+
+def test_a_generic_tokenizer_folder_loads_as_auto_tokenizer_loads_it() -> None:
+    from transformers import AutoTokenizer
+
+    path = default_model_path()
+    tokenizer = load_tokenizer(path)  # converts the GGUF's tokenizer into the cache
+    folder = gguf_tokenizer_folder(path)
+    direct = load_hf_tokenizer(folder)
+    auto = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert type(direct) is type(auto) is type(tokenizer.hf)
+    text = "Hello world, <|im_start|>how are you? 123 \u00e9t\u00e9 <|im_end|>"
+    assert direct.encode(text) == auto.encode(text) == tokenizer.encode(text)
+    assert direct.eos_token_id == auto.eos_token_id
+    assert direct.chat_template == auto.chat_template
