@@ -386,27 +386,47 @@ class Fleet:
         """Digest check, memory check, engine start. FleetError (one line) when it cannot serve."""
         spec = version.spec
         try:
-            version.digest, size = await asyncio.to_thread(lambda: (model_digest(spec.path), weight_bytes(spec.path)))
-            version.weight_bytes = size
-        except (OSError, ValueError) as exc:
+            size = version.weight_bytes = weight_bytes(spec.path)
+        except OSError as exc:
             raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
-        if spec.digest is not None and version.digest != spec.digest:
-            raise FleetError(
-                f"model {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {version.digest}"
-            )
         held = sum(v.footprint() for v in others)
         # Before loading: weights and runtime, a lower bound (the KV cache is known once loaded).
         self._check_memory(spec.name, held, size + ENGINE_RUNTIME_BYTES, size)
+        # A pinned file is checked before anything parses it. An unpinned one is
+        # hashed while the engine loads: reading every byte takes ~1 s per
+        # 1.5 GB, time start-up need not wait for.
+        digesting = asyncio.ensure_future(self._digest(version))
+        if spec.digest is not None:
+            await digesting
         try:
             await version.engine.start()
         except (EngineStartupError, OSError, ValueError) as exc:
+            await asyncio.gather(digesting, return_exceptions=True)
             raise FleetError(f"model {spec.name} ({spec.path}): {exc}") from None
+        try:
+            await digesting
+        except FleetError:
+            await version.engine.shutdown()
+            raise
         try:
             self._check_memory(spec.name, held, version.footprint(), size)
         except FleetError:
             await version.engine.shutdown()
             raise
         version.ready_at = time.time()
+
+    @staticmethod
+    async def _digest(version: ModelVersion) -> None:
+        """Sets version.digest; FleetError when the files cannot be read or do not match their pin."""
+        spec = version.spec
+        try:
+            version.digest = await asyncio.to_thread(model_digest, spec.path)
+        except (OSError, ValueError) as exc:
+            raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
+        if spec.digest is not None and version.digest != spec.digest:
+            raise FleetError(
+                f"model {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {version.digest}"
+            )
 
     def _check_memory(self, name: str, held: int, wanted: int, weights: int) -> None:
         if self.max_memory is not None and held + wanted > self.max_memory:

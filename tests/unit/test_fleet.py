@@ -171,3 +171,49 @@ async def test_memory_budget_refuses_before_loading(model_file: Path) -> None:
     with pytest.raises(FleetError, match="model a: needs about") as info:
         await fleet.start()
     assert info.value.status == 409 and not started
+
+
+class _RecordedEngine:
+    """An engine client that only records start and shutdown."""
+
+    def __init__(self, config: object) -> None:
+        self.events: list[str] = []
+        self.info = None  # what a real client holds until its engine says ready
+
+    async def start(self) -> None:
+        self.events.append("start")
+
+    async def shutdown(self) -> None:
+        self.events.append("shutdown")
+
+
+async def test_a_pinned_file_is_checked_before_its_engine_starts(model_file: Path) -> None:
+    from stoker.config import EngineConfig
+    from stoker.server.fleet import Fleet
+
+    wrong = "sha256:" + "0" * 64
+    fleet = Fleet([ModelSpec("a", str(model_file), wrong)], {}, EngineConfig(), _RecordedEngine, lambda t: t)  # type: ignore[arg-type]
+    with pytest.raises(FleetError, match="digest mismatch"):
+        await fleet.start()
+    assert "start" not in fleet.initial[0].engine.events  # type: ignore[attr-defined]
+
+
+async def test_an_unpinned_file_is_hashed_while_its_engine_starts(
+    model_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The digest is known once the load is done; an unreadable file stops the engine started beside it."""
+    from stoker.config import EngineConfig
+    from stoker.server.fleet import Fleet
+
+    fleet = Fleet([ModelSpec("a", str(model_file))], {}, EngineConfig(), _RecordedEngine, lambda t: t)  # type: ignore[arg-type]
+    [version] = await fleet.start()
+    assert version.digest == model_digest(str(model_file)) and version.engine.events == ["start"]  # type: ignore[attr-defined]
+
+    def unreadable(path: str) -> str:
+        raise PermissionError(13, "Permission denied", path)
+
+    monkeypatch.setattr("stoker.server.fleet.model_digest", unreadable)
+    gone = Fleet([ModelSpec("b", str(model_file))], {}, EngineConfig(), _RecordedEngine, lambda t: t)  # type: ignore[arg-type]
+    with pytest.raises(FleetError, match=r"model b: cannot read .*Permission denied"):
+        await gone.start()
+    assert gone.initial[0].engine.events[:2] == ["start", "shutdown"]  # type: ignore[attr-defined]
