@@ -617,8 +617,18 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
  * costs more than it saves (measured on Zen 4 in decode steps, weights from memory). */
 #define GEMM_MIN_ROWS 8
 
+/* Q4_K and Q5_K: every value is d * sc * q - dmin * mn with q unsigned, sc and
+ * mn 6-bit integers per 32 values, d and dmin per 256. Their exact kernels sum
+ * per 256-value super-block, in integers, P = sum over sub-blocks of sc * dot
+ * and M = sum of mn * (x's sum over the sub-block), then in fp32
+ *     acc = fma(float(P) * d_w, d_x, acc);   acc = fma(float(M) * -dmin_w, d_x, acc)
+ * with x rounded to int8 per 256 (as the tile kernels take it). Both integers
+ * are exact whatever the summation order, so the GEMM and the small tiles
+ * agree bit for bit here too. (Q6_K, a scale per 16 values, keeps the tiles.) */
+ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K; }
+
 ALWAYS_INLINE int exact_serves(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0;
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || exact_k(type);
 }
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 
@@ -633,32 +643,60 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
     }
 }
 
+/* Q4_K / Q5_K sub-block j (0..7) of super-block sb: its 32 unsigned values, element e in byte e. */
+ALWAYS_INLINE __m256i k_values(int type, const uint8_t *sb, int j) {
+    const uint8_t *qh = type == Q5_K ? sb + 16 : NULL, *qs = type == Q5_K ? sb + 48 : sb + 16;
+    return q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
+}
+
 /* Bytes of one thread's GEMM scratch (one unpacked panel) for m rows of k elements: none below GEMM_MIN_ROWS. */
 static size_t gemm_scratch_bytes(int k, int m) {
     if (m < GEMM_MIN_ROWS) return 0;
-    return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * (size_t)(k / 32) * GEMM_PANEL;
+    return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
 }
 
 /* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
- * bytes, then d and m [nb][PANEL] floats; columns past cols are zero. Eight
- * columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
+ * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
+ * int32, then d and -dmin [nb / 8][PANEL] floats); columns past cols are zero.
+ * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
 static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, int nb, uint8_t *scratch) {
-    const int ts = ggml_quant_type_size(type), has_min = has_min32(type);
+    const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
+    int32_t *sc_k = (int32_t *)d, *mn_k = (int32_t *)mn;
+    float *d_k = mn + (size_t)nb * GEMM_PANEL, *dmin_k = d_k + (size_t)(nb / 8) * GEMM_PANEL;
     for (int c0 = 0; c0 < GEMM_PANEL; c0 += 8) {
         for (int b = 0; b < nb; b++) {
             __m256i v[8];
             for (int c = 0; c < 8; c++) {
-                float dv = 0.f, mv = 0.f;
+                const int col = c0 + c;
                 v[c] = _mm256_setzero_si256();
-                if (c0 + c < cols) {
-                    const uint8_t *blk = w + (size_t)(c0 + c) * row_bytes + (size_t)b * ts;
+                if (kq) {
+                    int sc = 0, mv = 0;
+                    float dv = 0.f, dminv = 0.f;
+                    if (col < cols) {
+                        const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
+                        v[c] = k_values(type, sb, b & 7);
+                        scale_min_k4(sb + 4, b & 7, &sc, &mv);
+                        dv = fp16_at(sb);
+                        dminv = -fp16_at(sb + 2);
+                    }
+                    sc_k[b * GEMM_PANEL + col] = sc;
+                    mn_k[b * GEMM_PANEL + col] = mv;
+                    if ((b & 7) == 0) {
+                        d_k[(b >> 3) * GEMM_PANEL + col] = dv;
+                        dmin_k[(b >> 3) * GEMM_PANEL + col] = dminv;
+                    }
+                    continue;
+                }
+                float dv = 0.f, mv = 0.f;
+                if (col < cols) {
+                    const uint8_t *blk = w + (size_t)col * row_bytes + (size_t)b * ts;
                     v[c] = stored32(type, blk);
                     dv = fp16_at(blk);
                     mv = has_min ? fp16_at(blk + 2) : 0.f;
                 }
-                d[b * GEMM_PANEL + c0 + c] = dv;
-                mn[b * GEMM_PANEL + c0 + c] = mv;
+                d[b * GEMM_PANEL + col] = dv;
+                mn[b * GEMM_PANEL + col] = mv;
             }
             /* v[c] dword t -> out[t] dword c */
             const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
@@ -724,6 +762,63 @@ static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offse
     }
 }
 
+/* gemm_tile for Q4_K / Q5_K: per super-block, the integers P and M (see
+ * exact_k), then their fp32 terms. */
+static inline void gemm_tile_k(const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
+                               __m512 out[GEMM_MR][2]) {
+    const int k = xq->k, nsb = nb / 8;
+    const int32_t *sc = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
+    const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
+    const int8_t *x[GEMM_MR];
+    for (int r = 0; r < GEMM_MR; r++) {
+        x[r] = xq->qs + at[r] * (size_t)k;
+        out[r][0] = out[r][1] = _mm512_setzero_ps();
+    }
+    for (int sb = 0; sb < nsb; sb++) {
+        __m512i p[GEMM_MR][2];
+        for (int r = 0; r < GEMM_MR; r++) p[r][0] = p[r][1] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j++) {
+            const int b = sb * 8 + j;
+            __m512i s[GEMM_MR][2];
+            for (int r = 0; r < GEMM_MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+            const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
+            for (int t = 0; t < 8; t++) {
+                const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
+                const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
+                for (int r = 0; r < GEMM_MR; r++) {
+                    int32_t four;
+                    memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+                    const __m512i xb = _mm512_set1_epi32(four);
+                    s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+                    s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+                }
+            }
+            const __m512i sc0 = _mm512_loadu_si512(sc + b * GEMM_PANEL), sc1 = _mm512_loadu_si512(sc + b * GEMM_PANEL + 16);
+            for (int r = 0; r < GEMM_MR; r++) {
+                p[r][0] = _mm512_add_epi32(p[r][0], _mm512_mullo_epi32(s[r][0], sc0));
+                p[r][1] = _mm512_add_epi32(p[r][1], _mm512_mullo_epi32(s[r][1], sc1));
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(d + sb * GEMM_PANEL), d1 = _mm512_loadu_ps(d + sb * GEMM_PANEL + 16);
+        const __m512 m0 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL), m1 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL + 16);
+        for (int r = 0; r < GEMM_MR; r++) {
+            const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
+            __m512i mm0 = _mm512_setzero_si512(), mm1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j++) {
+                const __m512i xs = _mm512_set1_epi32((int)bs[2 * j] + (int)bs[2 * j + 1]);
+                const int32_t *mj = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
+                mm0 = _mm512_add_epi32(mm0, _mm512_mullo_epi32(_mm512_loadu_si512(mj), xs));
+                mm1 = _mm512_add_epi32(mm1, _mm512_mullo_epi32(_mm512_loadu_si512(mj + 16), xs));
+            }
+            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nsb + sb]);
+            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][0]), d0), dx, out[r][0]);
+            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][1]), d1), dx, out[r][1]);
+            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(mm0), m0), dx, out[r][0]);
+            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(mm1), m1), dx, out[r][1]);
+        }
+    }
+}
+
 /* Thread t of nt's share of the GEMM: a contiguous range of panels, each
  * unpacked once into scratch (gemm_scratch_bytes(k, m)) and swept by all m rows. */
 static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
@@ -740,7 +835,10 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             size_t at[GEMM_MR];
             for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
             __m512 out[GEMM_MR][2];
-            gemm_tile(xq, at, nb, offset, has_min, scratch, out);
+            if (exact_k(type))
+                gemm_tile_k(xq, at, nb, scratch, out);
+            else
+                gemm_tile(xq, at, nb, offset, has_min, scratch, out);
             for (int r = 0; r < mr; r++) {
                 float vals[GEMM_PANEL];
                 _mm512_storeu_ps(vals, out[r][0]);
@@ -807,6 +905,62 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
     _mm256_storeu_ps(res, acc);
 }
 
+/* All eight 6-bit scales and mins of a K-quant super-block (scale_min_k4 for
+ * j = 0..7), byte j of *sc and *mn, without branches: bytes 0-3 of both are the
+ * low 6 bits of the first two words, bytes 4-7 take 4 bits from the third word
+ * and their top 2 bits from the top of the first (scales) or second (mins). */
+ALWAYS_INLINE void k_scales_mins(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a, b, c;
+    memcpy(&a, s, 4);
+    memcpy(&b, s + 4, 4);
+    memcpy(&c, s + 8, 4);
+    const uint32_t sc_hi = (c & 0x0F0F0F0Fu) | (((a >> 6) & 0x03030303u) << 4);
+    const uint32_t mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | (((b >> 6) & 0x03030303u) << 4);
+    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | ((uint64_t)sc_hi << 32);
+    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | ((uint64_t)mn_hi << 32);
+}
+
+/* exact_tile for Q4_K / Q5_K: per super-block, each output's integers P and M
+ * (see exact_k), then the GEMM's fp32 terms. The mins go through registers
+ * (no int16 array stored and read back as a vector: a store-forwarding stall
+ * per weight row and super-block). */
+ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, const uint8_t *const *wr,
+                                const xq_t *xq, const size_t *rows, float *res) {
+    const int ts = ggml_quant_type_size(type), k = xq->k, nsb = k / 256;
+    __m256 acc = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        float dw[8], mw[8], dx[2];
+        __m256i p[8], mp[8], xsum[2];
+        for (int i = 0; i < MR; i++) /* lane c: x's sum over sub-block c */
+            xsum[i] = _mm256_madd_epi16(
+                _mm256_loadu_si256((const __m256i *)(xq->bsums + rows[i] * (size_t)(k / 16) + (size_t)sb * 16)),
+                _mm256_set1_epi16(1));
+        for (int j = 0; j < NR; j++) {
+            const uint8_t *blk = wr[j] + (size_t)sb * ts;
+            _mm_prefetch((const char *)blk + 1024, _MM_HINT_T0); /* see exact_tile */
+            uint64_t sc8, mn8;
+            k_scales_mins(blk + 4, &sc8, &mn8);
+            for (int i = 0; i < MR; i++) p[i * NR + j] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = k_values(type, blk, c), scale = scale_one((int)((sc8 >> (8 * c)) & 0xFF));
+                for (int i = 0; i < MR; i++) {
+                    const int8_t *xc = xq->qs + rows[i] * (size_t)k + (size_t)sb * 256 + 32 * c;
+                    p[i * NR + j] = _mm256_add_epi32(p[i * NR + j], dot_scaled(q, xc, scale));
+                }
+            }
+            dw[j] = fp16_at(blk);
+            mw[j] = -fp16_at(blk + 2);
+            const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
+            for (int i = 0; i < MR; i++) mp[i * NR + j] = _mm256_mullo_epi32(mins, xsum[i]);
+        }
+        for (int i = 0; i < MR; i++) dx[i] = xq->d[rows[i] * (size_t)nsb + sb];
+        const __m256 pt = _mm256_cvtepi32_ps(lane_totals(p)), mt = _mm256_cvtepi32_ps(lane_totals(mp));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, by_column(dw, NR)), by_row(dx, NR), acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(mt, by_column(mw, NR)), by_row(dx, NR), acc);
+    }
+    _mm256_storeu_ps(res, acc);
+}
+
 #define EXACT_TILE_FNS(T)                                                                                      \
     static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile(T, 1, 8, wr, xq, rows, res);                                                               \
@@ -819,6 +973,15 @@ EXACT_TILE_FNS(Q4_1)
 EXACT_TILE_FNS(Q5_0)
 EXACT_TILE_FNS(Q5_1)
 EXACT_TILE_FNS(Q8_0)
+#define EXACT_TILE_K_FNS(T)                                                                                    \
+    static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_tile_k(T, 1, 8, wr, xq, rows, res);                                                             \
+    }                                                                                                          \
+    static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_tile_k(T, 2, 4, wr, xq, rows, res);                                                             \
+    }
+EXACT_TILE_K_FNS(Q4_K)
+EXACT_TILE_K_FNS(Q5_K)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
@@ -826,12 +989,15 @@ typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, f
 static const exact_fn *exact_tiles_for(int type) {
     static const exact_fn t40[] = {exact_Q4_0_1_8, exact_Q4_0_2_4}, t41[] = {exact_Q4_1_1_8, exact_Q4_1_2_4},
                           t50[] = {exact_Q5_0_1_8, exact_Q5_0_2_4}, t51[] = {exact_Q5_1_1_8, exact_Q5_1_2_4},
-                          t80[] = {exact_Q8_0_1_8, exact_Q8_0_2_4};
+                          t80[] = {exact_Q8_0_1_8, exact_Q8_0_2_4}, t4k[] = {exact_Q4_K_1_8, exact_Q4_K_2_4},
+                          t5k[] = {exact_Q5_K_1_8, exact_Q5_K_2_4};
     switch (type) {
     case Q4_0: return t40;
     case Q4_1: return t41;
     case Q5_0: return t50;
     case Q5_1: return t51;
+    case Q4_K: return t4k;
+    case Q5_K: return t5k;
     default: return t80;
     }
 }
@@ -872,7 +1038,7 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
             const size_t rows[2] = {(size_t)i, (size_t)i + 1};
             pair_tiles(fns, wr, xq, rows, 2, j0, n, y, y_stride, y_bf16, bias, accumulate);
         }
-        if (m == 1) {
+        if (m == 1 && !exact_k(type)) {
             const size_t rows[2] = {0, 0};
             pair_tiles(fns, wr, xq, rows, 1, j0, n, y, y_stride, y_bf16, bias, accumulate);
         } else if (i < m) {
