@@ -121,12 +121,11 @@ def test_out_as_column_slice_of_wider_tensor(isa: str, qtype: GGMLQuantizationTy
 
 
 def test_exact_kernels_where_the_build_has_them(isa: str) -> None:
-    """The AVX-512 VNNI build serves the 32-element block types, Q4_K and Q5_K
-    (whose 32-value sub-blocks have one scale and min each) with the exact
-    kernels (GEMM and small tiles, tested above through every m); Q6_K (a
-    scale per 16 values) and every other path keep the tile kernels."""
+    """The AVX-512 VNNI build serves every type with the exact kernels (GEMM
+    and small tiles, tested above through every m); every other path keeps
+    the tile kernels."""
     for qtype in TYPES:
-        expected = isa == "avx512_vnni" and qtype != T.Q6_K and qtype in SUPPORTED_TYPES
+        expected = isa == "avx512_vnni"
         assert exact_kernels(qtype) == expected, (isa, qtype.name)
 
 

@@ -624,8 +624,18 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
  *     acc = fma(float(P) * d_w, d_x, acc);   acc = fma(float(M) * -dmin_w, d_x, acc)
  * with x rounded to int8 per 256 (as the tile kernels take it). Both integers
  * are exact whatever the summation order, so the GEMM and the small tiles
- * agree bit for bit here too. (Q6_K, a scale per 16 values, keeps the tiles.) */
-ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K; }
+ * agree bit for bit here too.
+ *
+ * Q6_K: value d * sc * (q - 32), q 6-bit, sc a signed 8-bit scale per 16
+ * values: P = sum over 16-value groups of sc * dot - 32 * sum of sc * (x's sum
+ * over the group), in integers, then acc = fma(float(P) * d_w, d_x, acc). */
+ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
+
+/* Q6_K chunk j (0..7, values 32j .. 32j + 31) of super-block sb: 6-bit values as bytes. */
+ALWAYS_INLINE __m256i q6_values(const uint8_t *sb, int j) {
+    const int half = j >> 2, c = j & 3;
+    return q6_chunk(sb + 64 * half + 32 * (c & 1), sb + 128 + 32 * half, c >> 1, 2 * c);
+}
 
 ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || exact_k(type);
@@ -657,7 +667,8 @@ static size_t gemm_scratch_bytes(int k, int m) {
 
 /* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
  * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
- * int32, then d and -dmin [nb / 8][PANEL] floats); columns past cols are zero.
+ * int32, then d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of the
+ * lower and upper 16 values in place of sc and mn); columns past cols are zero.
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
 static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, int nb, uint8_t *scratch) {
     const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
@@ -673,7 +684,13 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
                 if (kq) {
                     int sc = 0, mv = 0;
                     float dv = 0.f, dminv = 0.f;
-                    if (col < cols) {
+                    if (col < cols && type == Q6_K) { /* sc_k, mn_k: the scales of the lower and upper 16 */
+                        const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
+                        v[c] = q6_values(sb, b & 7);
+                        sc = ((const int8_t *)(sb + 192))[2 * (b & 7)];
+                        mv = ((const int8_t *)(sb + 192))[2 * (b & 7) + 1];
+                        dv = fp16_at(sb + 208);
+                    } else if (col < cols) {
                         const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
                         v[c] = k_values(type, sb, b & 7);
                         scale_min_k4(sb + 4, b & 7, &sc, &mv);
@@ -762,9 +779,35 @@ static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offse
     }
 }
 
-/* gemm_tile for Q4_K / Q5_K: per super-block, the integers P and M (see
+/* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
+ALWAYS_INLINE void gemm_dots(const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
+                             __m512i s[GEMM_MR][2]) {
+    for (int t = t0; t < t1; t++) {
+        const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
+        const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
+        for (int r = 0; r < GEMM_MR; r++) {
+            int32_t four;
+            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+            const __m512i xb = _mm512_set1_epi32(four);
+            s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+            s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+        }
+    }
+}
+
+/* p[r] += s[r] * the panel's integer scales sc (then s is zeroed). */
+ALWAYS_INLINE void gemm_scale_into(const int32_t *sc, __m512i s[GEMM_MR][2], __m512i p[GEMM_MR][2]) {
+    const __m512i sc0 = _mm512_loadu_si512(sc), sc1 = _mm512_loadu_si512(sc + 16);
+    for (int r = 0; r < GEMM_MR; r++) {
+        p[r][0] = _mm512_add_epi32(p[r][0], _mm512_mullo_epi32(s[r][0], sc0));
+        p[r][1] = _mm512_add_epi32(p[r][1], _mm512_mullo_epi32(s[r][1], sc1));
+        s[r][0] = s[r][1] = _mm512_setzero_si512();
+    }
+}
+
+/* gemm_tile for the K-quants: per super-block, the integers P and M (see
  * exact_k), then their fp32 terms. */
-static inline void gemm_tile_k(const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
+static inline void gemm_tile_k(int type, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
                                __m512 out[GEMM_MR][2]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *sc = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
@@ -777,32 +820,42 @@ static inline void gemm_tile_k(const xq_t *xq, const size_t *at, int nb, const u
     for (int sb = 0; sb < nsb; sb++) {
         __m512i p[GEMM_MR][2];
         for (int r = 0; r < GEMM_MR; r++) p[r][0] = p[r][1] = _mm512_setzero_si512();
+        __m512i s[GEMM_MR][2];
+        for (int r = 0; r < GEMM_MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
         for (int j = 0; j < 8; j++) {
             const int b = sb * 8 + j;
-            __m512i s[GEMM_MR][2];
-            for (int r = 0; r < GEMM_MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
             const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
-            for (int t = 0; t < 8; t++) {
-                const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
-                const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
-                for (int r = 0; r < GEMM_MR; r++) {
-                    int32_t four;
-                    memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-                    const __m512i xb = _mm512_set1_epi32(four);
-                    s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
-                    s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
-                }
-            }
-            const __m512i sc0 = _mm512_loadu_si512(sc + b * GEMM_PANEL), sc1 = _mm512_loadu_si512(sc + b * GEMM_PANEL + 16);
-            for (int r = 0; r < GEMM_MR; r++) {
-                p[r][0] = _mm512_add_epi32(p[r][0], _mm512_mullo_epi32(s[r][0], sc0));
-                p[r][1] = _mm512_add_epi32(p[r][1], _mm512_mullo_epi32(s[r][1], sc1));
+            if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper with mn */
+                gemm_dots(x, b, q, 0, 4, s);
+                gemm_scale_into(sc + b * GEMM_PANEL, s, p);
+                gemm_dots(x, b, q, 4, 8, s);
+                gemm_scale_into(mn + b * GEMM_PANEL, s, p);
+            } else {
+                gemm_dots(x, b, q, 0, 8, s);
+                gemm_scale_into(sc + b * GEMM_PANEL, s, p);
             }
         }
         const __m512 d0 = _mm512_loadu_ps(d + sb * GEMM_PANEL), d1 = _mm512_loadu_ps(d + sb * GEMM_PANEL + 16);
         const __m512 m0 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL), m1 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL + 16);
         for (int r = 0; r < GEMM_MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
+            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nsb + sb]);
+            if (type == Q6_K) { /* P - 32 * sum of sc * x's sums of 16 */
+                __m512i o0 = _mm512_setzero_si512(), o1 = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j++) {
+                    const int32_t *lo = sc + (size_t)(sb * 8 + j) * GEMM_PANEL, *hi = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
+                    const __m512i x0 = _mm512_set1_epi32(bs[2 * j]), x1 = _mm512_set1_epi32(bs[2 * j + 1]);
+                    o0 = _mm512_add_epi32(o0, _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(lo), x0),
+                                                               _mm512_mullo_epi32(_mm512_loadu_si512(hi), x1)));
+                    o1 = _mm512_add_epi32(o1, _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(lo + 16), x0),
+                                                               _mm512_mullo_epi32(_mm512_loadu_si512(hi + 16), x1)));
+                }
+                const __m512i t0 = _mm512_sub_epi32(p[r][0], _mm512_slli_epi32(o0, 5));
+                const __m512i t1 = _mm512_sub_epi32(p[r][1], _mm512_slli_epi32(o1, 5));
+                out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t0), d0), dx, out[r][0]);
+                out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t1), d1), dx, out[r][1]);
+                continue;
+            }
             __m512i mm0 = _mm512_setzero_si512(), mm1 = _mm512_setzero_si512();
             for (int j = 0; j < 8; j++) {
                 const __m512i xs = _mm512_set1_epi32((int)bs[2 * j] + (int)bs[2 * j + 1]);
@@ -810,7 +863,6 @@ static inline void gemm_tile_k(const xq_t *xq, const size_t *at, int nb, const u
                 mm0 = _mm512_add_epi32(mm0, _mm512_mullo_epi32(_mm512_loadu_si512(mj), xs));
                 mm1 = _mm512_add_epi32(mm1, _mm512_mullo_epi32(_mm512_loadu_si512(mj + 16), xs));
             }
-            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nsb + sb]);
             out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][0]), d0), dx, out[r][0]);
             out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][1]), d1), dx, out[r][1]);
             out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(mm0), m0), dx, out[r][0]);
@@ -836,7 +888,7 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
             __m512 out[GEMM_MR][2];
             if (exact_k(type))
-                gemm_tile_k(xq, at, nb, scratch, out);
+                gemm_tile_k(type, xq, at, nb, scratch, out);
             else
                 gemm_tile(xq, at, nb, offset, has_min, scratch, out);
             for (int r = 0; r < mr; r++) {
@@ -961,6 +1013,40 @@ ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, cons
     _mm256_storeu_ps(res, acc);
 }
 
+/* exact_tile for Q6_K: per super-block, each output's integer P (see exact_k),
+ * then the GEMM's fp32 term. */
+ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *const *wr, const xq_t *xq,
+                                  const size_t *rows, float *res) {
+    const int ts = ggml_quant_type_size(Q6_K), k = xq->k, nsb = k / 256;
+    __m256 acc = _mm256_setzero_ps();
+    for (int sb = 0; sb < nsb; sb++) {
+        float dw[8], dx[2];
+        __m256i p[8], offset[8];
+        for (int j = 0; j < NR; j++) {
+            const uint8_t *blk = wr[j] + (size_t)sb * ts;
+            const int8_t *sc = (const int8_t *)(blk + 192);
+            _mm_prefetch((const char *)blk + 1024, _MM_HINT_T0); /* see exact_tile */
+            for (int i = 0; i < MR; i++) p[i * NR + j] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
+                for (int i = 0; i < MR; i++) {
+                    const int8_t *xc = xq->qs + rows[i] * (size_t)k + (size_t)sb * 256 + 32 * c;
+                    p[i * NR + j] = _mm256_add_epi32(p[i * NR + j], dot_scaled(q, xc, scale));
+                }
+            }
+            dw[j] = fp16_at(blk + 208);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+            for (int i = 0; i < MR; i++)
+                offset[i * NR + j] = _mm256_madd_epi16(
+                    sc16, _mm256_loadu_si256((const __m256i *)(xq->bsums + rows[i] * (size_t)(k / 16) + (size_t)sb * 16)));
+        }
+        for (int i = 0; i < MR; i++) dx[i] = xq->d[rows[i] * (size_t)nsb + sb];
+        const __m256i total = _mm256_sub_epi32(lane_totals(p), _mm256_slli_epi32(lane_totals(offset), 5));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), by_column(dw, NR)), by_row(dx, NR), acc);
+    }
+    _mm256_storeu_ps(res, acc);
+}
+
 #define EXACT_TILE_FNS(T)                                                                                      \
     static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile(T, 1, 8, wr, xq, rows, res);                                                               \
@@ -982,6 +1068,12 @@ EXACT_TILE_FNS(Q8_0)
     }
 EXACT_TILE_K_FNS(Q4_K)
 EXACT_TILE_K_FNS(Q5_K)
+static void exact_Q6_K_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {
+    exact_tile_q6k(1, 8, wr, xq, rows, res);
+}
+static void exact_Q6_K_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {
+    exact_tile_q6k(2, 4, wr, xq, rows, res);
+}
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
@@ -990,7 +1082,7 @@ static const exact_fn *exact_tiles_for(int type) {
     static const exact_fn t40[] = {exact_Q4_0_1_8, exact_Q4_0_2_4}, t41[] = {exact_Q4_1_1_8, exact_Q4_1_2_4},
                           t50[] = {exact_Q5_0_1_8, exact_Q5_0_2_4}, t51[] = {exact_Q5_1_1_8, exact_Q5_1_2_4},
                           t80[] = {exact_Q8_0_1_8, exact_Q8_0_2_4}, t4k[] = {exact_Q4_K_1_8, exact_Q4_K_2_4},
-                          t5k[] = {exact_Q5_K_1_8, exact_Q5_K_2_4};
+                          t5k[] = {exact_Q5_K_1_8, exact_Q5_K_2_4}, t6k[] = {exact_Q6_K_1_8, exact_Q6_K_2_4};
     switch (type) {
     case Q4_0: return t40;
     case Q4_1: return t41;
@@ -998,6 +1090,7 @@ static const exact_fn *exact_tiles_for(int type) {
     case Q5_1: return t51;
     case Q4_K: return t4k;
     case Q5_K: return t5k;
+    case Q6_K: return t6k;
     default: return t80;
     }
 }
