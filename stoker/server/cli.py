@@ -76,8 +76,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         dest="embedding_model",
         metavar="PATH",
         default=argparse.SUPPRESS,
-        help="embedding model for /v1/embeddings: all-MiniLM-L6-v2 (bundled, the default) "
-        "or a sentence-transformers BERT folder; env STOKER_EMBEDDING_MODEL (none disables)",
+        help="embedding model for /v1/embeddings: all-MiniLM-L6-v2 (bundled, the default), "
+        "a sentence-transformers BERT folder, or none; env STOKER_EMBEDDING_MODEL",
     )
     parser.add_argument(
         "--no-embedding-model",

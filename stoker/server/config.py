@@ -95,6 +95,22 @@ class ServerConfig(BaseModel):
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value
 
+    @field_validator("embedding_model", mode="before")
+    @classmethod
+    def _embedding_folder(cls, value: Any) -> Any:
+        """ "none" disables it (from the flag as from the environment); a path
+        must be a folder, found out here rather than after the engine has loaded."""
+        if not isinstance(value, str) or value == DEFAULT_EMBEDDING_MODEL:
+            return value
+        if value.strip().lower() in ("none", "null", ""):
+            return None
+        if not os.path.isdir(value):
+            raise ValueError(
+                f"no such folder: expected {DEFAULT_EMBEDDING_MODEL} (bundled), a sentence-transformers "
+                "folder, or none (or --no-embedding-model)"
+            )
+        return value
+
 
 def field_docs(cls: type[BaseModel]) -> dict[str, str]:
     """Attribute docstrings of a class body, the way pydantic's use_attribute_docstrings reads them."""

@@ -31,9 +31,11 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-def serve(tmp_path: Path, cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def serve(
+    tmp_path: Path, cache: Path, *args: str, embedding: tuple[str, ...] = ("--no-embedding-model",)
+) -> subprocess.CompletedProcess[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "serve", *args, "--no-embedding-model", "--port", "0"]
+        [sys.executable, "-m", "stoker.cli", "serve", *args, *embedding, "--port", "0"]
         + ["--db", str(tmp_path / "ledger.db")],
         capture_output=True,
         text=True,
@@ -124,6 +126,22 @@ def test_setting_out_of_range_names_the_flag(
     result = serve(tmp_path, cache_dir, str(tiny_gguf), *args)
     assert result.returncode == 2
     assert expected in failure_line(result)
+
+
+def test_embedding_model_that_is_no_folder(tmp_path: Path, cache_dir: Path, tiny_gguf: Path) -> None:
+    """Refused before the engine loads, naming the flag and the choices."""
+    result = serve(tmp_path, cache_dir, str(tiny_gguf), embedding=("--embedding-model", str(tmp_path / "nope")))
+    assert result.returncode == 2
+    line = failure_line(result)
+    assert line.startswith("stoker serve: --embedding-model: no such folder") and "none" in line, line
+
+
+def test_embedding_model_none_disables_it() -> None:
+    from stoker.server.config import ServerConfig
+
+    assert ServerConfig(embedding_model="none").embedding_model is None
+    assert ServerConfig(embedding_model="None").embedding_model is None
+    assert ServerConfig().embedding_model == "all-MiniLM-L6-v2"
 
 
 @pytest.mark.parametrize("method", ["medusa", "self"])  # self: measured not to pay (docs/perf/speculative.md)
