@@ -736,6 +736,22 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
     }
 }
 
+/* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
+ALWAYS_INLINE void gemm_dots(const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
+                             __m512i s[GEMM_MR][2]) {
+    for (int t = t0; t < t1; t++) {
+        const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
+        const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
+        for (int r = 0; r < GEMM_MR; r++) {
+            int32_t four;
+            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+            const __m512i xb = _mm512_set1_epi32(four);
+            s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
+            s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+        }
+    }
+}
+
 /* GEMM_MR rows of x (at[]) by the unpacked panel: out[r][0] columns 0-15, out[r][1] 16-31. */
 static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offset, int has_min,
                              const uint8_t *scratch, __m512 out[GEMM_MR][2]) {
@@ -750,18 +766,7 @@ static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offse
         __m512i s[GEMM_MR][2];
         for (int r = 0; r < GEMM_MR; r++)
             s[r][0] = s[r][1] = _mm512_set1_epi32(offset ? -offset * (int)xq->isum[at[r] * (size_t)nb + b] : 0);
-        const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
-        for (int t = 0; t < 8; t++) {
-            const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
-            const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
-            for (int r = 0; r < GEMM_MR; r++) {
-                int32_t four;
-                memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-                const __m512i xb = _mm512_set1_epi32(four);
-                s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
-                s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
-            }
-        }
+        gemm_dots(x, b, scratch + (size_t)b * 32 * GEMM_PANEL, 0, 8, s);
         const __m512 d0 = _mm512_loadu_ps(d + b * GEMM_PANEL), d1 = _mm512_loadu_ps(d + b * GEMM_PANEL + 16);
         for (int r = 0; r < GEMM_MR; r++) {
             const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nb + b]);
@@ -775,22 +780,6 @@ static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offse
                 out[r][0] = _mm512_fmadd_ps(m0, sx, out[r][0]);
                 out[r][1] = _mm512_fmadd_ps(m1, sx, out[r][1]);
             }
-        }
-    }
-}
-
-/* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
-ALWAYS_INLINE void gemm_dots(const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
-                             __m512i s[GEMM_MR][2]) {
-    for (int t = t0; t < t1; t++) {
-        const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
-        const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
-        for (int r = 0; r < GEMM_MR; r++) {
-            int32_t four;
-            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-            const __m512i xb = _mm512_set1_epi32(four);
-            s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
-            s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
         }
     }
 }
@@ -1048,33 +1037,32 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
     _mm256_storeu_ps(res, acc);
 }
 
+/* The small tile for a type (constant in each function below, so this folds away). */
+ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, const uint8_t *const *wr,
+                                 const xq_t *xq, const size_t *rows, float *res) {
+    if (type == Q6_K)
+        exact_tile_q6k(MR, NR, wr, xq, rows, res);
+    else if (exact_k(type))
+        exact_tile_k(type, MR, NR, wr, xq, rows, res);
+    else
+        exact_tile(type, MR, NR, wr, xq, rows, res);
+}
+
 #define EXACT_TILE_FNS(T)                                                                                      \
     static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_tile(T, 1, 8, wr, xq, rows, res);                                                               \
+        exact_tile_of(T, 1, 8, wr, xq, rows, res);                                                            \
     }                                                                                                          \
     static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_tile(T, 2, 4, wr, xq, rows, res);                                                               \
+        exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
     }
 EXACT_TILE_FNS(Q4_0)
 EXACT_TILE_FNS(Q4_1)
 EXACT_TILE_FNS(Q5_0)
 EXACT_TILE_FNS(Q5_1)
 EXACT_TILE_FNS(Q8_0)
-#define EXACT_TILE_K_FNS(T)                                                                                    \
-    static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_tile_k(T, 1, 8, wr, xq, rows, res);                                                             \
-    }                                                                                                          \
-    static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_tile_k(T, 2, 4, wr, xq, rows, res);                                                             \
-    }
-EXACT_TILE_K_FNS(Q4_K)
-EXACT_TILE_K_FNS(Q5_K)
-static void exact_Q6_K_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {
-    exact_tile_q6k(1, 8, wr, xq, rows, res);
-}
-static void exact_Q6_K_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {
-    exact_tile_q6k(2, 4, wr, xq, rows, res);
-}
+EXACT_TILE_FNS(Q4_K)
+EXACT_TILE_FNS(Q5_K)
+EXACT_TILE_FNS(Q6_K)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
