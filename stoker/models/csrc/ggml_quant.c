@@ -15,10 +15,10 @@
  * needs the compiler to keep float operations as written: the library is built
  * with -ffp-contract=off and without -fassociative-math.
  *
- * AVX-512 VNNI builds have a second pair of kernels for the 32-element block
- * types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0): a blocked GEMM for 8 rows of x or more
- * and small tiles below that, both computing every output with the same
- * arithmetic (see "exact kernels" below), so the choice by m changes no bit.
+ * AVX-512 VNNI builds have a second pair of kernels for every type: a blocked
+ * GEMM for 8 rows of x or more and small tiles below that, both computing every
+ * output with the same arithmetic (see "exact kernels" below, and exact_k for
+ * the K-quants), so the choice by m changes no bit.
  *
  * One source, built once per ISA level with explicit -m flags by
  * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
@@ -599,7 +599,7 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
  * every row of x over it, each vpdpbusd doing 64 multiply-adds (16 columns by
  * 4 k-values).
  *
- * Both kernels here compute output (i, j) as: per 32-block b, the exact
+ * For the 32-value block types both kernels compute output (i, j) as: per 32-block b, the exact
  * integer dot isum of x's int8 with the block's values, then in fp32, block by
  * block in order,
  *     acc = fma(float(isum) * d_w, d_x, acc);   acc = fma(m_w, s_x, acc)  (Q4_1, Q5_1)
