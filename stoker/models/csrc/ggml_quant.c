@@ -405,29 +405,37 @@ typedef struct {
     float d, dmin;
 } wk_t;
 
+/* Q4_K / Q5_K sub-block j (0..7) of super-block sb: its 32 unsigned values, element e in byte e. */
+ALWAYS_INLINE vq_t k_values(int type, const uint8_t *sb, int j) {
+    const uint8_t *qh = type == Q5_K ? sb + 16 : NULL, *qs = type == Q5_K ? sb + 48 : sb + 16;
+    return q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
+}
+
+/* Q6_K chunk j (0..7, values 32j .. 32j + 31) of super-block sb: 6-bit values as bytes. */
+ALWAYS_INLINE vq_t q6_values(const uint8_t *sb, int j) {
+    const int half = j >> 2, c = j & 3;
+    return q6_chunk(sb + 64 * half + 32 * (c & 1), sb + 128 + 32 * half, c >> 1, 2 * c);
+}
+
 ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
     if (type == Q6_K) {
-        const uint8_t *ql = b, *qh = b + 128;
         const int8_t *sc = (const int8_t *)(b + 192);
         w->d = fp16_at(b + 208);
         w->dmin = 0.f;
-        for (int h = 0; h < 2; h++) {
-            for (int c = 0; c < 4; c++) {
-                w->q[4 * h + c] = q6_chunk(ql + 64 * h + 32 * (c & 1), qh + 32 * h, c >> 1, 2 * c);
-                w->sc[4 * h + c] = scales_pair(sc[8 * h + 2 * c], sc[8 * h + 2 * c + 1]);
-            }
+        for (int j = 0; j < 8; j++) {
+            w->q[j] = q6_values(b, j);
+            w->sc[j] = scales_pair(sc[2 * j], sc[2 * j + 1]);
         }
         for (int g = 0; g < 16; g++) w->sc16[g] = sc[g];
         return;
     }
     /* Q4_K, Q5_K */
-    const uint8_t *scales = b + 4, *qh = type == Q5_K ? b + 16 : NULL, *qs = type == Q5_K ? b + 48 : b + 16;
     w->d = fp16_at(b);
     w->dmin = fp16_at(b + 2);
     for (int j = 0; j < 8; j++) {
         int sc, mn;
-        scale_min_k4(scales, j, &sc, &mn);
-        w->q[j] = q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
+        scale_min_k4(b + 4, j, &sc, &mn);
+        w->q[j] = k_values(type, b, j);
         w->sc[j] = scale_one(sc);
         w->mins16[2 * j] = w->mins16[2 * j + 1] = (int16_t)mn;
     }
@@ -631,12 +639,6 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
  * over the group), in integers, then acc = fma(float(P) * d_w, d_x, acc). */
 ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
-/* Q6_K chunk j (0..7, values 32j .. 32j + 31) of super-block sb: 6-bit values as bytes. */
-ALWAYS_INLINE __m256i q6_values(const uint8_t *sb, int j) {
-    const int half = j >> 2, c = j & 3;
-    return q6_chunk(sb + 64 * half + 32 * (c & 1), sb + 128 + 32 * half, c >> 1, 2 * c);
-}
-
 ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || exact_k(type);
 }
@@ -651,12 +653,6 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
     case Q5_1: return with_high_bits(nibbles32(b + 8), b + 4);
     default: return _mm256_xor_si256(load32(b + 2), _mm256_set1_epi8((char)0x80)); /* Q8_0: q + 128 */
     }
-}
-
-/* Q4_K / Q5_K sub-block j (0..7) of super-block sb: its 32 unsigned values, element e in byte e. */
-ALWAYS_INLINE __m256i k_values(int type, const uint8_t *sb, int j) {
-    const uint8_t *qh = type == Q5_K ? sb + 16 : NULL, *qs = type == Q5_K ? sb + 48 : sb + 16;
-    return q5k_chunk(qs + 32 * (j >> 1), qh, j & 1, j);
 }
 
 /* Bytes of one thread's GEMM scratch (one unpacked panel) for m rows of k elements: none below GEMM_MIN_ROWS. */
@@ -684,18 +680,19 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
                 if (kq) {
                     int sc = 0, mv = 0;
                     float dv = 0.f, dminv = 0.f;
-                    if (col < cols && type == Q6_K) { /* sc_k, mn_k: the scales of the lower and upper 16 */
+                    if (col < cols) {
                         const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
-                        v[c] = q6_values(sb, b & 7);
-                        sc = ((const int8_t *)(sb + 192))[2 * (b & 7)];
-                        mv = ((const int8_t *)(sb + 192))[2 * (b & 7) + 1];
-                        dv = fp16_at(sb + 208);
-                    } else if (col < cols) {
-                        const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
-                        v[c] = k_values(type, sb, b & 7);
-                        scale_min_k4(sb + 4, b & 7, &sc, &mv);
-                        dv = fp16_at(sb);
-                        dminv = -fp16_at(sb + 2);
+                        if (type == Q6_K) { /* sc_k, mn_k: the scales of the lower and upper 16 */
+                            v[c] = q6_values(sb, b & 7);
+                            sc = ((const int8_t *)(sb + 192))[2 * (b & 7)];
+                            mv = ((const int8_t *)(sb + 192))[2 * (b & 7) + 1];
+                            dv = fp16_at(sb + 208);
+                        } else {
+                            v[c] = k_values(type, sb, b & 7);
+                            scale_min_k4(sb + 4, b & 7, &sc, &mv);
+                            dv = fp16_at(sb);
+                            dminv = -fp16_at(sb + 2);
+                        }
                     }
                     sc_k[b * GEMM_PANEL + col] = sc;
                     mn_k[b * GEMM_PANEL + col] = mv;
@@ -1101,11 +1098,13 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
 /* Thread t of nt's share for m < GEMM_MIN_ROWS rows: groups of 8 weight rows,
  * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
  * last group's missing weight rows repeat its last one and are not written.
- * One row alone (a single stream's decode) takes the 2 x 4 tile with itself
- * twice, its copy discarded: the same arithmetic per output as 1 x 8 (see the
- * top), but four weight rows stream at a time instead of eight, which the loads
- * keep up with: 4-5% faster per decode step on Zen 4, where the doubled dots
- * are free because the step waits on memory. */
+ * One row alone (a single stream's decode) of a 32-value type takes the 2 x 4
+ * tile with itself twice, its copy discarded: the same arithmetic per output
+ * as 1 x 8 (see the top), but four weight rows stream at a time instead of
+ * eight, which the loads keep up with: 4-5% faster per decode step on Zen 4,
+ * where the doubled dots are free because the step waits on memory. A K-quant
+ * row takes 1 x 8: its doubled dots are not free (a 1B Q4_K_M decoded at
+ * 29.5-31.3 tok/s with the pair against 31.3-32.2 with 1 x 8). */
 static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
     const exact_fn *fns = exact_tiles_for(type);
