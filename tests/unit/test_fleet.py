@@ -149,30 +149,6 @@ def test_cost_meter_follows_busy_time_and_tokens() -> None:
     assert cost_per_million(3.6, 0.0) is None
 
 
-async def test_memory_budget_refuses_before_loading(model_file: Path) -> None:
-    """The estimate before a load (weights + runtime) already over the budget: refused, the engine never started."""
-    from stoker.config import EngineConfig
-    from stoker.server.fleet import ENGINE_RUNTIME_BYTES, Fleet
-
-    started: list[object] = []
-
-    class NeverStarted:
-        def __init__(self, config: EngineConfig) -> None:
-            self.config = config
-
-        async def start(self) -> None:
-            started.append(self)
-
-        async def shutdown(self) -> None:
-            pass
-
-    specs = [ModelSpec("a", str(model_file))]
-    fleet = Fleet(specs, {}, EngineConfig(), NeverStarted, lambda t: t, max_memory=ENGINE_RUNTIME_BYTES)  # type: ignore[arg-type]
-    with pytest.raises(FleetError, match="model a: needs about") as info:
-        await fleet.start()
-    assert info.value.status == 409 and not started
-
-
 class _RecordedEngine:
     """An engine client that only records start and shutdown."""
 
@@ -185,6 +161,18 @@ class _RecordedEngine:
 
     async def shutdown(self) -> None:
         self.events.append("shutdown")
+
+
+async def test_memory_budget_refuses_before_loading(model_file: Path) -> None:
+    """The estimate before a load (weights + runtime) already over the budget: refused, the engine never started."""
+    from stoker.config import EngineConfig
+    from stoker.server.fleet import ENGINE_RUNTIME_BYTES, Fleet
+
+    specs = [ModelSpec("a", str(model_file))]
+    fleet = Fleet(specs, {}, EngineConfig(), _RecordedEngine, lambda t: t, max_memory=ENGINE_RUNTIME_BYTES)  # type: ignore[arg-type]
+    with pytest.raises(FleetError, match="model a: needs about") as info:
+        await fleet.start()
+    assert info.value.status == 409 and "start" not in fleet.initial[0].engine.events  # type: ignore[attr-defined]
 
 
 async def test_a_pinned_file_is_checked_before_its_engine_starts(model_file: Path) -> None:
