@@ -141,7 +141,8 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
         full = mm(x, w, qtype)
         for i in (0, 5, 31, 63):
             assert torch.equal(mm(x[i : i + 1], w, qtype), full[i : i + 1])
-        for rows in (2, 3, 7, 8, 9):  # either side of the exact kernels' switch from tiles to the GEMM
+        # either side of the exact kernels' switch from tiles to the GEMM (8 rows; 12 for the K-quants)
+        for rows in (2, 3, 7, 8, 9, 11, 12, 13):
             assert torch.equal(mm(x[9 : 9 + rows], w, qtype), full[9 : 9 + rows])
         assert torch.equal(mm(x[5:22], w, qtype), full[5:22])  # other tile boundaries
         assert torch.equal(mm(x, w[3:20], qtype), full[:, 3:20])  # weight rows in other tiles

@@ -443,6 +443,24 @@ ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
 
 /* ---- tile kernels ---------------------------------------------------------- */
 
+/* Ask for `bytes` from p in the weight rows PREFETCH_ROWS on, where the thread
+ * reads next what a tile reads at p now (a thread takes its weight rows in
+ * order, a few at a time, each row row_bytes long). Tiles stream 2 to 8 rows
+ * side by side, each a few hundred bytes to a few KB, so the hardware
+ * prefetcher barely learns one stream before it ends, and in a decode step,
+ * whose weights come from memory, most loads would wait on DRAM. (A fixed
+ * +1024 bytes landed inside rows the tile already streams.) One-row products of
+ * a weight larger than the caches on Zen 4, docs/perf/k-quants/prefetch.txt:
+ * AVX-512 Q4_1 1.8x, Q6_K 2.2x, Q4_K 1.3x; AVX2 Q4_1 2.3x, Q6_K 3x, Q4_K 1.5x.
+ * Only the tile of x's first row asks: the others find the rows in cache.
+ * The tile kernels ask as they go only for one or two rows of x (m <= 2): in
+ * their 3- and 4-row tiles the same asking cost an AVX2 Q4_K prefill 20%, so
+ * for m > 2 matmul_thread asks for a pair's rows at once before its tiles. */
+#define PREFETCH_ROWS 8
+ALWAYS_INLINE void prefetch_ahead(const uint8_t *p, size_t row_bytes, int bytes) {
+    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH_ROWS * row_bytes + (size_t)l);
+}
+
 ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
                           const xq_t *xq, size_t i0, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
@@ -454,6 +472,7 @@ ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint
         w32_t wb[NR_MAX];
         scale_t wd[NR_MAX];
         for (int j = 0; j < NR; j++) {
+            if (MR <= 2 && i0 == 0) prefetch_ahead(w + j * row_bytes + (size_t)b * ts, row_bytes, 1);
             unpack32(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
             wd[j] = scale_of(wb[j].d);
         }
@@ -482,6 +501,7 @@ ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8
         wk_t wb[NR_MAX];
         scale_t wd[NR_MAX], wdmin[NR_MAX];
         for (int j = 0; j < NR; j++) {
+            if (MR <= 2 && i0 == 0) prefetch_ahead(w + j * row_bytes + (size_t)b * ts, row_bytes, ts);
             unpackk(type, w + j * row_bytes + (size_t)b * ts, &wb[j]);
             wd[j] = scale_of(wb[j].d);
             wdmin[j] = scale_of(-wb[j].dmin);
@@ -585,6 +605,7 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
             for (int p = p_block; p < p_end; p++) {
                 const int j0 = p * NR_MAX, nr = n - j0 < NR_MAX ? n - j0 : NR_MAX;
                 const uint8_t *wp = w + (size_t)j0 * row_bytes;
+                if (m > 2 && i_chunk == 0) prefetch_ahead(wp, row_bytes, (int)(nr * row_bytes)); /* see tile32 */
                 for (int i0 = i_chunk; i0 < i_end; i0 += MR_MAX) {
                     const int mr = i_end - i0 < MR_MAX ? i_end - i0 : MR_MAX;
                     float res[MR_MAX * NR_MAX];
@@ -622,8 +643,13 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
 #define GEMM_PANEL 32
 #define GEMM_MR 6
 /* Rows of x from which the GEMM serves a call: below, unpacking the panels
- * costs more than it saves (measured on Zen 4 in decode steps, weights from memory). */
+ * costs more than it saves (measured on Zen 4 in decode steps, weights from
+ * memory). The K-quants' small tiles stay faster up to 11 rows: at 8 rows, a
+ * 16384 x 2048 Q4_K product took 2.9 ms in tiles and 4.6 in the GEMM; Q4_1's
+ * 4.1 and 3.2 (docs/perf/k-quants/prefetch.txt). GEMM_MIN_ROWS is the lower
+ * of the two: scratch is sized by it. */
 #define GEMM_MIN_ROWS 8
+#define GEMM_MIN_ROWS_K 12
 
 /* Q4_K and Q5_K: every value is d * sc * q - dmin * mn with q unsigned, sc and
  * mn 6-bit integers per 32 values, d and dmin per 256. Their exact kernels sum
@@ -642,6 +668,7 @@ ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K || typ
 ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || exact_k(type);
 }
+ALWAYS_INLINE int gemm_serves(int type, int m) { return m >= (exact_k(type) ? GEMM_MIN_ROWS_K : GEMM_MIN_ROWS); }
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 
 /* A block's 32 stored values as unsigned bytes (value + gemm_offset), element e in byte e. */
@@ -921,9 +948,7 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
         /* Each weight block's dots right after its unpack: only the 8 integer sums stay live. */
         for (int j = 0; j < NR; j++) {
             w32_t wb;
-            /* Eight weight rows stream side by side: more than the hardware prefetcher
-             * follows when the weights come from memory (a decode step), so ask ahead. */
-            _mm_prefetch((const char *)(wr[j] + (size_t)b * ts) + 1024, _MM_HINT_T0);
+            if (rows[0] == 0) prefetch_ahead(wr[j] + (size_t)b * ts, (size_t)nb * ts, 1);
             unpack32(type, wr[j] + (size_t)b * ts, &wb);
             dw[j] = wb.d;
             mw[j] = wb.m;
@@ -975,9 +1000,7 @@ ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, cons
                 _mm256_set1_epi16(1));
         for (int j = 0; j < NR; j++) {
             const uint8_t *blk = wr[j] + (size_t)sb * ts;
-            /* No software prefetch here, unlike exact_tile: a super-block row is
-             * short (1152 bytes for 2048 Q4_K values), so +1024 lands in rows this
-             * tile already streams, and asking cost 15-20% of a 1B Q4_K_M decode. */
+            if (rows[0] == 0) prefetch_ahead(blk, (size_t)nsb * ts, ts);
             uint64_t sc8, mn8;
             k_scales_mins(blk + 4, &sc8, &mn8);
             for (int i = 0; i < MR; i++) p[i * NR + j] = _mm256_setzero_si256();
@@ -1013,7 +1036,8 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
         for (int j = 0; j < NR; j++) {
             const uint8_t *blk = wr[j] + (size_t)sb * ts;
             const int8_t *sc = (const int8_t *)(blk + 192);
-            for (int i = 0; i < MR; i++) p[i * NR + j] = _mm256_setzero_si256(); /* (no prefetch: see exact_tile_k) */
+            for (int i = 0; i < MR; i++) p[i * NR + j] = _mm256_setzero_si256();
+            if (rows[0] == 0) prefetch_ahead(blk, (size_t)nsb * ts, ts);
             for (int c = 0; c < 8; c++) {
                 const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
                 for (int i = 0; i < MR; i++) {
@@ -1095,7 +1119,7 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
     }
 }
 
-/* Thread t of nt's share for m < GEMM_MIN_ROWS rows: groups of 8 weight rows,
+/* Thread t of nt's share for fewer rows than gemm_serves: groups of 8 weight rows,
  * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
  * last group's missing weight rows repeat its last one and are not written.
  * One row alone (a single stream's decode) of a 32-value type takes the 2 x 4
@@ -1144,14 +1168,14 @@ static size_t gemm_scratch_bytes(int k, int m) {
 
 /* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
  * (with xq->isum filled where exact_serves): the exact kernels where this build
- * has them for the type (the GEMM from GEMM_MIN_ROWS rows, with one unpacked
+ * has them for the type (the GEMM from gemm_serves' rows, with one unpacked
  * panel of scratch per thread, gemm_scratch_bytes(k, m)), else the tile kernels. */
 static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                 long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
                                 int nt) {
 #if EXACT_KERNELS
     if (exact_serves(type)) {
-        if (m >= GEMM_MIN_ROWS)
+        if (gemm_serves(type, m))
             gemm_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
         else
             exact_tiles_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
