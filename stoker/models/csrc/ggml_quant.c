@@ -451,7 +451,7 @@ ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
  * whose weights come from memory, most loads would wait on DRAM. (A fixed
  * +1024 bytes landed inside rows the tile already streams.) One-row products of
  * a weight larger than the caches on Zen 4, docs/perf/k-quants/prefetch.txt:
- * AVX-512 Q4_1 1.8x, Q6_K 2.2x, Q4_K 1.3x; AVX2 Q4_1 2.3x, Q6_K 3x, Q4_K 1.5x.
+ * AVX-512 Q4_1 1.8x, Q6_K 2.3x, Q4_K 1.35x; AVX2 Q4_1 2.4x, Q6_K 2.7x, Q4_K 1.9x.
  * Only the tile of x's first row asks: the others find the rows in cache.
  * The tile kernels ask as they go only for one or two rows of x (m <= 2): in
  * their 3- and 4-row tiles the same asking cost an AVX2 Q4_K prefill 20%, so
@@ -644,10 +644,11 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
 #define GEMM_MR 6
 /* Rows of x from which the GEMM serves a call: below, unpacking the panels
  * costs more than it saves (measured on Zen 4 in decode steps, weights from
- * memory). The K-quants' small tiles stay faster up to 11 rows: at 8 rows, a
- * 16384 x 2048 Q4_K product took 2.9 ms in tiles and 4.6 in the GEMM; Q4_1's
- * 4.1 and 3.2 (docs/perf/k-quants/prefetch.txt). GEMM_MIN_ROWS is the lower
- * of the two: scratch is sized by it. */
+ * memory). The K-quants' small tiles stay faster up to 11 rows: at 8 rows a
+ * 16384 x 2048 Q4_K product took 4.55 ms in them against 6.45 in the GEMM
+ * (docs/perf/k-quants/prefetch.txt), while Q4_1's GEMM stays ahead (3.2
+ * against 4.1 ms in the tiles). GEMM_MIN_ROWS is the lower of the two:
+ * scratch is sized by it. */
 #define GEMM_MIN_ROWS 8
 #define GEMM_MIN_ROWS_K 12
 
