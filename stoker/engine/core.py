@@ -140,7 +140,6 @@ class EngineCore:
                 config.speculative_method, config.num_speculative_tokens, config.speculative_max_batch
             )
             self.speculator = Speculator(self._proposer(config), policy)
-        self._measure_row_costs()
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -174,10 +173,14 @@ class EngineCore:
             self.load_seconds,
         )
 
-    def _measure_row_costs(self) -> None:
+    def measure_row_costs(self) -> None:
         """auto chooses draft lengths from what steps of 1 .. k + 1 rows cost on
-        this machine: measured here once (a few hundred ms on the default model),
-        on throwaway rows written into the null block."""
+        this machine: measured once (a few hundred ms on the default model), on
+        throwaway rows written into the null block. Not part of construction:
+        the engine process measures once it has been idle for a poll interval
+        after it reported ready (a quarter of a second less to /ready, and
+        the front end done starting; until then auto drafts about the
+        expected accepted run), LLM right after it builds its engine."""
         spec = self.speculator
         if spec is None or not spec.policy.adaptive:
             return

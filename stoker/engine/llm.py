@@ -26,6 +26,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        self.engine.measure_row_costs()
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -205,7 +205,7 @@ def run_engine(
         )
         out.send_multipart([READY, encoder.encode(info)])
         out.send_multipart([STATS, encoder.encode(core.stats())])
-        _loop(core, inp, out, parent_pid)
+        _loop(core, inp, out, parent_pid, getattr(core, "measure_row_costs", None))
     except Exception:
         out.send_multipart([FATAL, traceback.format_exc().encode()])
         out.close(linger=2000)
@@ -214,13 +214,25 @@ def run_engine(
         ctx.destroy(linger=1000)
 
 
-def _loop(core: Any, inp: zmq.Socket[bytes], out: zmq.Socket[bytes], parent_pid: int) -> None:
+def _loop(
+    core: Any,
+    inp: zmq.Socket[bytes],
+    out: zmq.Socket[bytes],
+    parent_pid: int,
+    calibrate: Callable[[], None] | None = None,
+) -> None:
+    """calibrate (EngineCore's row-cost measurement; test cores have none) runs
+    at the first idle poll: off the path to /ready, and after the front end
+    has finished starting, whose work on the other core would skew it."""
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     last_stats = 0.0
     while True:
         busy = core.has_unfinished_requests()
         if not busy and not poller.poll(IDLE_POLL_MS):
+            if calibrate is not None:
+                calibrate()
+                calibrate = None
             if os.getppid() != parent_pid:
                 return  # orphaned: the front end is gone, nobody will read our output
             continue

@@ -21,6 +21,7 @@ from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
 from stoker.config import EngineConfig
+from stoker.engine.core import EngineCore
 from stoker.engine.params import EngineCoreRequest
 from stoker.engine.runner import accept, verification_rows
 from stoker.engine.sampler import Sampler, SampleRow
@@ -128,6 +129,21 @@ def test_draft_length_follows_acceptance_and_row_costs() -> None:
     for _ in range(6):
         policy.record(key, 2, 2)  # always right: acceptance -> 1
     assert policy.num_drafts(key) == 4
+
+
+def test_row_costs_measured_after_construction(tiny: Path) -> None:
+    """EngineCore leaves auto's row costs unknown (the engine process measures
+    them when first idle after it reports ready, off the path to /ready); LLM
+    measures them as soon as it has built its engine."""
+    llm = _llm(tiny, "auto")
+    spec = llm.engine.speculator
+    assert spec is not None
+    assert len(spec.policy.costs) == 5 and all(cost > 0 for cost in spec.policy.costs)
+    settings = {"speculative_method": "auto", "num_speculative_tokens": 4, "dtype": "float32", "num_kv_blocks": 64}
+    core = EngineCore(EngineConfig(model=str(tiny), **settings))
+    assert core.speculator is not None and core.speculator.policy.costs == []
+    core.measure_row_costs()
+    assert len(core.speculator.policy.costs) == 5
 
 
 # ------------------------------------------------------------- verification
