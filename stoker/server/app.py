@@ -127,6 +127,11 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         front_end = asyncio.to_thread(_prepare_front_end, state)
         versions: list[ModelVersion]
         versions, state.embedder = await asyncio.gather(state.fleet.start(), front_end)
+        # Each version's chat tokenizer (ModelVersion.load_chat_tokenizer), once the thread
+        # above has imported transformers: two threads importing it at once can see it
+        # half-initialised.
+        for version in versions:
+            await asyncio.to_thread(version.load_chat_tokenizer)
     except (FleetError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))
@@ -148,16 +153,20 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
 
 
 def _prepare_front_end(state: ServerState) -> Any:
-    """What the front end needs besides the engine: the tokenizer's class (the
-    engine sends its tokenizer pickled; unpickling imports transformers, 1-2 s)
-    and the embedding model, if any (returned)."""
-    import torch
+    """What the front end needs besides the engine: transformers (the engine's
+    tokenizer arrives pickled, and the routes need its transformers half for chat
+    templates: importing transformers takes 0.6-2 s) and the embedding model, if
+    any (returned)."""
     import transformers
+
+    _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
+    if not state.config.embedding_model:
+        return None  # and no torch in this process: ~1 s of a start without embeddings
+    import torch
 
     # The engine process owns the cores; the front end's torch work (embeddings) stays small.
     torch.set_num_threads(1)
-    _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
-    return _load_embedder(state) if state.config.embedding_model else None
+    return _load_embedder(state)
 
 
 def _load_embedder(state: ServerState) -> Any:

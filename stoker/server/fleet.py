@@ -33,6 +33,7 @@ from stoker.engine.client import AsyncEngineClient, EngineStartupError
 from stoker.errors import APIError
 from stoker.models.digest import check_digest_syntax, model_digest
 from stoker.models.identity import model_name
+from stoker.models.tokenizer import Tokenizer
 from stoker.server.config import ServerConfig
 from stoker.server.protocol import unavailable
 from stoker.server.structured import GrammarChecker
@@ -267,6 +268,15 @@ class ModelVersion:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def load_chat_tokenizer(self) -> None:
+        """The transformers half of the engine's tokenizer, which an engine may send
+        without (it only encodes and decodes; stoker/models/tokenizer.py): the
+        routes need it for chat templates, so it loads before the version serves,
+        not on a request. Blocking: call it in a thread."""
+        tokenizer = self.engine.tokenizer
+        if isinstance(tokenizer, Tokenizer):
+            _ = tokenizer.hf
 
     @property
     def max_model_len(self) -> int:
@@ -537,6 +547,7 @@ class Fleet:
             try:
                 others = [v for v in self.versions() if v is not version]
                 await self._load(version, others)
+                await asyncio.to_thread(version.load_chat_tokenizer)
             except FleetError as exc:
                 version.status, version.error = "failed", str(exc)
                 if existing is not None:

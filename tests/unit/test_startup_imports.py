@@ -5,20 +5,27 @@ import pulls in delays the engine's start: torch and transformers (1-3 s)
 must stay out of it. The engine imports torch, but not dynamo and inductor
 (~1 s more; llguidance.torch pulls them in through a torch.compile
 decorator). A tokenizer folder naming the generic fast class loads without
-AutoTokenizer's model registry, and gives what AutoTokenizer gives.
+AutoTokenizer's model registry, and gives what AutoTokenizer gives; where
+`tokenizers` alone encodes and decodes as transformers does (the default
+model's converted tokenizer), the engine does not import transformers at all.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
+import random
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from stoker.config import default_model_path
 from stoker.models.identity import gguf_tokenizer_folder
 from stoker.models.loader import load_tokenizer
-from stoker.models.tokenizer import load_hf_tokenizer
+from stoker.models.tokenizer import Tokenizer, backend_serves, load_hf_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,3 +63,64 @@ def test_a_generic_tokenizer_folder_loads_as_auto_tokenizer_loads_it() -> None:
     assert direct.encode(text) == auto.encode(text) == tokenizer.encode(text)
     assert direct.eos_token_id == auto.eos_token_id
     assert direct.chat_template == auto.chat_template
+
+
+def test_the_default_models_tokenizer_loads_without_transformers() -> None:
+    path = default_model_path()
+    load_tokenizer(path)  # the GGUF's tokenizer converted into the cache (that step uses transformers)
+    modules = _modules_after(f"from stoker.models.loader import load_tokenizer\nload_tokenizer({str(path)!r})")
+    assert "tokenizers" in modules
+    assert "transformers" not in modules
+
+
+def test_the_tokenizers_backend_encodes_and_decodes_as_transformers_does() -> None:
+    path = default_model_path()
+    light = load_tokenizer(path)
+    folder = gguf_tokenizer_folder(path)
+    full = Tokenizer(load_hf_tokenizer(folder), light.eos_token_ids)
+    assert light._hf is None  # the backend path was taken
+    assert light.eos_token_ids == full.eos_token_ids and light.eos_token_ids
+    assert light._backend_id("eos_token") == full.hf.eos_token_id is not None
+    assert light.bos_token_id == full.bos_token_id
+    assert light.vocab_size == full.vocab_size
+    texts = [
+        "Hello world, <|im_start|>how are you? 123 \u00e9t\u00e9 <|im_end|>",
+        "  leading spaces\n\ttabs and \u4f60\u597d, emoji \U0001f600 <|endoftext|>",
+        "",
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    for text in texts:
+        for special in (True, False):
+            assert light.encode(text, add_special_tokens=special) == full.encode(text, add_special_tokens=special)
+    rng = random.Random(0)
+    specials = full.all_special_ids
+    for _ in range(200):
+        ids = [rng.randrange(light.vocab_size) for _ in range(rng.randrange(1, 12))]
+        ids += rng.sample(specials, min(2, len(specials)))
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert light.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip)
+    # The transformers half loads on first use, here and in a process that unpickles it.
+    assert light.chat_template == full.chat_template
+    copy = pickle.loads(pickle.dumps(light))
+    assert copy._hf is None and copy.encode(texts[0]) == full.encode(texts[0])
+    assert type(copy.hf) is type(full.hf)
+
+
+def test_which_folders_the_tokenizers_backend_serves(tmp_path: Path) -> None:
+    source = gguf_tokenizer_folder(default_model_path())
+    load_tokenizer(default_model_path())
+
+    def folder_with(**config: object) -> Path:
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(source, folder)
+        settings = json.loads((folder / "tokenizer_config.json").read_text())
+        settings.update(config)
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+        return folder
+
+    assert backend_serves(source)
+    assert backend_serves(folder_with(clean_up_tokenization_spaces=True))  # BPE: transformers skips the clean-up
+    assert not backend_serves(folder_with(tokenizer_class="LlamaTokenizer"))  # a subclass may differ
+    assert not backend_serves(folder_with(add_bos_token=True))  # rewrites the post-processor
+    assert not backend_serves(tmp_path)  # no tokenizer files at all
