@@ -34,7 +34,7 @@ from stoker.config import ModelConfig
 from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
 from stoker.models.registry import gguf_architecture
-from stoker.models.tokenizer import Tokenizer, load_tokenizer
+from stoker.models.tokenizer import Tokenizer, tokenizer_from_folder
 
 log = logging.getLogger("stoker.models")
 
@@ -316,7 +316,7 @@ def gguf_tokenizer(path: str) -> Tokenizer:
         hf.save_pretrained(tmp)
 
     folder = _cached(gguf_tokenizer_folder(path), convert)
-    return load_tokenizer(folder, eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
+    return tokenizer_from_folder(folder, eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])
 
 
 def _read_json(path: Path) -> dict[str, Any]:

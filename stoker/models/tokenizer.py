@@ -1,9 +1,10 @@
 """The tokenizer and chat template, behind one small interface.
 
 Everything delegates to a Hugging Face fast tokenizer so that token ids and
-rendered prompts are exactly what transformers produces for the same model;
-this class only adds message validation, content-part flattening and the
-model's full set of end-of-sequence ids.
+rendered prompts are exactly what transformers produces for the same model, or,
+where that is the same thing, to the `tokenizers` backend it wraps
+(backend_serves); this class only adds message validation, content-part
+flattening and the model's full set of end-of-sequence ids.
 """
 
 from __future__ import annotations
@@ -59,15 +60,17 @@ def backend_serves(folder: Path) -> bool:
     if any(key in config for key in ("add_bos_token", "add_eos_token", "add_prefix_space")):
         return False  # transformers rewrites the post-processor or pre-tokenizer from these
     if config.get("clean_up_tokenization_spaces"):
+        if config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
+            return False
         return bool(json.loads(model_path.read_text()).get("model", {}).get("type") == "BPE")
     return True
 
 
-def load_tokenizer(folder: Path, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
+def tokenizer_from_folder(folder: Path, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
     """A folder's Tokenizer. Where `tokenizers` alone does what transformers
     would (backend_serves), the transformers tokenizer is loaded only when
     first needed (chat templates, grammars, token strings): the engine
-    process, which only encodes and decodes, never imports transformers
+    process, which only encodes and decodes, does not import transformers
     (0.6-0.8 s of every start)."""
     if not backend_serves(folder):
         return Tokenizer(load_hf_tokenizer(folder), eos_token_ids)
@@ -96,7 +99,7 @@ class Tokenizer:
     """Encode, decode and render chat prompts for one model.
 
     Built on a transformers tokenizer (hf), or on a `tokenizers` backend with
-    the folder it came from (load_tokenizer): then hf loads from the folder on
+    the folder it came from (tokenizer_from_folder): then hf loads from the folder on
     first use, in whichever process uses it (pickling sends the backend, not hf).
     """
 
