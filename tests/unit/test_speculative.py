@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -122,7 +123,13 @@ def test_draft_length_follows_acceptance_and_row_costs() -> None:
     assert best_draft_length(0.95, measured, 2) == 2
     calls: list[int] = []
     costs = row_costs(calls.append, 3, repeats=2)
-    assert len(costs) == 3 and calls == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    assert len(costs) == 3 and calls == [1, 2, 3, 1, 2, 3, 1, 2, 3]  # warm-up, then the counts in turn
+
+    def one_row_slow(rows: int) -> None:  # as if something else took the core during the 1-row runs
+        time.sleep(0.004 if rows == 1 else 0.0005)
+
+    costs = row_costs(one_row_slow, 3, repeats=2)
+    assert costs[0] >= 0.004 and costs[1] == costs[0] and costs[2] == costs[1]  # more rows never cost less
     policy = SpeculationPolicy("auto", num_tokens=4, max_batch=4)
     policy.costs = [1.0, 1.1, 1.2, 1.3, 1.4]  # rows nearly free (a wide machine)
     key = ("r", 0)
