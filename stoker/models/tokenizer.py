@@ -121,6 +121,8 @@ class Tokenizer:
         if hf is not None and chat_template is not None:
             # Keep hf and this object consistent: callers may use either.
             hf.chat_template = chat_template
+        # The backend's bos and eos, read from the folder's config once.
+        self._backend_bos = self._backend_id("bos_token") if hf is None else None
         ids: list[int] = list(eos_token_ids or [])
         primary = hf.eos_token_id if hf is not None else self._backend_id("eos_token")
         if primary is not None:
@@ -170,7 +172,7 @@ class Tokenizer:
 
     @property
     def bos_token_id(self) -> int | None:
-        bos = self.hf.bos_token_id if self._backend is None else self._backend_id("bos_token")
+        bos = self.hf.bos_token_id if self._backend is None else self._backend_bos
         return None if bos is None else int(bos)
 
     @property
