@@ -16,9 +16,10 @@
  * with -ffp-contract=off and without -fassociative-math.
  *
  * AVX-512 VNNI builds have a second pair of kernels for every type: a blocked
- * GEMM for 8 rows of x or more and small tiles below that, both computing every
- * output with the same arithmetic (see "exact kernels" below, and exact_k for
- * the K-quants), so the choice by m changes no bit.
+ * GEMM for 8 rows of x or more (12 for the K-quants: gemm_serves) and small
+ * tiles below that, both computing every output with the same arithmetic (see
+ * "exact kernels" below, and exact_k for the K-quants), so the choice by m
+ * changes no bit.
  *
  * One source, built once per ISA level with explicit -m flags by
  * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
