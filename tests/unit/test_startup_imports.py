@@ -124,3 +124,15 @@ def test_which_folders_the_tokenizers_backend_serves(tmp_path: Path) -> None:
     assert not backend_serves(folder_with(tokenizer_class="LlamaTokenizer"))  # a subclass may differ
     assert not backend_serves(folder_with(add_bos_token=True))  # rewrites the post-processor
     assert not backend_serves(tmp_path)  # no tokenizer files at all
+
+
+def test_a_front_end_without_embeddings_imports_transformers_but_not_torch() -> None:
+    """The front end's loading thread needs transformers (the chat half of the
+    tokenizer) and torch only for the embedding model."""
+    modules = _modules_after(
+        "from types import SimpleNamespace\n"
+        "from stoker.server.app import _prepare_front_end\n"
+        "assert _prepare_front_end(SimpleNamespace(config=SimpleNamespace(embedding_model=None))) is None"
+    )
+    assert "transformers" in modules
+    assert "torch" not in modules
