@@ -1,21 +1,29 @@
 """Sentence embeddings with a BERT encoder (all-MiniLM-L6-v2 by default), as
 sentence-transformers computes them: encoder -> mean over real tokens -> L2
 norm. Plus a micro-batcher so concurrent HTTP requests share forward passes.
+
+The encoder runs on numpy (its BLAS for the matmuls), not torch: it lives in
+the front end, which otherwise needs no torch, and importing torch (1.2-1.5 s)
+was the longest part of the front end's start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import itertools
 import json
 import math
 import os
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-from safetensors.torch import load_file
+import numpy as np
+import numpy.typing as npt
+from safetensors.numpy import load_file
+from threadpoolctl import threadpool_limits
 from tokenizers import Tokenizer
+
+Array = npt.NDArray[np.float32]
 
 BUNDLED_NAME = "all-MiniLM-L6-v2"
 
@@ -35,6 +43,73 @@ class BertConfig:
     num_heads: int
     max_position_embeddings: int
     layer_norm_eps: float
+
+
+@dataclass(frozen=True)
+class _Linear:
+    weight_t: Array  # (in, out), contiguous: x @ W^T as a plain matmul
+    bias: Array
+
+    def __call__(self, x: Array) -> Array:
+        out: Array = x @ self.weight_t
+        out += self.bias
+        return out
+
+
+@dataclass(frozen=True)
+class _LayerNorm:
+    weight: Array
+    bias: Array
+    eps: np.float32
+
+    def __call__(self, x: Array) -> Array:
+        centered: Array = x - x.mean(axis=-1, keepdims=True)
+        var = np.square(centered).mean(axis=-1, keepdims=True)
+        centered /= np.sqrt(var + self.eps)
+        centered *= self.weight
+        centered += self.bias
+        return centered
+
+
+@dataclass(frozen=True)
+class _EncoderLayer:
+    qkv: _Linear  # query, key and value in one matmul
+    attention_out: _Linear
+    attention_norm: _LayerNorm
+    intermediate: _Linear
+    output: _Linear
+    output_norm: _LayerNorm
+
+    def __call__(self, x: Array, starts: list[int], heads: int) -> Array:
+        """x: every input's tokens one after another (no padding); input i is rows
+        starts[i]:starts[i + 1], and attends only to itself."""
+        hidden = x.shape[1]
+        head_dim = hidden // heads
+        scale = np.float32(1.0 / math.sqrt(head_dim))
+        qkv = self.qkv(x)
+        ctx = np.empty_like(x)
+        for a, b in itertools.pairwise(starts):
+            per_head = qkv[a:b].reshape(b - a, 3, heads, head_dim)
+            q, k, v = (
+                per_head[:, 0].transpose(1, 0, 2),
+                per_head[:, 1].transpose(1, 2, 0),
+                per_head[:, 2].transpose(1, 0, 2),
+            )
+            scores = q @ k
+            scores *= scale
+            scores -= scores.max(axis=-1, keepdims=True)
+            np.exp(scores, out=scores)
+            scores /= scores.sum(axis=-1, keepdims=True)
+            ctx[a:b] = (scores @ v).transpose(1, 0, 2).reshape(b - a, hidden)
+        x = self.attention_norm(x + self.attention_out(ctx))
+        # The feed-forward block in slices of rows, so its 4x-wide activations stay in cache.
+        ffn = np.empty_like(x)
+        for a in range(0, len(x), _FFN_ROWS):
+            ffn[a : a + _FFN_ROWS] = self.output(gelu(self.intermediate(x[a : a + _FFN_ROWS])))
+        return self.output_norm(x + ffn)
+
+
+_FFN_ROWS = 128
 
 
 class EmbeddingModel:
@@ -67,9 +142,46 @@ class EmbeddingModel:
             raise ValueError(f"the tokenizer in {path} has no [CLS]/[SEP] tokens: not a BERT-style embedding model")
         self.cls_id: int = cls_id
         self.sep_id: int = sep_id
-        weights = load_file(os.path.join(path, "model.safetensors"))
-        self.w = {k.removeprefix("bert."): v.float() for k, v in weights.items()}
+        self._load_weights(os.path.join(path, "model.safetensors"))
         self.dimensions = self.config.hidden_size
+        # The engine process owns the cores; the front end's BLAS work stays on one
+        # thread (a process-wide setting, as torch.set_num_threads(1) was).
+        threadpool_limits(limits=1, user_api="blas")
+
+    def _load_weights(self, file: str) -> None:
+        tensors = {k.removeprefix("bert."): v for k, v in load_file(file).items()}
+
+        def tensor(name: str) -> Array:
+            if name not in tensors:
+                raise ValueError(f"{file} has no tensor {name!r}: not a BERT encoder's weights")
+            return np.ascontiguousarray(tensors[name], dtype=np.float32)
+
+        def linear(*prefixes: str) -> _Linear:
+            weight = np.concatenate([tensor(f"{p}.weight") for p in prefixes])
+            return _Linear(np.ascontiguousarray(weight.T), np.concatenate([tensor(f"{p}.bias") for p in prefixes]))
+
+        eps = np.float32(self.config.layer_norm_eps)
+
+        def norm(prefix: str) -> _LayerNorm:
+            return _LayerNorm(tensor(f"{prefix}.weight"), tensor(f"{prefix}.bias"), eps)
+
+        self.word_embeddings = tensor("embeddings.word_embeddings.weight")
+        self.position_embeddings = tensor("embeddings.position_embeddings.weight")
+        self.token_type_embedding = tensor("embeddings.token_type_embeddings.weight")[0]
+        self.embeddings_norm = norm("embeddings.LayerNorm")
+        self.layers = []
+        for i in range(self.config.num_layers):
+            p = f"encoder.layer.{i}"
+            self.layers.append(
+                _EncoderLayer(
+                    qkv=linear(*(f"{p}.attention.self.{n}" for n in ("query", "key", "value"))),
+                    attention_out=linear(f"{p}.attention.output.dense"),
+                    attention_norm=norm(f"{p}.attention.output.LayerNorm"),
+                    intermediate=linear(f"{p}.intermediate.dense"),
+                    output=linear(f"{p}.output.dense"),
+                    output_norm=norm(f"{p}.output.LayerNorm"),
+                )
+            )
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids with [CLS] ... [SEP], as the model was trained."""
@@ -83,44 +195,46 @@ class EmbeddingModel:
             ids = [*ids, self.sep_id]
         return ids
 
-    def _ln(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.layer_norm(
-            x, (x.shape[-1],), self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"], self.config.layer_norm_eps
-        )
+    def forward(self, batch: list[list[int]]) -> Array:
+        """Normalized sentence embeddings, one row per token-id list (each non-empty
+        and <= max_tokens). The inputs are packed, not padded: a row does not
+        depend on what else is in the batch, and padding costs nothing."""
+        lengths = [len(ids) for ids in batch]
+        starts = [0, *itertools.accumulate(lengths)]
+        ids = np.fromiter(itertools.chain.from_iterable(batch), dtype=np.int64, count=starts[-1])
+        positions = np.concatenate([np.arange(n) for n in lengths])
+        x = self.word_embeddings[ids] + self.position_embeddings[positions]
+        x = self.embeddings_norm(x + self.token_type_embedding)
+        for layer in self.layers:
+            x = layer(x, starts, self.config.num_heads)
+        pooled = np.add.reduceat(x, starts[:-1], axis=0) / np.array(lengths, dtype=np.float32)[:, None]
+        norms = np.sqrt(np.square(pooled).sum(axis=1, keepdims=True))
+        out: Array = pooled / np.maximum(norms, np.float32(1e-12))  # F.normalize's eps
+        return out
 
-    def _lin(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        return F.linear(x, self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"])
 
-    @torch.inference_mode()
-    def forward(self, batch: list[list[int]]) -> torch.Tensor:
-        """Normalized sentence embeddings, one row per token-id list (each <= max_tokens)."""
-        cfg = self.config
-        length = max(len(ids) for ids in batch)
-        ids = torch.zeros(len(batch), length, dtype=torch.long)
-        mask = torch.zeros(len(batch), length, dtype=torch.bool)
-        for i, row in enumerate(batch):
-            ids[i, : len(row)] = torch.tensor(row)
-            mask[i, : len(row)] = True
-        w = self.w
-        x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:length]
-        x = self._ln(x + w["embeddings.token_type_embeddings.weight"][0], "embeddings.LayerNorm")
-        heads, head_dim = cfg.num_heads, cfg.hidden_size // cfg.num_heads
-        attn_mask = mask[:, None, None, :]  # padding keys are invisible to every query
-        for layer in range(cfg.num_layers):
-            p = f"encoder.layer.{layer}"
-
-            def split(t: torch.Tensor) -> torch.Tensor:
-                return t.view(len(batch), length, heads, head_dim).transpose(1, 2)
-
-            q, k, v = (split(self._lin(x, f"{p}.attention.self.{n}")) for n in ("query", "key", "value"))
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=1.0 / math.sqrt(head_dim))
-            ctx = ctx.transpose(1, 2).reshape(len(batch), length, cfg.hidden_size)
-            x = self._ln(x + self._lin(ctx, f"{p}.attention.output.dense"), f"{p}.attention.output.LayerNorm")
-            h = F.gelu(self._lin(x, f"{p}.intermediate.dense"))
-            x = self._ln(x + self._lin(h, f"{p}.output.dense"), f"{p}.output.LayerNorm")
-        weights = mask.unsqueeze(-1).float()
-        pooled = (x * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-        return F.normalize(pooled, p=2, dim=1)
+def gelu(x: Array) -> Array:
+    """BERT's exact GELU, x/2 * (1 + erf(x / sqrt 2)), in place. numpy has no erf:
+    Abramowitz & Stegun 7.1.26, |error| <= 1.5e-7, float32's own resolution near 1."""
+    z = np.abs(x)
+    z *= np.float32(1.0 / math.sqrt(2.0))
+    t = z * np.float32(0.3275911)
+    t += np.float32(1.0)
+    np.reciprocal(t, out=t)
+    poly = t * np.float32(1.061405429)
+    for coefficient in (-1.453152027, 1.421413741, -0.284496736, 0.254829592):
+        poly += np.float32(coefficient)
+        poly *= t
+    np.square(z, out=z)
+    np.negative(z, out=z)
+    np.exp(z, out=z)
+    poly *= z  # 1 - erf(|x| / sqrt 2)
+    np.subtract(np.float32(1.0), poly, out=poly)
+    np.copysign(poly, x, out=poly)
+    poly += np.float32(1.0)
+    poly *= np.float32(0.5)
+    x *= poly
+    return x
 
 
 class EmbeddingBatcher:
@@ -130,7 +244,7 @@ class EmbeddingBatcher:
     def __init__(self, model: EmbeddingModel, max_batch: int = 32) -> None:
         self.model = model
         self.max_batch = max_batch
-        self._pending: list[tuple[list[int], asyncio.Future[torch.Tensor]]] = []
+        self._pending: list[tuple[list[int], asyncio.Future[Array]]] = []
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
 
@@ -142,7 +256,7 @@ class EmbeddingBatcher:
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
-    async def embed(self, inputs: list[list[int]]) -> list[torch.Tensor]:
+    async def embed(self, inputs: list[list[int]]) -> list[Array]:
         loop = asyncio.get_running_loop()
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()

@@ -161,11 +161,7 @@ def _prepare_front_end(state: ServerState) -> Any:
 
     _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
     if not state.config.embedding_model:
-        return None  # and no torch in this process: ~1 s of a start without embeddings
-    import torch
-
-    # The engine process owns the cores; the front end's torch work (embeddings) stays small.
-    torch.set_num_threads(1)
+        return None
     return _load_embedder(state)
 
 

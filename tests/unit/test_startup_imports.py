@@ -126,13 +126,17 @@ def test_which_folders_the_tokenizers_backend_serves(tmp_path: Path) -> None:
     assert not backend_serves(tmp_path)  # no tokenizer files at all
 
 
-def test_a_front_end_without_embeddings_imports_transformers_but_not_torch() -> None:
+@pytest.mark.parametrize("embedding_model", [None, "all-MiniLM-L6-v2"])
+def test_the_front_end_imports_transformers_but_not_torch(embedding_model: str | None) -> None:
     """The front end's loading thread needs transformers (the chat half of the
-    tokenizer) and torch only for the embedding model."""
+    tokenizer); the embedding model runs on numpy, so no torch either way."""
     modules = _modules_after(
         "from types import SimpleNamespace\n"
         "from stoker.server.app import _prepare_front_end\n"
-        "assert _prepare_front_end(SimpleNamespace(config=SimpleNamespace(embedding_model=None))) is None"
+        f"config = SimpleNamespace(embedding_model={embedding_model!r}, embedding_batch_size=4)\n"
+        "embedder = _prepare_front_end(SimpleNamespace(config=config, embeddings_disabled=None))\n"
+        f"assert (embedder is None) == {embedding_model is None}\n"
+        "assert embedder is None or embedder.model.forward([[101, 7592, 102]]).shape == (1, 384)"
     )
     assert "transformers" in modules
     assert "torch" not in modules

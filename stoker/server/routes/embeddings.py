@@ -64,7 +64,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     for i, row in enumerate(rows):
         vector: Any = row.tolist()
         if body.encoding_format == "base64":  # little-endian float32, as OpenAI encodes it
-            vector = base64.b64encode(row.numpy().astype("<f4").tobytes()).decode()
+            vector = base64.b64encode(row.astype("<f4").tobytes()).decode()
         data.append({"object": "embedding", "index": i, "embedding": vector})
     state.hooks.run_finished(
         FinishedRecord(
