@@ -15,11 +15,11 @@
  * needs the compiler to keep float operations as written: the library is built
  * with -ffp-contract=off and without -fassociative-math.
  *
- * AVX-512 VNNI builds have a second pair of kernels for every type: a blocked
- * GEMM for 8 rows of x or more (12 for the K-quants: gemm_serves) and small
- * tiles below that, both computing every output with the same arithmetic (see
- * "exact kernels" below, and exact_k for the K-quants), so the choice by m
- * changes no bit.
+ * The SIMD builds (AVX2, AVX-VNNI, AVX-512 VNNI) have a second pair of kernels
+ * for every type (AVX2: but Q8_0): a blocked GEMM from 8 rows of x (more for
+ * the K-quants: gemm_serves) and small tiles below that, both computing every
+ * output with the same arithmetic (see "exact kernels" below, and exact_k for
+ * the K-quants), so the choice by m changes no bit.
  *
  * One source, built once per ISA level with explicit -m flags by
  * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
@@ -619,15 +619,16 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
     }
 }
 
-/* ---- exact kernels: a blocked GEMM and small tiles (AVX-512 VNNI builds) ----
+/* ---- exact kernels: a blocked GEMM and small tiles (the SIMD builds) ----
  *
  * Why: the tile kernels above unpack a weight block for at most MR_MAX rows of
  * x and spend ~5 vector instructions per 32 multiply-adds: right for one
  * decoding row, ~5x below what the cores can do on a prefill chunk or a large
- * decode batch. The GEMM unpacks a panel of 32 weight rows once into VNNI
- * order (for each 4 k-values, the 32 rows' bytes side by side) and sweeps
- * every row of x over it, each vpdpbusd doing 64 multiply-adds (16 columns by
- * 4 k-values).
+ * decode batch. The GEMM unpacks a panel of GEMM_PANEL weight rows (32 on
+ * AVX-512, 16 on AVX2) once into VNNI order (for each 4 k-values, the panel's
+ * bytes side by side) and sweeps every row of x over it, each vpdpbusd doing a
+ * multiply-add per column and k-value (64 on AVX-512; on AVX2 without VNNI,
+ * maddubs + madd do the 32 of a 256-bit vpdpbusd).
  *
  * For the 32-value block types both kernels compute output (i, j) as: per 32-block b, the exact
  * integer dot isum of x's int8 with the block's values, then in fp32, block by
@@ -639,19 +640,80 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
  * sum(x)); the tiles take signed values with the sign trick. Same integer,
  * same float operations: so whichever kernel serves a call (by m alone), each
  * output is bit-identical, and batch invariance holds across the switch. */
-#if QUANT_ISA == 3
+#if QUANT_SIMD
 #define EXACT_KERNELS 1
-#define GEMM_PANEL 32
+/* The GEMM's registers: GEMM_MR rows of x by two vectors of columns, an int32
+ * and an fp32 accumulator each. AVX-512 has 32 registers of 16 lanes: 6 rows
+ * by 32 columns. AVX2 has 16 of 8 lanes: 3 rows by 16 columns (12
+ * accumulators, two weight vectors and a broadcast of x). The arithmetic per
+ * output is the same either way: one lane's. */
+#if QUANT_ISA == 3
+#define GEMM_LANES 16
 #define GEMM_MR 6
+typedef __m512i gemm_i;
+typedef __m512 gemm_f;
+#define GV_LOAD_I(p) _mm512_loadu_si512((const void *)(p))
+#define GV_LOAD_F(p) _mm512_loadu_ps(p)
+#define GV_STORE_F(p, v) _mm512_storeu_ps(p, v)
+#define GV_SET1_I(v) _mm512_set1_epi32(v)
+#define GV_SET1_F(v) _mm512_set1_ps(v)
+#define GV_ZERO_I() _mm512_setzero_si512()
+#define GV_ZERO_F() _mm512_setzero_ps()
+#define GV_ADD_I(a, b) _mm512_add_epi32(a, b)
+#define GV_SUB_I(a, b) _mm512_sub_epi32(a, b)
+#define GV_MULLO_I(a, b) _mm512_mullo_epi32(a, b)
+#define GV_SLLI_I(a, n) _mm512_slli_epi32(a, n)
+#define GV_CVT(a) _mm512_cvtepi32_ps(a)
+#define GV_MUL_F(a, b) _mm512_mul_ps(a, b)
+#define GV_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GV_DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#else
+#define GEMM_LANES 8
+#define GEMM_MR 3
+typedef __m256i gemm_i;
+typedef __m256 gemm_f;
+#define GV_LOAD_I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define GV_LOAD_F(p) _mm256_loadu_ps(p)
+#define GV_STORE_F(p, v) _mm256_storeu_ps(p, v)
+#define GV_SET1_I(v) _mm256_set1_epi32(v)
+#define GV_SET1_F(v) _mm256_set1_ps(v)
+#define GV_ZERO_I() _mm256_setzero_si256()
+#define GV_ZERO_F() _mm256_setzero_ps()
+#define GV_ADD_I(a, b) _mm256_add_epi32(a, b)
+#define GV_SUB_I(a, b) _mm256_sub_epi32(a, b)
+#define GV_MULLO_I(a, b) _mm256_mullo_epi32(a, b)
+#define GV_SLLI_I(a, n) _mm256_slli_epi32(a, n)
+#define GV_CVT(a) _mm256_cvtepi32_ps(a)
+#define GV_MUL_F(a, b) _mm256_mul_ps(a, b)
+#define GV_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#if QUANT_ISA == 2
+#define GV_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#else
+/* maddubs sums two u8 * s8 products in int16: exact while the unsigned values
+ * stay below 128 (127 * 127 * 2 fits), which holds for every type but Q8_0
+ * (stored + 128): AVX2 builds leave Q8_0 to the tile kernels (exact_serves). */
+#define GV_DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#endif
+#endif
+#define GEMM_PANEL (2 * GEMM_LANES)
 /* Rows of x from which the GEMM serves a call: below, unpacking the panels
  * costs more than it saves (measured on Zen 4 in decode steps, weights from
  * memory). The K-quants' small tiles stay faster up to 11 rows: at 8 rows a
  * 16384 x 2048 Q4_K product took 4.55 ms in them against 6.45 in the GEMM
  * (docs/perf/k-quants/prefetch.txt), while Q4_1's GEMM stays ahead (3.2
  * against 4.1 ms in the tiles). GEMM_MIN_ROWS is the lower of the two:
- * scratch is sized by it. */
+ * scratch is sized by it. The 256-bit GEMM takes the K-quants over from more
+ * rows (measured on an Emerald Rapids with AVX-VNNI, and built for AVX2 there,
+ * docs/perf/exact-kernels/avx2.md): Q4_K's GEMM overtakes its tiles between
+ * 12 and 16 rows with vpdpbusd, between 16 and 24 with maddubs. */
 #define GEMM_MIN_ROWS 8
+#if QUANT_ISA == 3
 #define GEMM_MIN_ROWS_K 12
+#elif QUANT_ISA == 2
+#define GEMM_MIN_ROWS_K 16
+#else
+#define GEMM_MIN_ROWS_K 24
+#endif
 
 /* Q4_K and Q5_K: every value is d * sc * q - dmin * mn with q unsigned, sc and
  * mn 6-bit integers per 32 values, d and dmin per 256. Their exact kernels sum
@@ -668,7 +730,8 @@ static void matmul_thread(const tile_fn *tiles, const uint8_t *w, size_t row_byt
 ALWAYS_INLINE int exact_k(int type) { return type == Q4_K || type == Q5_K || type == Q6_K; }
 
 ALWAYS_INLINE int exact_serves(int type) {
-    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || type == Q8_0 || exact_k(type);
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || (type == Q8_0 && QUANT_ISA != 1) ||
+           exact_k(type);
 }
 ALWAYS_INLINE int gemm_serves(int type, int m) { return m >= (exact_k(type) ? GEMM_MIN_ROWS_K : GEMM_MIN_ROWS); }
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
@@ -764,79 +827,79 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
 
 /* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
 ALWAYS_INLINE void gemm_dots(const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
-                             __m512i s[GEMM_MR][2]) {
+                             gemm_i s[GEMM_MR][2]) {
     for (int t = t0; t < t1; t++) {
-        const __m512i w0 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL);
-        const __m512i w1 = _mm512_loadu_si512(q + t * 4 * GEMM_PANEL + 64);
+        const gemm_i w0 = GV_LOAD_I(q + t * 4 * GEMM_PANEL);
+        const gemm_i w1 = GV_LOAD_I(q + t * 4 * GEMM_PANEL + 4 * GEMM_LANES);
         for (int r = 0; r < GEMM_MR; r++) {
             int32_t four;
             memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-            const __m512i xb = _mm512_set1_epi32(four);
-            s[r][0] = _mm512_dpbusd_epi32(s[r][0], w0, xb);
-            s[r][1] = _mm512_dpbusd_epi32(s[r][1], w1, xb);
+            const gemm_i xb = GV_SET1_I(four);
+            s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
+            s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
         }
     }
 }
 
-/* GEMM_MR rows of x (at[]) by the unpacked panel: out[r][0] columns 0-15, out[r][1] 16-31. */
+/* GEMM_MR rows of x (at[]) by the unpacked panel: out[r][0] its first GEMM_LANES columns, out[r][1] the rest. */
 static inline void gemm_tile(const xq_t *xq, const size_t *at, int nb, int offset, int has_min,
-                             const uint8_t *scratch, __m512 out[GEMM_MR][2]) {
+                             const uint8_t *scratch, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k;
     const float *d = (const float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
     for (int r = 0; r < GEMM_MR; r++) {
         x[r] = xq->qs + at[r] * (size_t)k;
-        out[r][0] = out[r][1] = _mm512_setzero_ps();
+        out[r][0] = out[r][1] = GV_ZERO_F();
     }
     for (int b = 0; b < nb; b++) {
-        __m512i s[GEMM_MR][2];
+        gemm_i s[GEMM_MR][2];
         for (int r = 0; r < GEMM_MR; r++)
-            s[r][0] = s[r][1] = _mm512_set1_epi32(offset ? -offset * (int)xq->isum[at[r] * (size_t)nb + b] : 0);
+            s[r][0] = s[r][1] = GV_SET1_I(offset ? -offset * (int)xq->isum[at[r] * (size_t)nb + b] : 0);
         gemm_dots(x, b, scratch + (size_t)b * 32 * GEMM_PANEL, 0, 8, s);
-        const __m512 d0 = _mm512_loadu_ps(d + b * GEMM_PANEL), d1 = _mm512_loadu_ps(d + b * GEMM_PANEL + 16);
+        const gemm_f d0 = GV_LOAD_F(d + b * GEMM_PANEL), d1 = GV_LOAD_F(d + b * GEMM_PANEL + GEMM_LANES);
         for (int r = 0; r < GEMM_MR; r++) {
-            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nb + b]);
-            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][0]), d0), dx, out[r][0]);
-            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s[r][1]), d1), dx, out[r][1]);
+            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nb + b]);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][0]), d0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][1]), d1), dx, out[r][1]);
         }
         if (has_min) {
-            const __m512 m0 = _mm512_loadu_ps(mn + b * GEMM_PANEL), m1 = _mm512_loadu_ps(mn + b * GEMM_PANEL + 16);
+            const gemm_f m0 = GV_LOAD_F(mn + b * GEMM_PANEL), m1 = GV_LOAD_F(mn + b * GEMM_PANEL + GEMM_LANES);
             for (int r = 0; r < GEMM_MR; r++) {
-                const __m512 sx = _mm512_set1_ps(xq->s[at[r] * (size_t)nb + b]);
-                out[r][0] = _mm512_fmadd_ps(m0, sx, out[r][0]);
-                out[r][1] = _mm512_fmadd_ps(m1, sx, out[r][1]);
+                const gemm_f sx = GV_SET1_F(xq->s[at[r] * (size_t)nb + b]);
+                out[r][0] = GV_FMADD(m0, sx, out[r][0]);
+                out[r][1] = GV_FMADD(m1, sx, out[r][1]);
             }
         }
     }
 }
 
 /* p[r] += s[r] * the panel's integer scales sc (then s is zeroed). */
-ALWAYS_INLINE void gemm_scale_into(const int32_t *sc, __m512i s[GEMM_MR][2], __m512i p[GEMM_MR][2]) {
-    const __m512i sc0 = _mm512_loadu_si512(sc), sc1 = _mm512_loadu_si512(sc + 16);
+ALWAYS_INLINE void gemm_scale_into(const int32_t *sc, gemm_i s[GEMM_MR][2], gemm_i p[GEMM_MR][2]) {
+    const gemm_i sc0 = GV_LOAD_I(sc), sc1 = GV_LOAD_I(sc + GEMM_LANES);
     for (int r = 0; r < GEMM_MR; r++) {
-        p[r][0] = _mm512_add_epi32(p[r][0], _mm512_mullo_epi32(s[r][0], sc0));
-        p[r][1] = _mm512_add_epi32(p[r][1], _mm512_mullo_epi32(s[r][1], sc1));
-        s[r][0] = s[r][1] = _mm512_setzero_si512();
+        p[r][0] = GV_ADD_I(p[r][0], GV_MULLO_I(s[r][0], sc0));
+        p[r][1] = GV_ADD_I(p[r][1], GV_MULLO_I(s[r][1], sc1));
+        s[r][0] = s[r][1] = GV_ZERO_I();
     }
 }
 
 /* gemm_tile for the K-quants: per super-block, the integers P and M (see
  * exact_k), then their fp32 terms. */
 static inline void gemm_tile_k(int type, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
-                               __m512 out[GEMM_MR][2]) {
+                               gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *sc = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
     const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
     for (int r = 0; r < GEMM_MR; r++) {
         x[r] = xq->qs + at[r] * (size_t)k;
-        out[r][0] = out[r][1] = _mm512_setzero_ps();
+        out[r][0] = out[r][1] = GV_ZERO_F();
     }
     for (int sb = 0; sb < nsb; sb++) {
-        __m512i p[GEMM_MR][2];
-        for (int r = 0; r < GEMM_MR; r++) p[r][0] = p[r][1] = _mm512_setzero_si512();
-        __m512i s[GEMM_MR][2];
-        for (int r = 0; r < GEMM_MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+        gemm_i p[GEMM_MR][2];
+        for (int r = 0; r < GEMM_MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
+        gemm_i s[GEMM_MR][2];
+        for (int r = 0; r < GEMM_MR; r++) s[r][0] = s[r][1] = GV_ZERO_I();
         for (int j = 0; j < 8; j++) {
             const int b = sb * 8 + j;
             const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
@@ -850,38 +913,38 @@ static inline void gemm_tile_k(int type, const xq_t *xq, const size_t *at, int n
                 gemm_scale_into(sc + b * GEMM_PANEL, s, p);
             }
         }
-        const __m512 d0 = _mm512_loadu_ps(d + sb * GEMM_PANEL), d1 = _mm512_loadu_ps(d + sb * GEMM_PANEL + 16);
-        const __m512 m0 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL), m1 = _mm512_loadu_ps(dmin + sb * GEMM_PANEL + 16);
+        const gemm_f d0 = GV_LOAD_F(d + sb * GEMM_PANEL), d1 = GV_LOAD_F(d + sb * GEMM_PANEL + GEMM_LANES);
+        const gemm_f m0 = GV_LOAD_F(dmin + sb * GEMM_PANEL), m1 = GV_LOAD_F(dmin + sb * GEMM_PANEL + GEMM_LANES);
         for (int r = 0; r < GEMM_MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
-            const __m512 dx = _mm512_set1_ps(xq->d[at[r] * (size_t)nsb + sb]);
+            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
             if (type == Q6_K) { /* P - 32 * sum of sc * x's sums of 16 */
-                __m512i o0 = _mm512_setzero_si512(), o1 = _mm512_setzero_si512();
+                gemm_i o0 = GV_ZERO_I(), o1 = GV_ZERO_I();
                 for (int j = 0; j < 8; j++) {
                     const int32_t *lo = sc + (size_t)(sb * 8 + j) * GEMM_PANEL, *hi = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
-                    const __m512i x0 = _mm512_set1_epi32(bs[2 * j]), x1 = _mm512_set1_epi32(bs[2 * j + 1]);
-                    o0 = _mm512_add_epi32(o0, _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(lo), x0),
-                                                               _mm512_mullo_epi32(_mm512_loadu_si512(hi), x1)));
-                    o1 = _mm512_add_epi32(o1, _mm512_add_epi32(_mm512_mullo_epi32(_mm512_loadu_si512(lo + 16), x0),
-                                                               _mm512_mullo_epi32(_mm512_loadu_si512(hi + 16), x1)));
+                    const gemm_i x0 = GV_SET1_I(bs[2 * j]), x1 = GV_SET1_I(bs[2 * j + 1]);
+                    o0 = GV_ADD_I(o0, GV_ADD_I(GV_MULLO_I(GV_LOAD_I(lo), x0),
+                                                               GV_MULLO_I(GV_LOAD_I(hi), x1)));
+                    o1 = GV_ADD_I(o1, GV_ADD_I(GV_MULLO_I(GV_LOAD_I(lo + GEMM_LANES), x0),
+                                                               GV_MULLO_I(GV_LOAD_I(hi + GEMM_LANES), x1)));
                 }
-                const __m512i t0 = _mm512_sub_epi32(p[r][0], _mm512_slli_epi32(o0, 5));
-                const __m512i t1 = _mm512_sub_epi32(p[r][1], _mm512_slli_epi32(o1, 5));
-                out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t0), d0), dx, out[r][0]);
-                out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t1), d1), dx, out[r][1]);
+                const gemm_i t0 = GV_SUB_I(p[r][0], GV_SLLI_I(o0, 5));
+                const gemm_i t1 = GV_SUB_I(p[r][1], GV_SLLI_I(o1, 5));
+                out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(t0), d0), dx, out[r][0]);
+                out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(t1), d1), dx, out[r][1]);
                 continue;
             }
-            __m512i mm0 = _mm512_setzero_si512(), mm1 = _mm512_setzero_si512();
+            gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
             for (int j = 0; j < 8; j++) {
-                const __m512i xs = _mm512_set1_epi32((int)bs[2 * j] + (int)bs[2 * j + 1]);
+                const gemm_i xs = GV_SET1_I((int)bs[2 * j] + (int)bs[2 * j + 1]);
                 const int32_t *mj = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
-                mm0 = _mm512_add_epi32(mm0, _mm512_mullo_epi32(_mm512_loadu_si512(mj), xs));
-                mm1 = _mm512_add_epi32(mm1, _mm512_mullo_epi32(_mm512_loadu_si512(mj + 16), xs));
+                mm0 = GV_ADD_I(mm0, GV_MULLO_I(GV_LOAD_I(mj), xs));
+                mm1 = GV_ADD_I(mm1, GV_MULLO_I(GV_LOAD_I(mj + GEMM_LANES), xs));
             }
-            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][0]), d0), dx, out[r][0]);
-            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(p[r][1]), d1), dx, out[r][1]);
-            out[r][0] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(mm0), m0), dx, out[r][0]);
-            out[r][1] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(mm1), m1), dx, out[r][1]);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, out[r][1]);
         }
     }
 }
@@ -901,15 +964,15 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
             size_t at[GEMM_MR];
             for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
-            __m512 out[GEMM_MR][2];
+            gemm_f out[GEMM_MR][2];
             if (exact_k(type))
                 gemm_tile_k(type, xq, at, nb, scratch, out);
             else
                 gemm_tile(xq, at, nb, offset, has_min, scratch, out);
             for (int r = 0; r < mr; r++) {
                 float vals[GEMM_PANEL];
-                _mm512_storeu_ps(vals, out[r][0]);
-                _mm512_storeu_ps(vals + 16, out[r][1]);
+                GV_STORE_F(vals, out[r][0]);
+                GV_STORE_F(vals + GEMM_LANES, out[r][1]);
                 write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
             }
         }
@@ -936,6 +999,32 @@ ALWAYS_INLINE __m256 by_row(const float *v, const int NR) {
     return _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0]));
 }
 
+/* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
+ * offset off, as by_column(dw, NR) and by_column(mw, NR) would hold them: the
+ * NR dwords gathered once and converted by vector (exact, as the scalar
+ * conversion is) instead of 2 * NR scalar conversions and inserts, which
+ * competed with the dots' shuffles for one port. */
+ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t off, __m256 *d, __m256 *m) {
+    uint32_t dm[8];
+    for (int j = 0; j < NR; j++) memcpy(&dm[j], wr[j] + off, sizeof dm[j]);
+    /* Per 128-bit lane: the dwords' low halves (d) to bytes 0-7, high halves (m) to 8-15. */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
+                                           12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    if (NR == 8) {
+        const __m256i v = _mm256_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3], (int)dm[4], (int)dm[5],
+                                            (int)dm[6], (int)dm[7]);
+        const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8); /* d0-7 | m0-7 */
+        *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    } else { /* NR == 4: lanes q and q + 4 both column q */
+        const __m128i v = _mm_shuffle_epi8(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]),
+                                           _mm256_castsi256_si128(split));
+        const __m128 d4 = _mm_cvtph_ps(v), m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(v, v));
+        *d = _mm256_set_m128(d4, d4);
+        *m = _mm256_set_m128(m4, m4);
+    }
+}
+
 /* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
  * output (q / NR, q % NR), with the GEMM's arithmetic. */
 ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const uint8_t *const *wr, const xq_t *xq,
@@ -945,15 +1034,13 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
     const int8_t *x[2];
     for (int i = 0; i < MR; i++) x[i] = xq->qs + rows[i] * (size_t)k;
     for (int b = 0; b < nb; b++) {
-        float dw[8], mw[8], dx[2], sx[2];
+        float dx[2], sx[2];
         __m256i p[8];
         /* Each weight block's dots right after its unpack: only the 8 integer sums stay live. */
         for (int j = 0; j < NR; j++) {
             w32_t wb;
             if (rows[0] == 0) prefetch_ahead(wr[j] + (size_t)b * ts, (size_t)nb * ts, 1);
-            unpack32(type, wr[j] + (size_t)b * ts, &wb);
-            dw[j] = wb.d;
-            mw[j] = wb.m;
+            unpack32(type, wr[j] + (size_t)b * ts, &wb); /* its d and m unused: block_scales below */
             for (int i = 0; i < MR; i++) {
                 const int8_t *xb = x[i] + (size_t)b * 32;
                 p[i * NR + j] = is_signed32(type) ? dot_signed(wb.q, wb.aq, xb) : dot_unsigned(wb.q, xb);
@@ -963,9 +1050,11 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
             dx[i] = xq->d[rows[i] * (size_t)nb + b];
             sx[i] = xq->s[rows[i] * (size_t)nb + b];
         }
+        __m256 dw, mw;
+        block_scales(NR, wr, (size_t)b * ts, &dw, &mw);
         const __m256 isum = _mm256_cvtepi32_ps(lane_totals(p));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(isum, by_column(dw, NR)), by_row(dx, NR), acc);
-        if (has_min32(type)) acc = _mm256_fmadd_ps(by_column(mw, NR), by_row(sx, NR), acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(isum, dw), by_row(dx, NR), acc);
+        if (has_min32(type)) acc = _mm256_fmadd_ps(mw, by_row(sx, NR), acc);
     }
     _mm256_storeu_ps(res, acc);
 }
@@ -1107,30 +1196,26 @@ static const exact_fn *exact_tiles_for(int type) {
     }
 }
 
-/* Rows rows[0] and rows[1] of x by the 8 weight rows wr (output columns j0 ..),
- * as two 2 x 4 tiles; only the first `outputs` of the two rows are written. */
-static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t *xq, const size_t rows[2],
-                       int outputs, int j0, int n, void *y, long y_stride, int y_bf16, const float *bias,
-                       int accumulate) {
+/* Rows rows[0] and rows[1] of x by the 8 weight rows wr (output columns j0 ..), as two 2 x 4 tiles. */
+static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t *xq, const size_t rows[2], int j0,
+                       int n, void *y, long y_stride, int y_bf16, const float *bias, int accumulate) {
     for (int half = 0; half < 2 && j0 + 4 * half < n; half++) {
         const int jh = j0 + 4 * half, count = n - jh < 4 ? n - jh : 4;
         float res[8];
         fns[1](wr + 4 * half, xq, rows, res);
         write_row(y, rows[0], y_stride, jh, res, count, y_bf16, bias, accumulate);
-        if (outputs == 2) write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
+        write_row(y, rows[1], y_stride, jh, res + 4, count, y_bf16, bias, accumulate);
     }
 }
 
 /* Thread t of nt's share for fewer rows than gemm_serves: groups of 8 weight rows,
  * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
  * last group's missing weight rows repeat its last one and are not written.
- * One row alone (a single stream's decode) of a 32-value type takes the 2 x 4
- * tile with itself twice, its copy discarded: the same arithmetic per output
- * as 1 x 8 (see the top), but four weight rows stream at a time instead of
- * eight, which the loads keep up with: 4-5% faster per decode step on Zen 4,
- * where the doubled dots are free because the step waits on memory. A K-quant
- * row takes 1 x 8: its doubled dots are not free (a 1B Q4_K_M decoded at
- * 29.5-31.3 tok/s with the pair against 31.3-32.2 with 1 x 8). */
+ * One row alone (a single stream's decode) takes 1 x 8. (It once took the
+ * 2 x 4 tile with itself twice, streaming four weight rows instead of eight:
+ * 4-5% faster on Zen 4 before the tiles prefetched the rows ahead. With the
+ * prefetch, 1 x 8 decodes the default model 23% faster on an Emerald Rapids,
+ * docs/perf/exact-kernels/avx2.md.) */
 static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
     const exact_fn *fns = exact_tiles_for(type);
@@ -1143,12 +1228,9 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
         int i = 0;
         for (; i + 2 <= m; i += 2) {
             const size_t rows[2] = {(size_t)i, (size_t)i + 1};
-            pair_tiles(fns, wr, xq, rows, 2, j0, n, y, y_stride, y_bf16, bias, accumulate);
+            pair_tiles(fns, wr, xq, rows, j0, n, y, y_stride, y_bf16, bias, accumulate);
         }
-        if (m == 1 && !exact_k(type)) {
-            const size_t rows[2] = {0, 0};
-            pair_tiles(fns, wr, xq, rows, 1, j0, n, y, y_stride, y_bf16, bias, accumulate);
-        } else if (i < m) {
+        if (i < m) {
             const size_t rows[1] = {(size_t)i};
             float res[8];
             fns[0](wr, xq, rows, res);
