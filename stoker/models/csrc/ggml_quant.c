@@ -1083,7 +1083,7 @@ ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, cons
     const int ts = ggml_quant_type_size(type), k = xq->k, nsb = k / 256;
     __m256 acc = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
-        float dw[8], mw[8], dx[2];
+        float dx[2];
         __m256i p[8], mp[8], xsum[2];
         for (int i = 0; i < MR; i++) /* lane c: x's sum over sub-block c */
             xsum[i] = _mm256_madd_epi16(
@@ -1102,15 +1102,16 @@ ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, cons
                     p[i * NR + j] = _mm256_add_epi32(p[i * NR + j], dot_scaled(q, xc, scale));
                 }
             }
-            dw[j] = fp16_at(blk);
-            mw[j] = -fp16_at(blk + 2);
             const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
             for (int i = 0; i < MR; i++) mp[i * NR + j] = _mm256_mullo_epi32(mins, xsum[i]);
         }
         for (int i = 0; i < MR; i++) dx[i] = xq->d[rows[i] * (size_t)nsb + sb];
+        __m256 dw, dmin;
+        block_scales(NR, wr, (size_t)sb * ts, &dw, &dmin); /* d and dmin open the super-block */
+        const __m256 mw = _mm256_xor_ps(dmin, _mm256_set1_ps(-0.f)); /* -dmin, as the GEMM's unpack negates it */
         const __m256 pt = _mm256_cvtepi32_ps(lane_totals(p)), mt = _mm256_cvtepi32_ps(lane_totals(mp));
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, by_column(dw, NR)), by_row(dx, NR), acc);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(mt, by_column(mw, NR)), by_row(dx, NR), acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, dw), by_row(dx, NR), acc);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(mt, mw), by_row(dx, NR), acc);
     }
     _mm256_storeu_ps(res, acc);
 }
