@@ -164,3 +164,18 @@ def test_position_beyond_rotary_tables_is_a_value_error(tmp_path: Path, monkeypa
     hidden = torch.zeros(1, model.config.hidden_size)
     with pytest.raises(ValueError, match="rotary"):
         fused(hidden, torch.tensor([far]), runner.kv_caches, meta)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "torch-path"])
+def test_the_callers_subnormals_survive_the_c_kernels(
+    fused: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C attention and the fused stack run with subnormals flushed
+    (csrc/subnormals.h), each thread putting its own floating-point mode back:
+    the calling thread still computes subnormals afterwards."""
+    import numpy as np
+
+    path = write_quant_gguf(tmp_path / "tiny-llama.gguf", "llama", {}, T.Q4_0)
+    llm = _llm(path, fused, monkeypatch)
+    llm.generate([_prompts(len(TOKENS))[-1]], SamplingParams(max_tokens=3, temperature=0))
+    assert np.float32(1e-39) * np.float32(3) == np.float32(3e-39) != 0

@@ -37,6 +37,7 @@
 #include <math.h>
 
 #include "ggml_quant.c"
+#include "subnormals.h"
 
 #define MAX_PARTS 4
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 }; /* cache row formats, as fused_decoder.py passes them */
@@ -551,7 +552,11 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
         if (!all[i]) rc = 1;
     if (rc == 0) {
 #pragma omp parallel num_threads(num_threads)
-        run_layers(M, S, hidden, &B);
+        {
+            const fp_mode_t caller = subnormals_off();
+            run_layers(M, S, hidden, &B);
+            fp_mode_restore(caller);
+        }
     }
     for (int i = 0; i < count; i++) free(all[i]);
     return rc;

@@ -19,6 +19,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "subnormals.h"
 
 typedef struct {
     const void *q, *k_cache, *v_cache;
@@ -432,6 +433,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+        const fp_mode_t caller = subnormals_off();
         float *scratch = malloc(sizeof(float) * scratch_floats);
         if (!scratch) {
             failed = 1;
@@ -440,6 +442,7 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
             for (int item = 0; item < items; item++) run_item(&job, item, scratch);
             free(scratch);
         }
+        fp_mode_restore(caller);
     }
     return failed;
 }
@@ -570,6 +573,7 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
     if (num_threads < 1) num_threads = 1;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
+        const fp_mode_t caller = subnormals_off();
         float *scratch = aligned_alloc(64, ((scratch_floats * sizeof(float)) + 63) & ~(size_t)63);
         if (!scratch) {
             failed = 1;
@@ -585,6 +589,7 @@ int paged_prefill_attention(const void *q, const void *k_cache, const void *v_ca
             }
             free(scratch);
         }
+        fp_mode_restore(caller);
     }
     return failed;
 #else
