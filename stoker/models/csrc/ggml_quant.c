@@ -704,7 +704,7 @@ typedef __m256 gemm_f;
  * against 4.1 ms in the tiles). GEMM_MIN_ROWS is the lower of the two:
  * scratch is sized by it. The 256-bit GEMM takes the K-quants over from more
  * rows (measured on an Emerald Rapids with AVX-VNNI, and built for AVX2 there,
- * docs/perf/exact-kernels/avx2.md): Q4_K's GEMM overtakes its tiles between
+ * docs/perf/quantized.md): Q4_K's GEMM overtakes its tiles between
  * 12 and 16 rows with vpdpbusd, between 16 and 24 with maddubs. */
 #define GEMM_MIN_ROWS 8
 #if QUANT_ISA == 3
@@ -1216,7 +1216,7 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
  * 2 x 4 tile with itself twice, streaming four weight rows instead of eight:
  * 4-5% faster on Zen 4 before the tiles prefetched the rows ahead. With the
  * prefetch, 1 x 8 decodes the default model 23% faster on an Emerald Rapids,
- * docs/perf/exact-kernels/avx2.md.) */
+ * docs/perf/quantized.md.) */
 static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
     const exact_fn *fns = exact_tiles_for(type);
