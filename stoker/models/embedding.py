@@ -149,7 +149,13 @@ class EmbeddingModel:
         threadpool_limits(limits=1, user_api="blas")
 
     def _load_weights(self, file: str) -> None:
-        tensors = {k.removeprefix("bert."): v for k, v in load_file(file).items()}
+        try:
+            loaded = load_file(file)
+        except TypeError:  # bfloat16 tensors, which numpy has no dtype for: torch reads them (only then)
+            from safetensors.torch import load_file as load_torch_file
+
+            loaded = {k: v.float().numpy() for k, v in load_torch_file(file).items()}
+        tensors = {k.removeprefix("bert."): v for k, v in loaded.items()}
 
         def tensor(name: str) -> Array:
             if name not in tensors:

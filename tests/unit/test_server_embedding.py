@@ -55,3 +55,18 @@ async def test_batcher_serves_concurrent_requests(model: EmbeddingModel) -> None
     for row, got in zip(expected, results):
         np.testing.assert_allclose(got[0], row, atol=1e-5, rtol=1e-4)
     batcher.close()
+
+
+def test_a_bfloat16_folder_loads(model: EmbeddingModel, tmp_path) -> None:
+    """numpy has no bfloat16: such weights are read through torch and widened."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(bundled_model_path(), folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, str(folder / "model.safetensors"))
+    bf16 = EmbeddingModel(str(folder))
+    ids = [model.encode_text(t) for t in TEXTS]
+    np.testing.assert_allclose(bf16.forward(ids), model.forward(ids), atol=2e-2)
