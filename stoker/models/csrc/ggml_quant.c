@@ -705,7 +705,8 @@ typedef __m256 gemm_f;
  * scratch is sized by it. The 256-bit GEMM takes the K-quants over from more
  * rows (measured on an Emerald Rapids with AVX-VNNI, and built for AVX2 there,
  * docs/perf/quantized.md): Q4_K's GEMM overtakes its tiles between
- * 12 and 16 rows with vpdpbusd, between 16 and 24 with maddubs. */
+ * 12 and 16 rows with vpdpbusd, between 16 and 24 with maddubs (Q6_K: from 12
+ * everywhere, gemm_serves). */
 #define GEMM_MIN_ROWS 8
 #if QUANT_ISA == 3
 #define GEMM_MIN_ROWS_K 12
@@ -733,7 +734,12 @@ ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || (type == Q8_0 && QUANT_ISA != 1) ||
            exact_k(type);
 }
-ALWAYS_INLINE int gemm_serves(int type, int m) { return m >= (exact_k(type) ? GEMM_MIN_ROWS_K : GEMM_MIN_ROWS); }
+/* Q6_K's exact small tiles are its slowest (the 6-bit unpack, once for every two
+ * rows of x): its GEMM takes over from 12 rows on every path (a 16384 x 2048
+ * weight at 20 rows, avx2: 15.4 ms in the tiles, 12.3 in the GEMM). */
+ALWAYS_INLINE int gemm_serves(int type, int m) {
+    return m >= (type == Q6_K ? 12 : exact_k(type) ? GEMM_MIN_ROWS_K : GEMM_MIN_ROWS);
+}
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 
 /* A block's 32 stored values as unsigned bytes (value + gemm_offset), element e in byte e. */
