@@ -21,7 +21,8 @@ import numpy as np
 import numpy.typing as npt
 from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
-from tokenizers import Tokenizer
+
+from stoker.models.tokenizer import backend_from_file
 
 Array = npt.NDArray[np.float32]
 
@@ -134,9 +135,7 @@ class EmbeddingModel:
         if os.path.exists(st_config):  # sentence-transformers' own limit (256 for MiniLM)
             with open(st_config) as f:
                 self.max_tokens = min(self.max_tokens, int(json.load(f).get("max_seq_length", self.max_tokens)))
-        self.tokenizer = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
+        self.tokenizer = backend_from_file(os.path.join(path, "tokenizer.json"))
         cls_id, sep_id = self.tokenizer.token_to_id("[CLS]"), self.tokenizer.token_to_id("[SEP]")
         if cls_id is None or sep_id is None:
             raise ValueError(f"the tokenizer in {path} has no [CLS]/[SEP] tokens: not a BERT-style embedding model")

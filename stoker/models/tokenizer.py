@@ -66,6 +66,17 @@ def backend_serves(folder: Path) -> bool:
     return True
 
 
+def backend_from_file(path: Path | str) -> tokenizers.Tokenizer:
+    """A tokenizer.json as a `tokenizers` backend, set as transformers sets it
+    before encoding: no truncation or padding unless asked for."""
+    import tokenizers
+
+    backend = tokenizers.Tokenizer.from_file(str(path))
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
+
+
 def tokenizer_from_folder(folder: Path, eos_token_ids: Sequence[int] | None = None) -> Tokenizer:
     """A folder's Tokenizer. Where `tokenizers` alone does what transformers
     would (backend_serves), the transformers tokenizer is loaded only when
@@ -74,13 +85,7 @@ def tokenizer_from_folder(folder: Path, eos_token_ids: Sequence[int] | None = No
     (0.6-0.8 s of every start)."""
     if not backend_serves(folder):
         return Tokenizer(load_hf_tokenizer(folder), eos_token_ids)
-    import tokenizers
-
-    backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
-    # As transformers does before encoding: no truncation or padding unless asked for.
-    backend.no_truncation()
-    backend.no_padding()
-    return Tokenizer(None, eos_token_ids, folder=folder, backend=backend)
+    return Tokenizer(None, eos_token_ids, folder=folder, backend=backend_from_file(folder / "tokenizer.json"))
 
 
 def _special_token(folder: Path, name: str) -> str | None:
