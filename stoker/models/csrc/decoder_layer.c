@@ -131,7 +131,7 @@ static inline void kv_store(const Step *S, void *cache, size_t index, const floa
         return;
     }
     float amax = 0.f;
-    for (int d = 0; d < D; d++) amax = fmaxf(amax, fabsf(x[d]));
+    for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax; /* no libm call */
     const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
     int8_t *restrict q = (int8_t *)row;
     for (int d = 0; d < D; d++) {
@@ -239,31 +239,127 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
 
 /* ---- attention ----------------------------------------------------------- */
 
-/* dot8(q, k[i], D) for eight rows k[i] at once. Each key keeps dot8's eight
- * lane sums, and the tree ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)) is
- * done across the eight keys by shuffles, so each score is bit-identical to
- * dot8's: why a decode row and a prefill row agree whatever the chunking. */
-static inline f8 dot8_x8(const float *restrict q, const float *const k[8], int D) {
-    f8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
-    for (int d = 0; d < D; d += 8) {
-        const f8 x = load8(q + d);
-        a0 = a0 + x * load8(k[0] + d);
-        a1 = a1 + x * load8(k[1] + d);
-        a2 = a2 + x * load8(k[2] + d);
-        a3 = a3 + x * load8(k[3] + d);
-        a4 = a4 + x * load8(k[4] + d);
-        a5 = a5 + x * load8(k[5] + d);
-        a6 = a6 + x * load8(k[6] + d);
-        a7 = a7 + x * load8(k[7] + d);
-    }
+/* Attention's vectors: the path's widest (16 floats on AVX-512, 8 on AVX2 and
+ * in the portable build), with a fused multiply-add where the ISA has one. The
+ * heads of one row (one kv head's group) are served together, sharing each
+ * load of a K or V row: as many as the registers hold (per head, eight score
+ * accumulators for q.k, four vectors of the output for p.v). What a head
+ * computes never depends on which heads share its block. */
+#if QUANT_SIMD
+typedef gemm_f av_t;
+#define AV_LANES GEMM_LANES
+#define AV_LOAD(p) GV_LOAD_F(p)
+#define AV_STORE(p, v) GV_STORE_F(p, v)
+#define AV_SET1(x) GV_SET1_F(x)
+#define AV_ZERO() GV_ZERO_F()
+#define AV_FMA(a, b, c) GV_FMADD(a, b, c)
+#else
+typedef f8 av_t;
+#define AV_LANES 8
+#define AV_LOAD(p) load8(p)
+#define AV_STORE(p, v) store8(p, v)
+#define AV_SET1(x) ((f8){0.f} + (x))
+#define AV_ZERO() ((f8){0.f})
+#define AV_FMA(a, b, c) ((a) * (b) + (c))
+#endif
+#if AV_LANES == 16
+#define QK_HEADS 3
+#define PV_HEADS 3
+/* The first n (8 or 16) floats at p, zeros after: a head of 16k + 8 floats. */
+ALWAYS_INLINE av_t av_load_n(const float *p, int n) {
+    return n == 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)0xff, p);
+}
+ALWAYS_INLINE void av_store_n(float *p, av_t v, int n) {
+    if (n == 16) _mm512_storeu_ps(p, v);
+    else _mm512_mask_storeu_ps(p, (__mmask16)0xff, v);
+}
+/* Lanes 0-7 plus lanes 8-15. */
+ALWAYS_INLINE f8 av_fold8(av_t a) {
+    const __m256 lo = _mm512_castps512_ps256(a);
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return (f8)_mm256_add_ps(lo, hi);
+}
+#else
+#define QK_HEADS 1
+#define PV_HEADS 2
+/* Heads are whole vectors here (head_dim % 8 == 0). */
+ALWAYS_INLINE av_t av_load_n(const float *p, int n) {
+    (void)n;
+    return AV_LOAD(p);
+}
+ALWAYS_INLINE void av_store_n(float *p, av_t v, int n) {
+    (void)n;
+    AV_STORE(p, v);
+}
+ALWAYS_INLINE f8 av_fold8(av_t a) { return (f8)a; }
+#endif
+
+/* Eight keys' eight-lane sums into their eight totals, each
+ * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), by shuffles across keys. */
+ALWAYS_INLINE f8 sum_lanes_x8(const f8 a[8]) {
     /* b = lanes 0-3 + lanes 4-7, two keys a vector: [l0+l4, l1+l5, l2+l6, l3+l7] each */
 #define HALVES(x, y) (SHUFFLE8(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE8(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
 #define PAIRS(x, y) (SHUFFLE8(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUFFLE8(x, y, 1, 3, 5, 7, 9, 11, 13, 15))
-    const f8 b01 = HALVES(a0, a1), b23 = HALVES(a2, a3), b45 = HALVES(a4, a5), b67 = HALVES(a6, a7);
+    const f8 b01 = HALVES(a[0], a[1]), b23 = HALVES(a[2], a[3]), b45 = HALVES(a[4], a[5]), b67 = HALVES(a[6], a[7]);
     /* [(l0+l4)+(l1+l5), (l2+l6)+(l3+l7)] per key, keys 0-3 and 4-7; then their sum per key */
     return PAIRS(PAIRS(b01, b23), PAIRS(b45, b67));
 #undef HALVES
 #undef PAIRS
+}
+
+/* q.k for np heads (q[h]) and eight keys k[i]: per (head, key), AV_LANES lane
+ * sums of q[d] * k[d] over d = lane, lane + AV_LANES, ... in order (fused
+ * where the ISA has it), folded to eight lanes, then sum_lanes_x8. np is a
+ * constant at every call, so the accumulators stay in registers. */
+ALWAYS_INLINE void qk_x8(const float *const q[], int np, const float *const k[8], int D, f8 out[]) {
+    av_t a[QK_HEADS][8];
+    for (int h = 0; h < np; h++)
+        for (int i = 0; i < 8; i++) a[h][i] = AV_ZERO();
+    for (int d = 0; d < D; d += AV_LANES) {
+        const int n = D - d < AV_LANES ? D - d : AV_LANES;
+        av_t x[QK_HEADS];
+        for (int h = 0; h < np; h++) x[h] = av_load_n(q[h] + d, n);
+        for (int i = 0; i < 8; i++) {
+            const av_t key = av_load_n(k[i] + d, n);
+            for (int h = 0; h < np; h++) a[h][i] = AV_FMA(x[h], key, a[h][i]);
+        }
+    }
+    for (int h = 0; h < np; h++) {
+        f8 folded[8];
+        for (int i = 0; i < 8; i++) folded[i] = av_fold8(a[h][i]);
+        out[h] = sum_lanes_x8(folded);
+    }
+}
+
+/* acc[h][d] += p[h][i] * v[i][d] for keys i < nk in order, np heads, four
+ * vectors of d at a time held in registers over the keys. */
+ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, const float *const v[8], int nk, int D) {
+    int d = 0;
+    for (; d + 4 * AV_LANES <= D; d += 4 * AV_LANES) {
+        av_t c[PV_HEADS][4];
+        for (int h = 0; h < np; h++)
+            for (int s = 0; s < 4; s++) c[h][s] = AV_LOAD(acc[h] + d + s * AV_LANES);
+        for (int i = 0; i < nk; i++) {
+            av_t row[4];
+            for (int s = 0; s < 4; s++) row[s] = AV_LOAD(v[i] + d + s * AV_LANES);
+            for (int h = 0; h < np; h++) {
+                const av_t w = AV_SET1(p[h][i]);
+                for (int s = 0; s < 4; s++) c[h][s] = AV_FMA(w, row[s], c[h][s]);
+            }
+        }
+        for (int h = 0; h < np; h++)
+            for (int s = 0; s < 4; s++) AV_STORE(acc[h] + d + s * AV_LANES, c[h][s]);
+    }
+    for (; d < D; d += AV_LANES) {
+        const int n = D - d < AV_LANES ? D - d : AV_LANES;
+        av_t c[PV_HEADS];
+        for (int h = 0; h < np; h++) c[h] = av_load_n(acc[h] + d, n);
+        for (int i = 0; i < nk; i++) {
+            const av_t row = av_load_n(v[i] + d, n);
+            for (int h = 0; h < np; h++) c[h] = AV_FMA(AV_SET1(p[h][i]), row, c[h]);
+        }
+        for (int h = 0; h < np; h++) av_store_n(acc[h] + d, c[h], n);
+    }
 }
 
 /* Pointers to the cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the
@@ -303,10 +399,11 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
  * chunk of K and V rows, which is the point: a prompt's rows would otherwise
  * each stream its whole context from memory. What a (row, head) computes never
  * depends on which rows or heads share its item, so the grouping never changes
- * a result. Per (row, head): score = dot8(q, k) * scale; weights
- * exp(score - max) summed in eight lanes by key index mod 8, then the dot8
- * tree; out[d] = (sum over keys in order of weight * v[d]) / that sum.
- * Scratch: nrows * count * (the longest context rounded up to 8 + head_dim) floats. */
+ * a result, and a prefill row computes exactly what a decode row does. Per
+ * (row, head): scores by qk_x8, times scale; weights exp(score - max) summed
+ * in eight lanes by key index mod 8, then the same tree; out = (p.v by pv_x8) /
+ * that sum. Scratch: nrows * count * (the longest context rounded up to 8 +
+ * head_dim) floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
@@ -320,37 +417,45 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r0] : r0) * S->max_blocks;
     const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
-    float m[ATTEND_ROWS * 64], inv[ATTEND_ROWS * 64];
+    float inv[ATTEND_ROWS * 64];
     float widened[8 * 512]; /* eight int8 or bf16 rows as floats */
     const float *rows[8];
 
-    for (int x = 0; x < heads; x++) m[x] = -INFINITY;
     for (int t0 = 0; t0 < longest; t0 += 8) {
         key_rows(S, kc, table, kvh, KVH, D, t0, longest, rows, widened);
         for (int j = 0; j < nrows; j++) {
             if (t0 >= lengths[j]) continue;
-            const int nk = lengths[j] - t0 < 8 ? lengths[j] - t0 : 8;
             const float *q = qkv + (size_t)(r0 + j) * qkv_w + (size_t)h0 * D;
-            for (int g = 0; g < count; g++) {
-                const int x = j * count + g;
-                float *sx = scores + x * Lpad + t0;
-                store8(sx, dot8_x8(q + (size_t)g * D, rows, D) * M->scale);
-                for (int i = 0; i < nk; i++) m[x] = sx[i] > m[x] ? sx[i] : m[x];
+            for (int g = 0; g < count; g += QK_HEADS) {
+                const int np = count - g < QK_HEADS ? count - g : QK_HEADS;
+                const float *qs[QK_HEADS];
+                f8 out[QK_HEADS];
+                for (int h = 0; h < np; h++) qs[h] = q + (size_t)(g + h) * D;
+                if (QK_HEADS >= 3 && np == 3) qk_x8(qs, 3, rows, D, out);
+                else if (QK_HEADS >= 2 && np == 2) qk_x8(qs, 2, rows, D, out);
+                else qk_x8(qs, 1, rows, D, out);
+                for (int h = 0; h < np; h++) store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * M->scale);
             }
         }
     }
     for (int x = 0; x < heads; x++) {
         float *sx = scores + x * Lpad;
         const int L = lengths[x / count];
-        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        f8 top = {0};
+        top = top - INFINITY;
         int t = 0;
-        for (; t + 8 <= L; t += 8)
+        for (; t + 8 <= L; t += 8) top = max8(top, load8(sx + t));
+        float m = -INFINITY;
+        for (int j = 0; j < 8; j++) m = top[j] > m ? top[j] : m;
+        for (; t < L; t++) m = sx[t] > m ? sx[t] : m;
+        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (t = 0; t + 8 <= L; t += 8)
             for (int j = 0; j < 8; j++) {
-                sx[t + j] = exp_nonpositive(sx[t + j] - m[x]);
+                sx[t + j] = exp_nonpositive(sx[t + j] - m);
                 lanes[j] = lanes[j] + sx[t + j];
             }
         for (; t < L; t++) {
-            sx[t] = exp_nonpositive(sx[t] - m[x]);
+            sx[t] = exp_nonpositive(sx[t] - m);
             lanes[t % 8] = lanes[t % 8] + sx[t];
         }
         inv[x] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
@@ -358,35 +463,21 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     for (size_t i = 0; i < (size_t)heads * D; i++) acc[i] = 0.f;
     for (int t0 = 0; t0 < longest; t0 += 8) {
         key_rows(S, vc, table, kvh, KVH, D, t0, longest, rows, widened);
-        for (int x = 0; x < heads; x++) {
-            const int L = lengths[x / count];
-            if (t0 >= L) continue;
-            const int nk = L - t0 < 8 ? L - t0 : 8;
-            const float *restrict p = scores + x * Lpad + t0;
-            float *restrict ax = acc + (size_t)x * D;
-            int d = 0;
-            /* 64 of the head's accumulators stay in registers over the chunk's keys */
-            for (; d + 64 <= D; d += 64) {
-                f8 c0 = load8(ax + d), c1 = load8(ax + d + 8), c2 = load8(ax + d + 16), c3 = load8(ax + d + 24);
-                f8 c4 = load8(ax + d + 32), c5 = load8(ax + d + 40), c6 = load8(ax + d + 48), c7 = load8(ax + d + 56);
-                for (int i = 0; i < nk; i++) {
-                    const float *v = rows[i] + d, w = p[i];
-                    c0 = c0 + w * load8(v);
-                    c1 = c1 + w * load8(v + 8);
-                    c2 = c2 + w * load8(v + 16);
-                    c3 = c3 + w * load8(v + 24);
-                    c4 = c4 + w * load8(v + 32);
-                    c5 = c5 + w * load8(v + 40);
-                    c6 = c6 + w * load8(v + 48);
-                    c7 = c7 + w * load8(v + 56);
+        for (int j = 0; j < nrows; j++) {
+            if (t0 >= lengths[j]) continue;
+            const int nk = lengths[j] - t0 < 8 ? lengths[j] - t0 : 8;
+            for (int g = 0; g < count; g += PV_HEADS) {
+                const int np = count - g < PV_HEADS ? count - g : PV_HEADS;
+                float *accs[PV_HEADS];
+                const float *ps[PV_HEADS];
+                for (int h = 0; h < np; h++) {
+                    const int x = j * count + g + h;
+                    accs[h] = acc + (size_t)x * D;
+                    ps[h] = scores + x * Lpad + t0;
                 }
-                store8(ax + d, c0), store8(ax + d + 8, c1), store8(ax + d + 16, c2), store8(ax + d + 24, c3);
-                store8(ax + d + 32, c4), store8(ax + d + 40, c5), store8(ax + d + 48, c6), store8(ax + d + 56, c7);
-            }
-            for (; d < D; d += 8) {
-                f8 c = load8(ax + d);
-                for (int i = 0; i < nk; i++) c = c + p[i] * load8(rows[i] + d);
-                store8(ax + d, c);
+                if (PV_HEADS >= 3 && np == 3) pv_x8(accs, ps, 3, rows, nk, D);
+                else if (PV_HEADS >= 2 && np == 2) pv_x8(accs, ps, 2, rows, nk, D);
+                else pv_x8(accs, ps, 1, rows, nk, D);
             }
         }
     }
@@ -440,15 +531,21 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
 #pragma omp barrier
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) position_row(M, S, Ly, l, B->qkv + (size_t)r * qkv_w, r);
-        /* One item per (group of a sequence's rows, kv head) when there are enough
-         * of them to keep the threads busy (heads of a group share K/V loads),
-         * else one per (group, head). */
-        const int G = B->num_groups, per_item = G * M->num_kv_heads >= 2 * nt ? H / M->num_kv_heads : 1;
+        /* One item per group of a sequence's rows (all heads, one kv head after
+         * another) when there are enough of them to keep the threads busy: a
+         * token's kv heads share cache lines, which the next kv head then
+         * finds in L2 instead of both threads fetching them from memory. Else
+         * one per (group, kv head): its heads share K/V loads; else one per
+         * (group, head). */
+        const int G = B->num_groups, kv_group = H / M->num_kv_heads;
+        const int per_item = G >= 2 * nt ? H : G * M->num_kv_heads >= 2 * nt ? kv_group : 1;
+        const int per_call = per_item < kv_group ? per_item : kv_group;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < G * (H / per_item); item++) {
             const int group = item / (H / per_item), h0 = item % (H / per_item) * per_item;
             const int r0 = B->group_starts[group], nrows = B->group_starts[group + 1] - r0;
-            attend(M, S, l, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h0, per_item, attn_scratch);
+            for (int h = h0; h < h0 + per_item; h += per_call)
+                attend(M, S, l, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h, per_call, attn_scratch);
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
