@@ -759,12 +759,39 @@ static size_t gemm_scratch_bytes(int k, int m) {
     return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
 }
 
+/* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
+ * offset off, as by_column(dw, NR) and by_column(mw, NR) would hold them: the
+ * NR dwords gathered once and converted by vector (exact, as the scalar
+ * conversion is) instead of 2 * NR scalar conversions and inserts, which
+ * competed with the dots' shuffles for one port. */
+ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t off, __m256 *d, __m256 *m) {
+    uint32_t dm[8];
+    for (int j = 0; j < NR; j++) memcpy(&dm[j], wr[j] + off, sizeof dm[j]);
+    /* Per 128-bit lane: the dwords' low halves (d) to bytes 0-7, high halves (m) to 8-15. */
+    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
+                                           12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+    if (NR == 8) {
+        const __m256i v = _mm256_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3], (int)dm[4], (int)dm[5],
+                                            (int)dm[6], (int)dm[7]);
+        const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8); /* d0-7 | m0-7 */
+        *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
+        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    } else { /* NR == 4: lanes q and q + 4 both column q */
+        const __m128i v = _mm_shuffle_epi8(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]),
+                                           _mm256_castsi256_si128(split));
+        const __m128 d4 = _mm_cvtph_ps(v), m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(v, v));
+        *d = _mm256_set_m128(d4, d4);
+        *m = _mm256_set_m128(m4, m4);
+    }
+}
+
 /* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
  * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
  * int32, then d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of the
  * lower and upper 16 values in place of sc and mn); columns past cols are zero.
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
 static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, int nb, uint8_t *scratch) {
+    static const uint8_t zero_scales[4] = {0, 0, 0, 0}; /* d = m = 0 for columns past cols */
     const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     int32_t *sc_k = (int32_t *)d, *mn_k = (int32_t *)mn;
@@ -772,6 +799,12 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
     for (int c0 = 0; c0 < GEMM_PANEL; c0 += 8) {
         for (int b = 0; b < nb; b++) {
             __m256i v[8];
+            const uint8_t *blocks[8];
+            /* The same stretch of the next eight rows (past the panel's last eight, the
+             * next panel's first): rows of a few hundred bytes end before the hardware
+             * prefetcher has learned them, and a decode step reads each weight from memory. */
+            for (int c = 0; c < 8; c++)
+                __builtin_prefetch(w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)b * row_bytes / (size_t)nb);
             for (int c = 0; c < 8; c++) {
                 const int col = c0 + c;
                 v[c] = _mm256_setzero_si256();
@@ -800,15 +833,17 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
                     }
                     continue;
                 }
-                float dv = 0.f, mv = 0.f;
+                blocks[c] = zero_scales;
                 if (col < cols) {
-                    const uint8_t *blk = w + (size_t)col * row_bytes + (size_t)b * ts;
-                    v[c] = stored32(type, blk);
-                    dv = fp16_at(blk);
-                    mv = has_min ? fp16_at(blk + 2) : 0.f;
+                    blocks[c] = w + (size_t)col * row_bytes + (size_t)b * ts;
+                    v[c] = stored32(type, blocks[c]);
                 }
-                d[b * GEMM_PANEL + col] = dv;
-                mn[b * GEMM_PANEL + col] = mv;
+            }
+            if (!kq) { /* the eight columns' d (and m) converted together */
+                __m256 dv, mv;
+                block_scales(8, blocks, 0, &dv, &mv);
+                _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
+                _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
             }
             /* v[c] dword t -> out[t] dword c */
             const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
@@ -1003,32 +1038,6 @@ ALWAYS_INLINE __m256 by_column(const float *v, const int NR) {
 ALWAYS_INLINE __m256 by_row(const float *v, const int NR) {
     if (NR == 8) return _mm256_set1_ps(v[0]);
     return _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0]));
-}
-
-/* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
- * offset off, as by_column(dw, NR) and by_column(mw, NR) would hold them: the
- * NR dwords gathered once and converted by vector (exact, as the scalar
- * conversion is) instead of 2 * NR scalar conversions and inserts, which
- * competed with the dots' shuffles for one port. */
-ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t off, __m256 *d, __m256 *m) {
-    uint32_t dm[8];
-    for (int j = 0; j < NR; j++) memcpy(&dm[j], wr[j] + off, sizeof dm[j]);
-    /* Per 128-bit lane: the dwords' low halves (d) to bytes 0-7, high halves (m) to 8-15. */
-    const __m256i split = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15, 0, 1, 4, 5, 8, 9,
-                                           12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
-    if (NR == 8) {
-        const __m256i v = _mm256_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3], (int)dm[4], (int)dm[5],
-                                            (int)dm[6], (int)dm[7]);
-        const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(v, split), 0xD8); /* d0-7 | m0-7 */
-        *d = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-        *m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
-    } else { /* NR == 4: lanes q and q + 4 both column q */
-        const __m128i v = _mm_shuffle_epi8(_mm_setr_epi32((int)dm[0], (int)dm[1], (int)dm[2], (int)dm[3]),
-                                           _mm256_castsi256_si128(split));
-        const __m128 d4 = _mm_cvtph_ps(v), m4 = _mm_cvtph_ps(_mm_unpackhi_epi64(v, v));
-        *d = _mm256_set_m128(d4, d4);
-        *m = _mm256_set_m128(m4, m4);
-    }
 }
 
 /* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
