@@ -1003,6 +1003,14 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
         gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
         for (int i0 = 0; i0 < m; i0 += GEMM_MR) {
             const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
+            /* The next tile's stretch of y: rows of y lie more than 2 KB apart
+             * (576 floats already), beyond the stride the hardware prefetcher follows,
+             * and a prompt's y is larger than L2, so each write_row would wait. */
+            for (int r = i0 + GEMM_MR; r < i0 + 2 * GEMM_MR && r < m; r++) {
+                const char *next = (const char *)y + ((size_t)r * (size_t)y_stride + (size_t)j0) * (y_bf16 ? 2 : 4);
+                __builtin_prefetch(next, 1);
+                __builtin_prefetch(next + (y_bf16 ? 2 : 4) * GEMM_PANEL - 1, 1);
+            }
             size_t at[GEMM_MR];
             for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
             gemm_f out[GEMM_MR][2];
