@@ -307,6 +307,33 @@ ALWAYS_INLINE f8 sum_lanes_x8(const f8 a[8]) {
 #undef PAIRS
 }
 
+#if AV_LANES == 16
+typedef float f16v __attribute__((vector_size(64)));
+/* sum_lanes_x8 of the eight keys' av_fold8, the same additions in the same
+ * order, with two to four keys a vector: 24 shuffles and adds, not 37. */
+ALWAYS_INLINE f8 sum_lanes_x8_wide(const av_t a[8]) {
+    f16v v[8];
+    for (int i = 0; i < 8; i++) v[i] = (f16v)a[i];
+    /* keys i and i + 1 in the two halves: lanes 0-7 + lanes 8-15 (av_fold8) */
+#define FOLD(x, y)                                                                                                     \
+    (__builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +                           \
+     __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+    const f16v k01 = FOLD(v[0], v[1]), k23 = FOLD(v[2], v[3]), k45 = FOLD(v[4], v[5]), k67 = FOLD(v[6], v[7]);
+#undef FOLD
+    /* four keys a vector, per key [l0+l4, l1+l5, l2+l6, l3+l7] */
+#define HALVES(x, y)                                                                                                   \
+    (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +                         \
+     __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+    const f16v k0123 = HALVES(k01, k23), k4567 = HALVES(k45, k67);
+#undef HALVES
+    /* eight keys, per key [(l0+l4)+(l1+l5), (l2+l6)+(l3+l7)] */
+    const f16v pairs = __builtin_shufflevector(k0123, k4567, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+                       __builtin_shufflevector(k0123, k4567, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    return __builtin_shufflevector(pairs, pairs, 0, 2, 4, 6, 8, 10, 12, 14) +
+           __builtin_shufflevector(pairs, pairs, 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
+
 /* q.k for np heads (q[h]) and eight keys k[i]: per (head, key), AV_LANES lane
  * sums of q[d] * k[d] over d = lane, lane + AV_LANES, ... in order (fused
  * where the ISA has it), folded to eight lanes, then sum_lanes_x8. np is a
@@ -325,9 +352,13 @@ ALWAYS_INLINE void qk_x8(const float *const q[], int np, const float *const k[8]
         }
     }
     for (int h = 0; h < np; h++) {
+#if AV_LANES == 16
+        out[h] = sum_lanes_x8_wide(a[h]);
+#else
         f8 folded[8];
         for (int i = 0; i < 8; i++) folded[i] = av_fold8(a[h][i]);
         out[h] = sum_lanes_x8(folded);
+#endif
     }
 }
 
@@ -448,17 +479,22 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
         float m = -INFINITY;
         for (int j = 0; j < 8; j++) m = top[j] > m ? top[j] : m;
         for (; t < L; t++) m = sx[t] > m ? sx[t] : m;
-        float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (t = 0; t + 8 <= L; t += 8)
-            for (int j = 0; j < 8; j++) {
+        float lanes[AV_LANES] = {0.f};
+        for (t = 0; t + AV_LANES <= L; t += AV_LANES)
+            for (int j = 0; j < AV_LANES; j++) {
                 sx[t + j] = exp_nonpositive(sx[t + j] - m);
                 lanes[j] = lanes[j] + sx[t + j];
             }
         for (; t < L; t++) {
             sx[t] = exp_nonpositive(sx[t] - m);
-            lanes[t % 8] = lanes[t % 8] + sx[t];
+            lanes[t % AV_LANES] = lanes[t % AV_LANES] + sx[t];
         }
-        inv[x] = 1.f / (((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7])));
+        float l8[8]; /* lanes j and j + 8 first, as av_fold8 */
+        for (int j = 0; j < 8; j++) l8[j] = lanes[j];
+#if AV_LANES == 16
+        for (int j = 0; j < 8; j++) l8[j] = l8[j] + lanes[j + 8];
+#endif
+        inv[x] = 1.f / (((l8[0] + l8[4]) + (l8[1] + l8[5])) + ((l8[2] + l8[6]) + (l8[3] + l8[7])));
     }
     for (size_t i = 0; i < (size_t)heads * D; i++) acc[i] = 0.f;
     for (int t0 = 0; t0 < longest; t0 += 8) {
