@@ -19,11 +19,13 @@
  * matmuls are ggml_quant.c's (bit-identical whatever m and the split, see
  * there, including the switch between its exact GEMM and tiles by m). Every
  * other reduction (norm sums, q.k dots, softmax sums, p.v sums) runs over one
- * row or one (row, head) in a fixed order written out here with 8 explicit
- * partial sums, so it vectorizes without the compiler reassociating anything
- * (built like ggml_quant.c: -ffp-contract=off, no -fassociative-math). Which
- * thread runs an item never
- * changes its arithmetic. Attention treats a prefill row exactly as a decode
+ * row or one (row, head) in a fixed order written out here with explicit
+ * partial sums (8 for the norms; the path's vector width for attention, whose
+ * multiply-adds are explicit fused ones where the ISA has them), so it
+ * vectorizes without the compiler reassociating or fusing anything (built
+ * like ggml_quant.c: -ffp-contract=off, no -fassociative-math). Which thread
+ * runs an item, and which heads share its block, never changes its
+ * arithmetic. Attention treats a prefill row exactly as a decode
  * row of context position + 1, so a prompt token's attention is the same
  * computation whether its prompt came alone, chunked or next to others.
  *
@@ -432,8 +434,8 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
  * depends on which rows or heads share its item, so the grouping never changes
  * a result, and a prefill row computes exactly what a decode row does. Per
  * (row, head): scores by qk_x8, times scale; weights exp(score - max) summed
- * in eight lanes by key index mod 8, then the same tree; out = (p.v by pv_x8) /
- * that sum. Scratch: nrows * count * (the longest context rounded up to 8 +
+ * in AV_LANES lanes by key index, folded to eight as av_fold8, then the same
+ * tree; out = (p.v by pv_x8) / that sum. Scratch: nrows * count * (the longest context rounded up to 8 +
  * head_dim) floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {

@@ -1006,10 +1006,11 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             /* The next tile's stretch of y: rows of y lie more than 2 KB apart
              * (576 floats already), beyond the stride the hardware prefetcher follows,
              * and a prompt's y is larger than L2, so each write_row would wait. */
+            const size_t y_elem = y_bf16 ? 2 : 4;
             for (int r = i0 + GEMM_MR; r < i0 + 2 * GEMM_MR && r < m; r++) {
-                const char *next = (const char *)y + ((size_t)r * (size_t)y_stride + (size_t)j0) * (y_bf16 ? 2 : 4);
+                const char *next = (const char *)y + ((size_t)r * (size_t)y_stride + (size_t)j0) * y_elem;
                 __builtin_prefetch(next, 1);
-                __builtin_prefetch(next + (y_bf16 ? 2 : 4) * GEMM_PANEL - 1, 1);
+                __builtin_prefetch(next + y_elem * GEMM_PANEL - 1, 1);
             }
             size_t at[GEMM_MR];
             for (int r = 0; r < GEMM_MR; r++) at[r] = (size_t)(i0 + (r < mr ? r : mr - 1));
