@@ -32,7 +32,8 @@
  * fp32 activations; a KV cache of fp32 rows, of bf16 rows (rounded as
  * torch rounds, widened exactly), or of int8 rows with their float32 scale
  * (stoker/models/kv_quant.py: quantized here as k and v are written, as
- * torch.round would, and widened a row at a time as attention reads them).
+ * torch.round would, and read by attention as they are, the scale applied to
+ * a key's q.k sum and to a value row).
  * The Python side (fused_decoder.py) checks that and builds the Model tables
  * once at load.
  */
@@ -101,21 +102,21 @@ static inline size_t kv_index(const int64_t *table, int BS, int KVH, int kvh, in
     return ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
 }
 
-/* Row `index` (in rows) of a cache as floats: the row itself for an fp32
- * cache, else widened (and scaled, for int8) into buf. bf16 widens exactly. */
-static inline const float *kv_row(const Step *S, const void *cache, size_t index, int D, float *restrict buf) {
-    const uint8_t *row = kv_row_at(S, cache, index, D);
-    if (S->kv_format == KV_F32) return (const float *)row;
-    if (S->kv_format == KV_BF16) {
-        const uint16_t *restrict h = (const uint16_t *)row;
-        for (int d = 0; d < D; d++) buf[d] = bf16_to_float(h[d]);
-        return buf;
-    }
+/* A cache row's int8 scale (1 for float rows): attention multiplies a key's
+ * q.k sum by it (over the int8 values as they are), and a value row's values. */
+static inline float kv_scale(const Step *S, const uint8_t *row, int D) {
+    if (S->kv_format != KV_INT8) return 1.f;
     float scale;
     memcpy(&scale, row + D, sizeof scale);
-    const int8_t *restrict q = (const int8_t *)row;
-    for (int d = 0; d < D; d++) buf[d] = (float)q[d] * scale;
-    return buf;
+    return scale;
+}
+
+/* A cache row's values as floats times scale into buf (bf16 rows: scale 1, exact). */
+static inline void kv_widen(const Step *S, const uint8_t *row, int D, float scale, float *restrict buf) {
+    if (S->kv_format == KV_BF16)
+        for (int d = 0; d < D; d++) buf[d] = bf16_to_float(((const uint16_t *)row)[d]);
+    else
+        for (int d = 0; d < D; d++) buf[d] = (float)((const int8_t *)row)[d] * scale;
 }
 
 /* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / 127,
@@ -296,6 +297,37 @@ ALWAYS_INLINE void av_store_n(float *p, av_t v, int n) {
 ALWAYS_INLINE f8 av_fold8(av_t a) { return (f8)a; }
 #endif
 
+/* Floats d .. d + n - 1 (n = AV_LANES, or 8 for a 16k + 8 head's tail, zeros
+ * after) of a K or V row stored as `format`: KV_F32 rows are floats (an fp32
+ * cache, or rows key_rows widened), KV_INT8 and KV_BF16 rows are the cache's
+ * own, converted in registers, exactly. format is a constant at every call. */
+ALWAYS_INLINE av_t av_load_kv(const void *row, int format, int d, int n) {
+    if (format == KV_F32) return av_load_n((const float *)row + d, n);
+#if AV_LANES == 16
+    if (format == KV_INT8) {
+        const int8_t *p = (const int8_t *)row + d;
+        const __m128i b = n == 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_loadl_epi64((const __m128i *)p);
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+    const uint16_t *p = (const uint16_t *)row + d;
+    const __m256i h =
+        n == 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif QUANT_SIMD
+    (void)n;
+    if (format == KV_INT8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + d))));
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+    (void)n;
+    av_t v;
+    for (int j = 0; j < 8; j++)
+        v[j] = format == KV_INT8 ? (float)((const int8_t *)row)[d + j] : bf16_to_float(((const uint16_t *)row)[d + j]);
+    return v;
+#endif
+}
+
 /* Eight keys' eight-lane sums into their eight totals, each
  * ((l0 + l4) + (l1 + l5)) + ((l2 + l6) + (l3 + l7)), by shuffles across keys. */
 ALWAYS_INLINE f8 sum_lanes_x8(const f8 a[8]) {
@@ -336,11 +368,11 @@ ALWAYS_INLINE f8 sum_lanes_x8_wide(const av_t a[8]) {
 }
 #endif
 
-/* q.k for np heads (q[h]) and eight keys k[i]: per (head, key), AV_LANES lane
+/* q.k for np heads (q[h]) and eight keys k[i] (stored as format): per (head, key), AV_LANES lane
  * sums of q[d] * k[d] over d = lane, lane + AV_LANES, ... in order (fused
- * where the ISA has it), folded to eight lanes, then sum_lanes_x8. np is a
- * constant at every call, so the accumulators stay in registers. */
-ALWAYS_INLINE void qk_x8(const float *const q[], int np, const float *const k[8], int D, f8 out[]) {
+ * where the ISA has it), folded to eight lanes, then sum_lanes_x8. np and
+ * format are constants at every call, so the accumulators stay in registers. */
+ALWAYS_INLINE void qk_x8(const float *const q[], int np, const void *const k[8], int format, int D, f8 out[]) {
     av_t a[QK_HEADS][8];
     for (int h = 0; h < np; h++)
         for (int i = 0; i < 8; i++) a[h][i] = AV_ZERO();
@@ -349,7 +381,7 @@ ALWAYS_INLINE void qk_x8(const float *const q[], int np, const float *const k[8]
         av_t x[QK_HEADS];
         for (int h = 0; h < np; h++) x[h] = av_load_n(q[h] + d, n);
         for (int i = 0; i < 8; i++) {
-            const av_t key = av_load_n(k[i] + d, n);
+            const av_t key = av_load_kv(k[i], format, d, n);
             for (int h = 0; h < np; h++) a[h][i] = AV_FMA(x[h], key, a[h][i]);
         }
     }
@@ -364,9 +396,25 @@ ALWAYS_INLINE void qk_x8(const float *const q[], int np, const float *const k[8]
     }
 }
 
-/* acc[h][d] += p[h][i] * v[i][d] for keys i < nk in order, np heads, four
- * vectors of d at a time held in registers over the keys. */
-ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, const float *const v[8], int nk, int D) {
+/* qk_x8 with np and format as constants. */
+ALWAYS_INLINE void qk_heads(const float *const q[], int np, const void *const k[8], int format, int D, f8 out[]) {
+#define QK_NP(format)                                                                                                  \
+    do {                                                                                                               \
+        if (QK_HEADS >= 3 && np == 3) qk_x8(q, 3, k, format, D, out);                                                  \
+        else if (QK_HEADS >= 2 && np == 2) qk_x8(q, 2, k, format, D, out);                                             \
+        else qk_x8(q, 1, k, format, D, out);                                                                           \
+    } while (0)
+    if (format == KV_INT8) QK_NP(KV_INT8);
+    else if (format == KV_BF16) QK_NP(KV_BF16);
+    else QK_NP(KV_F32);
+#undef QK_NP
+}
+
+/* acc[h][d] += p[h][i] * (v[i][d] * scale[i]) for keys i < nk in order (rows
+ * stored as format; scale[i] only for int8 rows, float rows come scaled), np
+ * heads, four vectors of d at a time held in registers over the keys. */
+ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, const void *const v[8],
+                         const float scale[8], int format, int nk, int D) {
     int d = 0;
     for (; d + 4 * AV_LANES <= D; d += 4 * AV_LANES) {
         av_t c[PV_HEADS][4];
@@ -374,7 +422,9 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
             for (int s = 0; s < 4; s++) c[h][s] = AV_LOAD(acc[h] + d + s * AV_LANES);
         for (int i = 0; i < nk; i++) {
             av_t row[4];
-            for (int s = 0; s < 4; s++) row[s] = AV_LOAD(v[i] + d + s * AV_LANES);
+            for (int s = 0; s < 4; s++) row[s] = av_load_kv(v[i], format, d + s * AV_LANES, AV_LANES);
+            if (format == KV_INT8)
+                for (int s = 0; s < 4; s++) row[s] = row[s] * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) {
                 const av_t w = AV_SET1(p[h][i]);
                 for (int s = 0; s < 4; s++) c[h][s] = AV_FMA(w, row[s], c[h][s]);
@@ -388,26 +438,52 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
         av_t c[PV_HEADS];
         for (int h = 0; h < np; h++) c[h] = av_load_n(acc[h] + d, n);
         for (int i = 0; i < nk; i++) {
-            const av_t row = av_load_n(v[i] + d, n);
+            av_t row = av_load_kv(v[i], format, d, n);
+            if (format == KV_INT8) row = row * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) c[h] = AV_FMA(AV_SET1(p[h][i]), row, c[h]);
         }
         for (int h = 0; h < np; h++) av_store_n(acc[h] + d, c[h], n);
     }
 }
 
-/* Pointers to the cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the
- * block table; keys past the context (t0 + i >= L) point at key t0, and their
- * results are never read. An int8 or bf16 cache is widened into `widened` [8, D]. */
+/* pv_x8 with np and format as constants. */
+ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, const void *const v[8],
+                            const float scale[8], int format, int nk, int D) {
+#define PV_NP(format)                                                                                                  \
+    do {                                                                                                               \
+        if (PV_HEADS >= 3 && np == 3) pv_x8(acc, p, 3, v, scale, format, nk, D);                                       \
+        else if (PV_HEADS >= 2 && np == 2) pv_x8(acc, p, 2, v, scale, format, nk, D);                                  \
+        else pv_x8(acc, p, 1, v, scale, format, nk, D);                                                                \
+    } while (0)
+    if (format == KV_INT8) PV_NP(KV_INT8);
+    else if (format == KV_BF16) PV_NP(KV_BF16);
+    else PV_NP(KV_F32);
+#undef PV_NP
+}
+
+/* The cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the block
+ * table, and their scales (kv_scale); keys past the context (t0 + i >= L) get
+ * key t0's, and their results are never read. With `widen`, an int8 or bf16
+ * cache's rows are widened (times their scale where `scaled`: values, not
+ * keys) into `widened` [8, D] and given as KV_F32 rows. */
 static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
-                            int L, const float *rows[8], float *restrict widened) {
+                            int L, int widen, int scaled, const void *rows[8], float scales[8],
+                            float *restrict widened) {
     const int BS = S->block_size;
     int block = t0 / BS, offset = t0 % BS; /* of key t0 + i: one division a chunk, not one a key */
     for (int i = 0; i < 8; i++) {
         if (t0 + i >= L) {
             rows[i] = rows[0];
+            scales[i] = scales[0];
             continue;
         }
-        rows[i] = kv_row(S, cache, kv_index(table, BS, KVH, kvh, block, offset), D, widened + (size_t)i * D);
+        const uint8_t *row = kv_row_at(S, cache, kv_index(table, BS, KVH, kvh, block, offset), D);
+        scales[i] = kv_scale(S, row, D);
+        rows[i] = row;
+        if (widen) {
+            kv_widen(S, row, D, scaled ? scales[i] : 1.f, widened + (size_t)i * D);
+            rows[i] = widened + (size_t)i * D;
+        }
         if (++offset == BS) block++, offset = 0;
     }
     /* The rows of keys KV_PREFETCH_KEYS ahead: a decode row reads its context
@@ -433,10 +509,12 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
  * each stream its whole context from memory. What a (row, head) computes never
  * depends on which rows or heads share its item, so the grouping never changes
  * a result, and a prefill row computes exactly what a decode row does. Per
- * (row, head): scores by qk_x8, times scale; weights exp(score - max) summed
- * in AV_LANES lanes by key index, folded to eight as av_fold8, then the same
- * tree; out = (p.v by pv_x8) / that sum. Scratch: nrows * count * (the longest context rounded up to 8 +
- * head_dim) floats. */
+ * (row, head): scores by qk_x8, times (the key's scale times scale); weights
+ * exp(score - max) summed in AV_LANES lanes by key index, folded to eight as
+ * av_fold8, then the same tree; out = (p.v by pv_x8) / that sum. A lone row
+ * (a decode) converts an int8 or bf16 cache's rows in registers as it reads
+ * them; rows that share each chunk widen it once: the same floats either way. Scratch: nrows *
+ * count * (the longest context rounded up to 8 + head_dim) floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
@@ -452,10 +530,13 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
     float inv[ATTEND_ROWS * 64];
     float widened[8 * 512]; /* eight int8 or bf16 rows as floats */
-    const float *rows[8];
+    const void *rows[8];
+    float row_scales[8];
+    const int widen = nrows > 1 && S->kv_format != KV_F32, format = widen ? KV_F32 : S->kv_format;
 
     for (int t0 = 0; t0 < longest; t0 += 8) {
-        key_rows(S, kc, table, kvh, KVH, D, t0, longest, rows, widened);
+        key_rows(S, kc, table, kvh, KVH, D, t0, longest, widen, 0, rows, row_scales, widened);
+        const f8 key_scales = load8(row_scales) * M->scale;
         for (int j = 0; j < nrows; j++) {
             if (t0 >= lengths[j]) continue;
             const float *q = qkv + (size_t)(r0 + j) * qkv_w + (size_t)h0 * D;
@@ -464,10 +545,8 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
                 const float *qs[QK_HEADS];
                 f8 out[QK_HEADS];
                 for (int h = 0; h < np; h++) qs[h] = q + (size_t)(g + h) * D;
-                if (QK_HEADS >= 3 && np == 3) qk_x8(qs, 3, rows, D, out);
-                else if (QK_HEADS >= 2 && np == 2) qk_x8(qs, 2, rows, D, out);
-                else qk_x8(qs, 1, rows, D, out);
-                for (int h = 0; h < np; h++) store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * M->scale);
+                qk_heads(qs, np, rows, format, D, out);
+                for (int h = 0; h < np; h++) store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * key_scales);
             }
         }
     }
@@ -500,7 +579,7 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     }
     for (size_t i = 0; i < (size_t)heads * D; i++) acc[i] = 0.f;
     for (int t0 = 0; t0 < longest; t0 += 8) {
-        key_rows(S, vc, table, kvh, KVH, D, t0, longest, rows, widened);
+        key_rows(S, vc, table, kvh, KVH, D, t0, longest, widen, 1, rows, row_scales, widened);
         for (int j = 0; j < nrows; j++) {
             if (t0 >= lengths[j]) continue;
             const int nk = lengths[j] - t0 < 8 ? lengths[j] - t0 : 8;
@@ -513,9 +592,7 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
                     accs[h] = acc + (size_t)x * D;
                     ps[h] = scores + x * Lpad + t0;
                 }
-                if (PV_HEADS >= 3 && np == 3) pv_x8(accs, ps, 3, rows, nk, D);
-                else if (PV_HEADS >= 2 && np == 2) pv_x8(accs, ps, 2, rows, nk, D);
-                else pv_x8(accs, ps, 1, rows, nk, D);
+                pv_heads(accs, ps, np, rows, row_scales, format, nk, D);
             }
         }
     }
