@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stoker.models.attention import AttentionMetadata
+from stoker.models.kv_quant import row_width
 from stoker.models.quant.weights import GGMLLinear, LinearWeight, kernels
 
 if TYPE_CHECKING:
@@ -31,8 +32,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.models")
 
 MAX_PARTS = 4  # as in decoder_layer.c
-# The cache row formats decoder_layer.c reads (its KV_F32, KV_INT8, KV_BF16).
-_KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2}
+# The cache row formats decoder_layer.c reads (its KV_F32, KV_INT8, KV_BF16, KV_FP8, KV_F16).
+KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float16: 4}
 _i, _f, _p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -107,6 +108,8 @@ def _library(isa: str) -> ctypes.CDLL | None:
     lib.decoder_model_ok.argtypes = [ctypes.POINTER(_Model)]
     lib.decoder_forward.restype = _i
     lib.decoder_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Step), _p, _i]
+    lib.decoder_kv_round_trip.restype = None
+    lib.decoder_kv_round_trip.argtypes = [_i, _p, _i, _i, _p, _p]
     return lib
 
 
@@ -116,6 +119,22 @@ def _current_library() -> ctypes.CDLL | None:
     if k is None or os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
         return None
     return _library(k.quant_isa())
+
+
+def kv_round_trip(x: torch.Tensor, dtype: torch.dtype, isa: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Rows x [n, head_dim] (float32) written as the C stack writes a cache of `dtype`, and
+    read back as its attention reads them: (the rows as stored, uint8 [n, row bytes]; the
+    values read, times their scale), or None without the `isa` build. What the tests hold
+    against kv_quant.py and torch's casts."""
+    lib = _library(isa)
+    if lib is None:
+        return None
+    x = x.float().contiguous()
+    n, head_dim = x.shape
+    stored = torch.empty(n, row_width(head_dim, dtype), dtype=dtype).view(torch.uint8)
+    values = torch.empty_like(x)
+    lib.decoder_kv_round_trip(KV_FORMATS[dtype], x.data_ptr(), n, head_dim, stored.data_ptr(), values.data_ptr())
+    return stored, values
 
 
 def _f32(t: torch.Tensor | None) -> bool:
@@ -213,13 +232,12 @@ class FusedDecoder:
         return fused
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Whether the KV cache is one it reads (float32, bfloat16, or int8 rows with scales
-        (kv_quant.py), contiguous, on the CPU); fixed per runner. An fp8 or float16 cache
-        takes the per-layer path."""
+        """Whether the KV cache is one it reads (float32, bfloat16, float16, or int8 or fp8
+        e4m3 rows with scales (kv_quant.py), contiguous, on the CPU); fixed per runner."""
         k, v = kv_caches[0]
         return (
             k.dtype == v.dtype
-            and k.dtype in _KV_FORMATS
+            and k.dtype in KV_FORMATS
             and k.is_cpu
             and v.is_cpu
             and k.is_contiguous()
@@ -265,7 +283,7 @@ class FusedDecoder:
             k_caches=ctypes.addressof(k_ptrs),
             v_caches=ctypes.addressof(v_ptrs),
             block_size=kv_caches[0][0].shape[1],
-            kv_format=_KV_FORMATS[kv_caches[0][0].dtype],
+            kv_format=KV_FORMATS[kv_caches[0][0].dtype],
         )
         rc = lib.decoder_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), torch.get_num_threads()

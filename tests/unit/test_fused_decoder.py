@@ -90,8 +90,9 @@ def test_fused_matches_torch_path(
         # (a chunk of 8 keys then spans two blocks), the cache in int8
         ("llama", {}, T.Q8_0, 80, {"block_size": 12, "kv_cache_dtype": "int8"}),
         ("llama", {}, T.Q4_0, HEAD_DIM, {"kv_cache_dtype": "bfloat16"}),
+        ("llama", {}, T.Q4_0, 80, {"kv_cache_dtype": "fp8_e4m3"}),
     ],
-    ids=[*IDS[1:], "llama-head80-block12-int8kv", "llama-bf16kv"],
+    ids=[*IDS[1:], "llama-head80-block12-int8kv", "llama-bf16kv", "llama-head80-fp8kv"],
 )
 def test_batch_invariant_greedy(
     arch: str,

@@ -20,7 +20,7 @@ from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.kv_sizing import size_kv_cache
 from stoker.engine.params import EngineCoreRequest
 from stoker.engine.runner import kv_bytes_per_block
-from stoker.models import attention, cpu_kernels
+from stoker.models import attention, cpu_kernels, fused_decoder
 from stoker.models.attention import (
     AttentionInputs,
     CPUPagedAttention,
@@ -275,11 +275,11 @@ def test_int8_greedy_tokens_do_not_depend_on_scheduling(tiny: Path, path: str, e
 
 
 @pytest.mark.skipif(quant_kernels._library("portable") is None, reason="no C compiler")
-@pytest.mark.parametrize("kv_cache_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8_e4m3", "bfloat16", "float16"])
 def test_fused_decoder_with_a_narrow_cache_matches_the_per_layer_path(
     kv_cache_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The fused C stack rounds k/v (int8 with a scale, or bf16) as it writes
+    """The fused C stack rounds k/v (int8 or fp8 with a scale, bf16, fp16) as it writes
     them and reads them back itself; the per-layer path does both in torch + the
     C attention kernels. Same cache format, so the logits agree to float
     rounding (int8 flips of a value on a rounding edge allowed: 3%, see
@@ -348,3 +348,36 @@ def test_a_bad_kv_cache_dtype_names_the_choices() -> None:
         EngineConfig.model_validate({"kv_cache_dtype": "int4"})
     assert "kv_cache_dtype" in str(err.value) and "'int8'" in str(err.value) and "'fp8_e4m3'" in str(err.value)
     assert EngineConfig.model_validate({"kv_cache_dtype": "bf16"}).kv_cache_dtype == "bf16"
+
+
+@pytest.mark.skipif(quant_kernels._library("portable") is None, reason="no C compiler")
+@pytest.mark.parametrize("isa", quant_kernels.available_isas())
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.int8, FP8, torch.float16, torch.bfloat16, torch.float32],
+    ids=["int8", "fp8", "float16", "bfloat16", "float32"],
+)
+def test_fused_decoder_stores_and_reads_rows_as_torch_does(dtype: torch.dtype, isa: str) -> None:
+    """The fused stack writes k and v into the cache itself (kv_quant.py's
+    rounding, torch's casts) and its attention reads them back in registers or
+    through a widened buffer: both, bit for bit against torch, on every ISA
+    build, over rows that reach each format's edges (fp8 and fp16 subnormals,
+    e4m3 ties, fp16 overflow to infinity, an all-zero row, head_dim 80 for a
+    16k + 8 tail)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(96, 80, generator=g) * torch.logspace(-6, 3, 96)[:, None]
+    x[3] = 0.0
+    x[4, :8] = torch.tensor([448.0, -3.25e-3, 1e-9, -0.0, 7e4, 65520.0, 65519.0, 2.0**-20])
+    x[5, :4] = torch.tensor([1.0, 1.0625 / 448, 1.1875 / 448, 2.0**-10 / 448])  # e4m3 ties to even
+    x[6] = torch.randn(80, generator=g) * 2.0**-17  # fp16 subnormals
+    got = fused_decoder.kv_round_trip(x, dtype, isa)
+    assert got is not None
+    stored, values = got
+    if dtype in (torch.int8, FP8):
+        packed = quantize_rows(x, dtype)
+        want = dequantize_rows(packed.view(dtype), dtype, torch.float32)
+    else:
+        packed = x.to(dtype).view(torch.uint8)
+        want = x.to(dtype).float()
+    assert torch.equal(stored, packed)
+    assert torch.equal(values, want)

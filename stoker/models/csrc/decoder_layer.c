@@ -29,11 +29,11 @@
  * row of context position + 1, so a prompt token's attention is the same
  * computation whether its prompt came alone, chunked or next to others.
  *
- * fp32 activations; a KV cache of fp32 rows, of bf16 rows (rounded as
- * torch rounds, widened exactly), or of int8 rows with their float32 scale
- * (stoker/models/kv_quant.py: quantized here as k and v are written, as
- * torch.round would, and read by attention as they are, the scale applied to
- * a key's q.k sum and to a value row).
+ * fp32 activations; a KV cache of fp32 rows, of bf16 or fp16 rows (rounded
+ * as torch rounds, widened exactly), or of int8 or fp8 e4m3 rows with their
+ * float32 scale (stoker/models/kv_quant.py: quantized here as k and v are
+ * written, as torch would, and read by attention as they are, the scale
+ * applied to a key's q.k sum and to a value row).
  * The Python side (fused_decoder.py) checks that and builds the Model tables
  * once at load.
  */
@@ -43,7 +43,8 @@
 #include "subnormals.h"
 
 #define MAX_PARTS 4
-enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2 }; /* cache row formats, as fused_decoder.py passes them */
+/* cache row formats, as fused_decoder.py passes them */
+enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2, KV_FP8 = 3, KV_F16 = 4 };
 #define KV_PREFETCH_KEYS 32 /* how far ahead attention prefetches cache rows */
 #define ATTEND_ROWS 8 /* rows of one sequence that attention serves together */
 
@@ -82,14 +83,14 @@ typedef struct {
     const int32_t *row_seq; /* NULL: one sequence per row (all decodes) */
     void *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, row] */
     int block_size;
-    int kv_format; /* KV_F32, KV_INT8 or KV_BF16 */
+    int kv_format; /* KV_F32, KV_INT8, KV_BF16, KV_FP8 (e4m3) or KV_F16 */
 } Step;
 
 /* Bytes of one (token, kv head) row of the cache. */
 static inline size_t kv_row_bytes(const Step *S, int D) {
-    return S->kv_format == KV_INT8 ? (size_t)D + sizeof(float)
-           : S->kv_format == KV_BF16 ? (size_t)D * sizeof(uint16_t)
-                                     : (size_t)D * sizeof(float);
+    return S->kv_format == KV_INT8 || S->kv_format == KV_FP8 ? (size_t)D + sizeof(float)
+           : S->kv_format == KV_F32                           ? (size_t)D * sizeof(float)
+                                                              : (size_t)D * sizeof(uint16_t);
 }
 
 /* Where row `index` (in rows) of a cache starts. */
@@ -102,44 +103,87 @@ static inline size_t kv_index(const int64_t *table, int BS, int KVH, int kvh, in
     return ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
 }
 
-/* A cache row's int8 scale (1 for float rows): attention multiplies a key's
- * q.k sum by it (over the int8 values as they are), and a value row's values. */
+/* A cache row's scale as attention applies it (1 for float rows): it
+ * multiplies a key's q.k sum (over the row's values as av_load_kv reads them)
+ * and a value row's values. An e4m3 byte is read as the fp16 with the same
+ * sign, exponent and mantissa bits, 2^-8 times its value (exact, subnormals
+ * included), so an fp8 row's scale carries the 2^8 back: the same products. */
 static inline float kv_scale(const Step *S, const uint8_t *row, int D) {
-    if (S->kv_format != KV_INT8) return 1.f;
+    if (S->kv_format != KV_INT8 && S->kv_format != KV_FP8) return 1.f;
     float scale;
     memcpy(&scale, row + D, sizeof scale);
-    return scale;
+    return S->kv_format == KV_FP8 ? scale * 256.f : scale;
 }
 
-/* A cache row's values as floats times scale into buf (bf16 rows: scale 1, exact). */
-static inline void kv_widen(const Step *S, const uint8_t *row, int D, float scale, float *restrict buf) {
-    if (S->kv_format == KV_BF16)
-        for (int d = 0; d < D; d++) buf[d] = bf16_to_float(((const uint16_t *)row)[d]);
-    else
-        for (int d = 0; d < D; d++) buf[d] = (float)((const int8_t *)row)[d] * scale;
+/* fp32 -> fp16, round to nearest even (torch's .to(torch.float16)). */
+static inline uint16_t float_to_half(float f) {
+#if QUANT_SIMD
+    return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+#else
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+    u &= 0x7FFFFFFFu;
+    if (u > 0x7F800000u) return sign | 0x7E00u;  /* NaN */
+    if (u >= 0x477FF000u) return sign | 0x7C00u; /* 65520 and up round to infinity */
+    if (u < 0x38800000u) {                       /* below 2^-14: steps of 2^-24 */
+        float a;
+        memcpy(&a, &u, sizeof a);
+        return sign | (uint16_t)lrintf(a * 16777216.f);
+    }
+    const uint32_t rounded = u + 0xFFFu + ((u >> 13) & 1u);
+    return sign | (uint16_t)((rounded - (112u << 23)) >> 13); /* exponent bias 127 -> 15 */
+#endif
 }
 
-/* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / 127,
- * q = round-half-even(x * (127 / max|x|))) for an int8 cache; rounded to
- * nearest even, as torch's .to(torch.bfloat16), for a bf16 one. */
+/* |x| <= 448 -> fp8 e4m3fn, round to nearest even (torch's .to(torch.float8_e4m3fn)). */
+static inline uint8_t float_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    u &= 0x7FFFFFFFu;
+    if (u < 0x3C800000u) { /* below 2^-6: steps of 2^-9 */
+        float a;
+        memcpy(&a, &u, sizeof a);
+        return sign | (uint8_t)lrintf(a * 512.f);
+    }
+    const uint32_t rounded = u + 0x7FFFFu + ((u >> 20) & 1u);
+    return sign | (uint8_t)((rounded - (120u << 23)) >> 20); /* exponent bias 127 -> 7 */
+}
+
+/* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / Q,
+ * q = round-half-even(x * (Q / max|x|)), Q = 127 for int8, 448 for e4m3 clamped
+ * first) for an int8 or fp8 cache; rounded to nearest even, as torch's
+ * .to(torch.bfloat16) / .to(torch.float16), for a bf16 or fp16 one. */
 static inline void kv_store(const Step *S, void *cache, size_t index, const float *restrict x, int D) {
     uint8_t *row = kv_row_at(S, cache, index, D);
     if (S->kv_format == KV_F32) {
         memcpy(row, x, sizeof(float) * D);
         return;
     }
-    if (S->kv_format == KV_BF16) {
+    if (S->kv_format == KV_BF16 || S->kv_format == KV_F16) {
         uint16_t *restrict h = (uint16_t *)row;
-        for (int d = 0; d < D; d++) h[d] = float_to_bf16(x[d]);
+        if (S->kv_format == KV_BF16)
+            for (int d = 0; d < D; d++) h[d] = float_to_bf16(x[d]);
+        else
+            for (int d = 0; d < D; d++) h[d] = float_to_half(x[d]);
         return;
     }
+    const float qmax = S->kv_format == KV_INT8 ? 127.f : 448.f;
     float amax = 0.f;
     for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax; /* no libm call */
-    const float inv = amax > 0.f ? 127.f / amax : 0.f, scale = amax / 127.f;
-    int8_t *restrict q = (int8_t *)row;
-    for (int d = 0; d < D; d++) {
-        const long v = lrintf(x[d] * inv);
-        q[d] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+    const float inv = amax > 0.f ? qmax / amax : 0.f, scale = amax / qmax;
+    if (S->kv_format == KV_INT8) {
+        int8_t *restrict q = (int8_t *)row;
+        for (int d = 0; d < D; d++) {
+            const long v = lrintf(x[d] * inv);
+            q[d] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+    } else {
+        for (int d = 0; d < D; d++) {
+            const float v = x[d] * inv;
+            row[d] = float_to_e4m3(v > 448.f ? 448.f : v < -448.f ? -448.f : v);
+        }
     }
     memcpy(row + D, &scale, sizeof scale);
 }
@@ -299,33 +343,71 @@ ALWAYS_INLINE f8 av_fold8(av_t a) { return (f8)a; }
 
 /* Floats d .. d + n - 1 (n = AV_LANES, or 8 for a 16k + 8 head's tail, zeros
  * after) of a K or V row stored as `format`: KV_F32 rows are floats (an fp32
- * cache, or rows key_rows widened), KV_INT8 and KV_BF16 rows are the cache's
- * own, converted in registers, exactly. format is a constant at every call. */
+ * cache, or rows key_rows widened); the cache's own int8, bf16, e4m3 (as the
+ * fp16 of its bits, see kv_scale) and fp16 rows are converted in registers,
+ * exactly. format is a constant at every call. */
 ALWAYS_INLINE av_t av_load_kv(const void *row, int format, int d, int n) {
     if (format == KV_F32) return av_load_n((const float *)row + d, n);
 #if AV_LANES == 16
-    if (format == KV_INT8) {
-        const int8_t *p = (const int8_t *)row + d;
+    if (format == KV_INT8 || format == KV_FP8) {
+        const uint8_t *p = (const uint8_t *)row + d;
         const __m128i b = n == 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_loadl_epi64((const __m128i *)p);
-        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        if (format == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+        const __m256i x = _mm256_cvtepu8_epi16(b);
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7),
+                                          _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+        return _mm512_cvtph_ps(h);
     }
     const uint16_t *p = (const uint16_t *)row + d;
     const __m256i h =
         n == 16 ? _mm256_loadu_si256((const __m256i *)p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    if (format == KV_F16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 #elif QUANT_SIMD
     (void)n;
-    if (format == KV_INT8)
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + d))));
+    if (format == KV_INT8 || format == KV_FP8) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + d));
+        if (format == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        const __m128i x = _mm_cvtepu8_epi16(b);
+        return _mm256_cvtph_ps(_mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7),
+                                            _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8)));
+    }
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + d));
+    if (format == KV_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 #else
     (void)n;
     av_t v;
-    for (int j = 0; j < 8; j++)
-        v[j] = format == KV_INT8 ? (float)((const int8_t *)row)[d + j] : bf16_to_float(((const uint16_t *)row)[d + j]);
+    for (int j = 0; j < 8; j++) {
+        const uint8_t *p = (const uint8_t *)row;
+        uint16_t h;
+        switch (format) {
+        case KV_INT8: v[j] = (float)((const int8_t *)p)[d + j]; continue;
+        case KV_BF16: v[j] = bf16_to_float(((const uint16_t *)p)[d + j]); continue;
+        case KV_FP8: h = (uint16_t)(((p[d + j] & 0x7Fu) << 7) | ((p[d + j] & 0x80u) << 8)); break;
+        default: memcpy(&h, p + 2 * (size_t)(d + j), sizeof h); break;
+        }
+        v[j] = fp16_at((const uint8_t *)&h);
+    }
     return v;
 #endif
+}
+
+/* A cache row's values (as av_load_kv reads them) times scale into buf. */
+ALWAYS_INLINE void widen_row(const void *row, int format, int D, float scale, float *restrict buf) {
+    for (int d = 0; d < D; d += AV_LANES) {
+        const int n = D - d < AV_LANES ? D - d : AV_LANES;
+        av_store_n(buf + d, av_load_kv(row, format, d, n) * AV_SET1(scale), n);
+    }
+}
+static inline void kv_widen(const Step *S, const uint8_t *row, int D, float scale, float *restrict buf) {
+    switch (S->kv_format) {
+    case KV_INT8: widen_row(row, KV_INT8, D, scale, buf); break;
+    case KV_BF16: widen_row(row, KV_BF16, D, scale, buf); break;
+    case KV_FP8: widen_row(row, KV_FP8, D, scale, buf); break;
+    case KV_F16: widen_row(row, KV_F16, D, scale, buf); break;
+    default: widen_row(row, KV_F32, D, scale, buf); break;
+    }
 }
 
 /* Eight keys' eight-lane sums into their eight totals, each
@@ -404,15 +486,20 @@ ALWAYS_INLINE void qk_heads(const float *const q[], int np, const void *const k[
         else if (QK_HEADS >= 2 && np == 2) qk_x8(q, 2, k, format, D, out);                                             \
         else qk_x8(q, 1, k, format, D, out);                                                                           \
     } while (0)
-    if (format == KV_INT8) QK_NP(KV_INT8);
-    else if (format == KV_BF16) QK_NP(KV_BF16);
-    else QK_NP(KV_F32);
+    switch (format) {
+    case KV_INT8: QK_NP(KV_INT8); break;
+    case KV_BF16: QK_NP(KV_BF16); break;
+    case KV_FP8: QK_NP(KV_FP8); break;
+    case KV_F16: QK_NP(KV_F16); break;
+    default: QK_NP(KV_F32); break;
+    }
 #undef QK_NP
 }
 
 /* acc[h][d] += p[h][i] * (v[i][d] * scale[i]) for keys i < nk in order (rows
- * stored as format; scale[i] only for int8 rows, float rows come scaled), np
- * heads, four vectors of d at a time held in registers over the keys. */
+ * stored as format; scale[i] only for int8 and fp8 rows, others are 1 or come
+ * scaled), np heads, four vectors of d at a time held in registers over the
+ * keys. */
 ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, const void *const v[8],
                          const float scale[8], int format, int nk, int D) {
     int d = 0;
@@ -423,7 +510,7 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
         for (int i = 0; i < nk; i++) {
             av_t row[4];
             for (int s = 0; s < 4; s++) row[s] = av_load_kv(v[i], format, d + s * AV_LANES, AV_LANES);
-            if (format == KV_INT8)
+            if (format == KV_INT8 || format == KV_FP8)
                 for (int s = 0; s < 4; s++) row[s] = row[s] * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) {
                 const av_t w = AV_SET1(p[h][i]);
@@ -439,7 +526,7 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
         for (int h = 0; h < np; h++) c[h] = av_load_n(acc[h] + d, n);
         for (int i = 0; i < nk; i++) {
             av_t row = av_load_kv(v[i], format, d, n);
-            if (format == KV_INT8) row = row * AV_SET1(scale[i]);
+            if (format == KV_INT8 || format == KV_FP8) row = row * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) c[h] = AV_FMA(AV_SET1(p[h][i]), row, c[h]);
         }
         for (int h = 0; h < np; h++) av_store_n(acc[h] + d, c[h], n);
@@ -455,16 +542,20 @@ ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, 
         else if (PV_HEADS >= 2 && np == 2) pv_x8(acc, p, 2, v, scale, format, nk, D);                                  \
         else pv_x8(acc, p, 1, v, scale, format, nk, D);                                                                \
     } while (0)
-    if (format == KV_INT8) PV_NP(KV_INT8);
-    else if (format == KV_BF16) PV_NP(KV_BF16);
-    else PV_NP(KV_F32);
+    switch (format) {
+    case KV_INT8: PV_NP(KV_INT8); break;
+    case KV_BF16: PV_NP(KV_BF16); break;
+    case KV_FP8: PV_NP(KV_FP8); break;
+    case KV_F16: PV_NP(KV_F16); break;
+    default: PV_NP(KV_F32); break;
+    }
 #undef PV_NP
 }
 
 /* The cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the block
  * table, and their scales (kv_scale); keys past the context (t0 + i >= L) get
- * key t0's, and their results are never read. With `widen`, an int8 or bf16
- * cache's rows are widened (times their scale where `scaled`: values, not
+ * key t0's, and their results are never read. With `widen`, a cache of
+ * narrower rows has them widened (times their scale where `scaled`: values, not
  * keys) into `widened` [8, D] and given as KV_F32 rows. */
 static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
                             int L, int widen, int scaled, const void *rows[8], float scales[8],
@@ -512,8 +603,7 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
  * (row, head): scores by qk_x8, times (the key's scale times scale); weights
  * exp(score - max) summed in AV_LANES lanes by key index, folded to eight as
  * av_fold8, then the same tree; out = (p.v by pv_x8) / that sum. A lone row
- * (a decode) converts an int8 or bf16 cache's rows in registers as it reads
- * them; rows that share each chunk widen it once: the same floats either way. Scratch: nrows *
+ * (a decode) converts a narrower cache's rows in registers as it reads them; rows that share each chunk widen it once: the same floats either way. Scratch: nrows *
  * count * (the longest context rounded up to 8 + head_dim) floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
@@ -693,6 +783,22 @@ static int linear_ok(const Linear *L, int in, int out) {
         next += L->rows[p];
     }
     return next == out;
+}
+
+/* Rows x [n, D] written as a cache of `format` writes them (into `cache`, n
+ * rows), then read back as attention reads them, times their scale, into
+ * out [n, D]: the row format's round trip, for the tests. */
+void decoder_kv_round_trip(int format, const float *x, int n, int D, void *cache, float *out) {
+    Step S;
+    memset(&S, 0, sizeof S);
+    S.kv_format = format;
+    const fp_mode_t caller = subnormals_off(); /* as decoder_forward runs */
+    for (int r = 0; r < n; r++) {
+        kv_store(&S, cache, (size_t)r, x + (size_t)r * D, D);
+        const uint8_t *row = kv_row_at(&S, cache, (size_t)r, D);
+        kv_widen(&S, row, D, kv_scale(&S, row, D), out + (size_t)r * D);
+    }
+    fp_mode_restore(caller);
 }
 
 /* 1 if this build can run the model (shapes the loops above assume), else 0. */
