@@ -46,7 +46,7 @@
 /* cache row formats, as fused_decoder.py passes them */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2, KV_FP8 = 3, KV_F16 = 4 };
 #define KV_PREFETCH_KEYS 32 /* how far ahead attention prefetches cache rows */
-#define ATTEND_ROWS 8 /* rows of one sequence that attention serves together */
+#define ATTEND_ROWS 16 /* rows of one sequence that attention serves together */
 
 /* One linear layer: row-stacked parts (a Q4_K_M qkv is Q4_K rows then Q6_K rows). */
 typedef struct {
