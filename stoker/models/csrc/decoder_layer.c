@@ -450,10 +450,11 @@ ALWAYS_INLINE f8 sum_lanes_x8_wide(const av_t a[8]) {
 }
 #endif
 
-/* q.k for np heads (q[h]) and eight keys k[i] (stored as format): per (head, key), AV_LANES lane
- * sums of q[d] * k[d] over d = lane, lane + AV_LANES, ... in order (fused
- * where the ISA has it), folded to eight lanes, then sum_lanes_x8. np and
- * format are constants at every call, so the accumulators stay in registers. */
+/* q.k for np heads (q[h]) and eight keys k[i] (rows stored as format): per
+ * (head, key), AV_LANES lane sums of q[d] * k[d] over d = lane, lane +
+ * AV_LANES, ... in order (fused where the ISA has it), folded to eight lanes,
+ * then sum_lanes_x8. np and format are constants at every call, so the
+ * accumulators stay in registers. */
 ALWAYS_INLINE void qk_x8(const float *const q[], int np, const void *const k[8], int format, int D, f8 out[]) {
     av_t a[QK_HEADS][8];
     for (int h = 0; h < np; h++)
@@ -603,8 +604,10 @@ static inline void key_rows(const Step *S, const void *cache, const int64_t *tab
  * (row, head): scores by qk_x8, times (the key's scale times scale); weights
  * exp(score - max) summed in AV_LANES lanes by key index, folded to eight as
  * av_fold8, then the same tree; out = (p.v by pv_x8) / that sum. A lone row
- * (a decode) converts a narrower cache's rows in registers as it reads them; rows that share each chunk widen it once: the same floats either way. Scratch: nrows *
- * count * (the longest context rounded up to 8 + head_dim) floats. */
+ * (a decode) converts a narrower cache's rows in registers as it reads them;
+ * rows that share each chunk widen it once: the same floats either way.
+ * Scratch: nrows * count * (the longest context rounded up to 8 + head_dim)
+ * floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
@@ -619,7 +622,7 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
     float inv[ATTEND_ROWS * 64];
-    float widened[8 * 512]; /* eight int8 or bf16 rows as floats */
+    float widened[8 * 512]; /* eight narrower rows as floats */
     const void *rows[8];
     float row_scales[8];
     const int widen = nrows > 1 && S->kv_format != KV_F32, format = widen ? KV_F32 : S->kv_format;
@@ -636,7 +639,8 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
                 f8 out[QK_HEADS];
                 for (int h = 0; h < np; h++) qs[h] = q + (size_t)(g + h) * D;
                 qk_heads(qs, np, rows, format, D, out);
-                for (int h = 0; h < np; h++) store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * key_scales);
+                for (int h = 0; h < np; h++)
+                    store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * key_scales);
             }
         }
     }
