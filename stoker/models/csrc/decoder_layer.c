@@ -393,6 +393,17 @@ ALWAYS_INLINE av_t av_load_kv(const void *row, int format, int d, int n) {
 #endif
 }
 
+/* CALL(f) with f the constant equal to `format`: one instantiation of an
+ * inlined kernel per cache row format. */
+#define FOR_KV_FORMAT(format, CALL)                                                                                    \
+    switch (format) {                                                                                                  \
+    case KV_INT8: CALL(KV_INT8); break;                                                                                \
+    case KV_BF16: CALL(KV_BF16); break;                                                                                \
+    case KV_FP8: CALL(KV_FP8); break;                                                                                  \
+    case KV_F16: CALL(KV_F16); break;                                                                                  \
+    default: CALL(KV_F32); break;                                                                                      \
+    }
+
 /* A cache row's values (as av_load_kv reads them) times scale into buf. */
 ALWAYS_INLINE void widen_row(const void *row, int format, int D, float scale, float *restrict buf) {
     for (int d = 0; d < D; d += AV_LANES) {
@@ -401,13 +412,9 @@ ALWAYS_INLINE void widen_row(const void *row, int format, int D, float scale, fl
     }
 }
 static inline void kv_widen(const Step *S, const uint8_t *row, int D, float scale, float *restrict buf) {
-    switch (S->kv_format) {
-    case KV_INT8: widen_row(row, KV_INT8, D, scale, buf); break;
-    case KV_BF16: widen_row(row, KV_BF16, D, scale, buf); break;
-    case KV_FP8: widen_row(row, KV_FP8, D, scale, buf); break;
-    case KV_F16: widen_row(row, KV_F16, D, scale, buf); break;
-    default: widen_row(row, KV_F32, D, scale, buf); break;
-    }
+#define WIDEN(format) widen_row(row, format, D, scale, buf)
+    FOR_KV_FORMAT(S->kv_format, WIDEN)
+#undef WIDEN
 }
 
 /* Eight keys' eight-lane sums into their eight totals, each
@@ -487,13 +494,7 @@ ALWAYS_INLINE void qk_heads(const float *const q[], int np, const void *const k[
         else if (QK_HEADS >= 2 && np == 2) qk_x8(q, 2, k, format, D, out);                                             \
         else qk_x8(q, 1, k, format, D, out);                                                                           \
     } while (0)
-    switch (format) {
-    case KV_INT8: QK_NP(KV_INT8); break;
-    case KV_BF16: QK_NP(KV_BF16); break;
-    case KV_FP8: QK_NP(KV_FP8); break;
-    case KV_F16: QK_NP(KV_F16); break;
-    default: QK_NP(KV_F32); break;
-    }
+    FOR_KV_FORMAT(format, QK_NP)
 #undef QK_NP
 }
 
@@ -543,13 +544,7 @@ ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, 
         else if (PV_HEADS >= 2 && np == 2) pv_x8(acc, p, 2, v, scale, format, nk, D);                                  \
         else pv_x8(acc, p, 1, v, scale, format, nk, D);                                                                \
     } while (0)
-    switch (format) {
-    case KV_INT8: PV_NP(KV_INT8); break;
-    case KV_BF16: PV_NP(KV_BF16); break;
-    case KV_FP8: PV_NP(KV_FP8); break;
-    case KV_F16: PV_NP(KV_F16); break;
-    default: PV_NP(KV_F32); break;
-    }
+    FOR_KV_FORMAT(format, PV_NP)
 #undef PV_NP
 }
 
