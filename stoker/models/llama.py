@@ -101,7 +101,11 @@ class LlamaModel:
         fused = FusedDecoder.build(self)
         self.fused = fused if isinstance(fused, FusedDecoder) else None
         if self.fused is not None:
-            log.info("decoder layers: fused C path (one call per step for all %d layers)", config.num_layers)
+            log.info(
+                "decoder layers: fused C path (one call per step for all %d layers, attention included:"
+                " the attention backend below is only its fallback)",
+                config.num_layers,
+            )
         else:
             log.info("decoder layers: torch path (%s)", fused)
 
