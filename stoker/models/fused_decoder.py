@@ -131,6 +131,8 @@ def kv_round_trip(x: torch.Tensor, dtype: torch.dtype, isa: str) -> tuple[torch.
         return None
     x = x.float().contiguous()
     n, head_dim = x.shape
+    if head_dim % 8 or head_dim > 512:
+        raise ValueError(f"head_dim {head_dim}: the C stack takes multiples of 8 up to 512")
     stored = torch.empty(n, row_width(head_dim, dtype), dtype=dtype).view(torch.uint8)
     values = torch.empty_like(x)
     lib.decoder_kv_round_trip(KV_FORMATS[dtype], x.data_ptr(), n, head_dim, stored.data_ptr(), values.data_ptr())

@@ -381,3 +381,5 @@ def test_fused_decoder_stores_and_reads_rows_as_torch_does(dtype: torch.dtype, i
         want = x.to(dtype).float()
     assert torch.equal(stored, packed)
     assert torch.equal(values, want)
+    with pytest.raises(ValueError, match="head_dim 12"):
+        fused_decoder.kv_round_trip(x[:, :12], dtype, isa)
