@@ -115,6 +115,23 @@ static inline float kv_scale(const Step *S, const uint8_t *row, int D) {
     return S->kv_format == KV_FP8 ? scale * 256.f : scale;
 }
 
+/* The bits of x >= 0 (u, sign clear) rounded to nearest even into a float of
+ * `mant` mantissa bits and exponent bias `bias`, subnormals included, without
+ * the sign; the callers keep x within the format's range. */
+static inline uint32_t round_to_narrow_float(uint32_t u, int mant, int bias) {
+    const uint32_t min_normal = (uint32_t)(128 - bias) << 23;
+    if (u < min_normal) { /* subnormal: whole steps of 2^(1 - bias - mant) */
+        const uint32_t steps_bits = (uint32_t)(126 + bias + mant) << 23;
+        float a, steps;
+        memcpy(&a, &u, sizeof a);
+        memcpy(&steps, &steps_bits, sizeof steps);
+        return (uint32_t)lrintf(a * steps);
+    }
+    const int shift = 23 - mant;
+    const uint32_t rounded = u + ((1u << (shift - 1)) - 1u) + ((u >> shift) & 1u);
+    return (rounded - ((uint32_t)(127 - bias) << 23)) >> shift; /* exponent bias 127 -> bias */
+}
+
 /* fp32 -> fp16, round to nearest even (torch's .to(torch.float16)). */
 static inline uint16_t float_to_half(float f) {
 #if QUANT_SIMD
@@ -126,13 +143,7 @@ static inline uint16_t float_to_half(float f) {
     u &= 0x7FFFFFFFu;
     if (u > 0x7F800000u) return sign | 0x7E00u;  /* NaN */
     if (u >= 0x477FF000u) return sign | 0x7C00u; /* 65520 and up round to infinity */
-    if (u < 0x38800000u) {                       /* below 2^-14: steps of 2^-24 */
-        float a;
-        memcpy(&a, &u, sizeof a);
-        return sign | (uint16_t)lrintf(a * 16777216.f);
-    }
-    const uint32_t rounded = u + 0xFFFu + ((u >> 13) & 1u);
-    return sign | (uint16_t)((rounded - (112u << 23)) >> 13); /* exponent bias 127 -> 15 */
+    return sign | (uint16_t)round_to_narrow_float(u, 10, 15);
 #endif
 }
 
@@ -140,15 +151,7 @@ static inline uint16_t float_to_half(float f) {
 static inline uint8_t float_to_e4m3(float x) {
     uint32_t u;
     memcpy(&u, &x, sizeof u);
-    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-    u &= 0x7FFFFFFFu;
-    if (u < 0x3C800000u) { /* below 2^-6: steps of 2^-9 */
-        float a;
-        memcpy(&a, &u, sizeof a);
-        return sign | (uint8_t)lrintf(a * 512.f);
-    }
-    const uint32_t rounded = u + 0x7FFFFu + ((u >> 20) & 1u);
-    return sign | (uint8_t)((rounded - (120u << 23)) >> 20); /* exponent bias 127 -> 7 */
+    return (uint8_t)(((u >> 24) & 0x80u) | round_to_narrow_float(u & 0x7FFFFFFFu, 3, 7));
 }
 
 /* x [D] into the cache row `index`: as kv_quant.quantize_rows (scale = max|x| / Q,
