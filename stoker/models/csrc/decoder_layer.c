@@ -45,6 +45,8 @@
 #define MAX_PARTS 4
 /* cache row formats, as fused_decoder.py passes them */
 enum { KV_F32 = 0, KV_INT8 = 1, KV_BF16 = 2, KV_FP8 = 3, KV_F16 = 4 };
+/* kv_quant.py's rows: one byte a value, then the row's float32 scale. */
+static inline int kv_quantized(int format) { return format == KV_INT8 || format == KV_FP8; }
 #define KV_PREFETCH_KEYS 32 /* how far ahead attention prefetches cache rows */
 #define ATTEND_ROWS 16 /* rows of one sequence that attention serves together */
 
@@ -88,9 +90,9 @@ typedef struct {
 
 /* Bytes of one (token, kv head) row of the cache. */
 static inline size_t kv_row_bytes(const Step *S, int D) {
-    return S->kv_format == KV_INT8 || S->kv_format == KV_FP8 ? (size_t)D + sizeof(float)
-           : S->kv_format == KV_F32                           ? (size_t)D * sizeof(float)
-                                                              : (size_t)D * sizeof(uint16_t);
+    return kv_quantized(S->kv_format) ? (size_t)D + sizeof(float)
+           : S->kv_format == KV_F32   ? (size_t)D * sizeof(float)
+                                      : (size_t)D * sizeof(uint16_t);
 }
 
 /* Where row `index` (in rows) of a cache starts. */
@@ -109,7 +111,7 @@ static inline size_t kv_index(const int64_t *table, int BS, int KVH, int kvh, in
  * sign, exponent and mantissa bits, 2^-8 times its value (exact, subnormals
  * included), so an fp8 row's scale carries the 2^8 back: the same products. */
 static inline float kv_scale(const Step *S, const uint8_t *row, int D) {
-    if (S->kv_format != KV_INT8 && S->kv_format != KV_FP8) return 1.f;
+    if (!kv_quantized(S->kv_format)) return 1.f;
     float scale;
     memcpy(&scale, row + D, sizeof scale);
     return S->kv_format == KV_FP8 ? scale * 256.f : scale;
@@ -352,7 +354,7 @@ ALWAYS_INLINE f8 av_fold8(av_t a) { return (f8)a; }
 ALWAYS_INLINE av_t av_load_kv(const void *row, int format, int d, int n) {
     if (format == KV_F32) return av_load_n((const float *)row + d, n);
 #if AV_LANES == 16
-    if (format == KV_INT8 || format == KV_FP8) {
+    if (kv_quantized(format)) {
         const uint8_t *p = (const uint8_t *)row + d;
         const __m128i b = n == 16 ? _mm_loadu_si128((const __m128i *)p) : _mm_loadl_epi64((const __m128i *)p);
         if (format == KV_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
@@ -368,7 +370,7 @@ ALWAYS_INLINE av_t av_load_kv(const void *row, int format, int d, int n) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 #elif QUANT_SIMD
     (void)n;
-    if (format == KV_INT8 || format == KV_FP8) {
+    if (kv_quantized(format)) {
         const __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)row + d));
         if (format == KV_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
         const __m128i x = _mm_cvtepu8_epi16(b);
@@ -515,7 +517,7 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
         for (int i = 0; i < nk; i++) {
             av_t row[4];
             for (int s = 0; s < 4; s++) row[s] = av_load_kv(v[i], format, d + s * AV_LANES, AV_LANES);
-            if (format == KV_INT8 || format == KV_FP8)
+            if (kv_quantized(format))
                 for (int s = 0; s < 4; s++) row[s] = row[s] * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) {
                 const av_t w = AV_SET1(p[h][i]);
@@ -531,7 +533,7 @@ ALWAYS_INLINE void pv_x8(float *const acc[], const float *const p[], int np, con
         for (int h = 0; h < np; h++) c[h] = av_load_n(acc[h] + d, n);
         for (int i = 0; i < nk; i++) {
             av_t row = av_load_kv(v[i], format, d, n);
-            if (format == KV_INT8 || format == KV_FP8) row = row * AV_SET1(scale[i]);
+            if (kv_quantized(format)) row = row * AV_SET1(scale[i]);
             for (int h = 0; h < np; h++) c[h] = AV_FMA(AV_SET1(p[h][i]), row, c[h]);
         }
         for (int h = 0; h < np; h++) av_store_n(acc[h] + d, c[h], n);
