@@ -100,11 +100,6 @@ static inline uint8_t *kv_row_at(const Step *S, const void *cache, size_t index,
     return (uint8_t *)cache + index * kv_row_bytes(S, D);
 }
 
-/* Row index of key `offset` of block `block` of a sequence (block table `table`), kv head kvh. */
-static inline size_t kv_index(const int64_t *table, int BS, int KVH, int kvh, int block, int offset) {
-    return ((size_t)table[block] * BS + (size_t)offset) * KVH + kvh;
-}
-
 /* A cache row's scale as attention applies it (1 for float rows): it
  * multiplies a key's q.k sum (over the row's values as av_load_kv reads them)
  * and a value row's values. An e4m3 byte is read as the fp16 with the same
@@ -557,40 +552,49 @@ ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, 
  * table, and their scales (kv_scale); keys past the context (t0 + i >= L) get
  * key t0's, and their results are never read. With `widen`, a cache of
  * narrower rows has them widened (times their scale where `scaled`: values, not
- * keys) into `widened` [8, D] and given as KV_F32 rows. */
-static inline void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
+ * keys) into `widened` [8, D] and given as KV_F32 rows. A block holds its
+ * tokens' rows one after another (all kv heads of a token together), so the
+ * rows are walked by pointer and the table is read once a block: a decode row
+ * runs this for every eight keys it reads, and indexing each row afresh cost
+ * as many instructions as its q.k. */
+ALWAYS_INLINE void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
                             int L, int widen, int scaled, const void *rows[8], float scales[8],
                             float *restrict widened) {
     const int BS = S->block_size;
+    const size_t row_bytes = kv_row_bytes(S, D), token_bytes = row_bytes * (size_t)KVH;
+    const uint8_t *const base = (const uint8_t *)cache + (size_t)kvh * row_bytes;
+#define BLOCK_ROW(block, offset) (base + ((size_t)table[block] * (size_t)BS + (size_t)(offset)) * token_bytes)
     int block = t0 / BS, offset = t0 % BS; /* of key t0 + i: one division a chunk, not one a key */
+    const uint8_t *row = BLOCK_ROW(block, offset);
     for (int i = 0; i < 8; i++) {
         if (t0 + i >= L) {
             rows[i] = rows[0];
             scales[i] = scales[0];
             continue;
         }
-        const uint8_t *row = kv_row_at(S, cache, kv_index(table, BS, KVH, kvh, block, offset), D);
         scales[i] = kv_scale(S, row, D);
         rows[i] = row;
         if (widen) {
             kv_widen(S, row, D, scaled ? scales[i] : 1.f, widened + (size_t)i * D);
             rows[i] = widened + (size_t)i * D;
         }
-        if (++offset == BS) block++, offset = 0;
+        if (++offset < BS) row += token_bytes;
+        else if (t0 + i + 1 < L) block++, offset = 0, row = BLOCK_ROW(block, 0);
     }
     /* The rows of keys KV_PREFETCH_KEYS ahead: a decode row reads its context
      * once, from memory, in rows spread over blocks where the hardware
      * prefetcher loses the stream, so the loads above would wait on DRAM. */
     const int ahead = t0 + KV_PREFETCH_KEYS;
     if (ahead < L) {
-        const size_t row_bytes = kv_row_bytes(S, D);
         int pb = ahead / BS, po = ahead % BS;
+        const uint8_t *next = BLOCK_ROW(pb, po);
         for (int i = 0; i < 8 && ahead + i < L; i++) {
-            const uint8_t *next = kv_row_at(S, cache, kv_index(table, BS, KVH, kvh, pb, po), D);
             for (size_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line);
-            if (++po == BS) pb++, po = 0;
+            if (++po < BS) next += token_bytes;
+            else if (ahead + i + 1 < L) pb++, po = 0, next = BLOCK_ROW(pb, 0);
         }
     }
+#undef BLOCK_ROW
 }
 
 /* Rows r0 .. r0 + nrows - 1 (all of one sequence: they read the same block
