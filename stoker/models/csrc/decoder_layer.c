@@ -198,6 +198,7 @@ typedef struct {
     size_t attn_scratch_floats;
     int *group_starts; /* attention's row groups: rows group_starts[i] .. group_starts[i + 1] - 1 */
     int num_groups;
+    int *group_order; /* the groups, most attention work (keys read over their rows) first */
     int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
     uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax, n); none for a small decode step */
     size_t gemm_scratch_size;
@@ -755,7 +756,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
         const int per_call = per_item < kv_group ? per_item : kv_group;
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < G * (H / per_item); item++) {
-            const int group = item / (H / per_item), h0 = item % (H / per_item) * per_item;
+            const int group = B->group_order[item / (H / per_item)], h0 = item % (H / per_item) * per_item;
             const int r0 = B->group_starts[group], nrows = B->group_starts[group + 1] - r0;
             for (int h = h0; h < h0 + per_item; h += per_call)
                 attend(M, S, l, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h, per_call, attn_scratch);
@@ -827,6 +828,50 @@ int decoder_model_ok(const Model *M) {
 
 /* hidden [n, M->hidden] in, the last layer's output out (in place).
  * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
+typedef struct {
+    long keys;
+    int group;
+} GroupWork;
+
+static int more_work_first(const void *a, const void *b) {
+    const GroupWork *x = a, *y = b;
+    if (x->keys != y->keys) return x->keys > y->keys ? -1 : 1;
+    return x->group - y->group;
+}
+
+/* Attention's groups, the sequences with the most attention work (keys read
+ * over their rows) first, each sequence's groups together in their order
+ * (malloc'd; NULL if group_starts is). The threads take items in order as
+ * they come free: decode rows of 100 to 1000+ keys taken in batch order left
+ * one thread waiting at every layer's barrier for the other's last long item;
+ * a prompt's groups stay together because each reads the same keys, which
+ * the next finds in cache. Which thread serves an item never changes what it
+ * computes. */
+static int *order_groups(const Step *S, const int *group_starts, int num_groups) {
+    if (!group_starts) return NULL;
+    int *order = malloc(sizeof(int) * ((size_t)num_groups + 1));
+    GroupWork *work = malloc(sizeof(GroupWork) * ((size_t)num_groups + 1));
+    if (order && work) {
+        for (int first = 0; first < num_groups;) {
+            int end = first + 1; /* groups first .. end - 1: one sequence's */
+            while (end < num_groups && S->row_seq &&
+                   S->row_seq[group_starts[end]] == S->row_seq[group_starts[first]])
+                end++;
+            long keys = 0;
+            for (int r = group_starts[first]; r < group_starts[end]; r++) keys += S->positions[r] + 1;
+            for (int g = first; g < end; g++) work[g] = (GroupWork){keys, g};
+            first = end;
+        }
+        qsort(work, (size_t)num_groups, sizeof *work, more_work_first);
+        for (int g = 0; g < num_groups; g++) order[g] = work[g].group;
+    } else {
+        free(order);
+        order = NULL;
+    }
+    free(work);
+    return order;
+}
+
 int decoder_forward(const Model *M, const Step *S, float *hidden, int num_threads) {
     const int n = S->n, H = M->num_heads, D = M->head_dim;
     if (n == 0) return 0;
@@ -865,13 +910,14 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
             B.group_starts[B.num_groups++] = r;
     }
     if (B.group_starts) B.group_starts[B.num_groups] = n;
+    B.group_order = order_groups(S, B.group_starts, B.num_groups);
     B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
     B.isum32 = malloc(sizeof(int16_t) * rows * (kmax / 32));
     B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
     B.gemm_scratch = malloc(B.gemm_scratch_size * (size_t)num_threads + 1); /* + 1: never malloc(0) */
     void *all[] = {B.normed, B.qkv,    B.attn,         B.gate_up, B.act,      B.qs32,
                    B.qs256,  B.d32,    B.s32,          B.d256,    B.s256,     B.bsums32,
-                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch, B.group_starts};
+                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch, B.group_starts, B.group_order};
     const int count = (int)(sizeof all / sizeof all[0]);
     int rc = 0;
     for (int i = 0; i < count; i++)
