@@ -1148,7 +1148,7 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
     __m256 acc = _mm256_setzero_ps();
     for (int sb = 0; sb < nsb; sb++) {
         float dw[8], dx[2];
-        __m256i p[8], offset[8];
+        __m256i p[8];
         for (int j = 0; j < NR; j++) {
             const uint8_t *blk = wr[j] + (size_t)sb * ts;
             const int8_t *sc = (const int8_t *)(blk + 192);
@@ -1162,13 +1162,18 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
                 }
             }
             dw[j] = fp16_at(blk + 208);
+            /* P - 32 * sum of sc * x's sums of 16 (exact in int32 in any order), taken off each
+             * lane before the lane totals: no second set of eight accumulators, which the
+             * 256-bit builds' sixteen registers do not hold beside the first */
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-            for (int i = 0; i < MR; i++)
-                offset[i * NR + j] = _mm256_madd_epi16(
+            for (int i = 0; i < MR; i++) {
+                const __m256i offset = _mm256_madd_epi16(
                     sc16, _mm256_loadu_si256((const __m256i *)(xq->bsums + rows[i] * (size_t)(k / 16) + (size_t)sb * 16)));
+                p[i * NR + j] = _mm256_sub_epi32(p[i * NR + j], _mm256_slli_epi32(offset, 5));
+            }
         }
         for (int i = 0; i < MR; i++) dx[i] = xq->d[rows[i] * (size_t)nsb + sb];
-        const __m256i total = _mm256_sub_epi32(lane_totals(p), _mm256_slli_epi32(lane_totals(offset), 5));
+        const __m256i total = lane_totals(p);
         acc = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(total), by_column(dw, NR)), by_row(dx, NR), acc);
     }
     _mm256_storeu_ps(res, acc);
