@@ -556,8 +556,8 @@ ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, 
  * keys) into `widened` [8, D] and given as KV_F32 rows. A block holds its
  * tokens' rows one after another (all kv heads of a token together), so the
  * rows are walked by pointer and the table is read once a block: a decode row
- * runs this for every eight keys it reads, and indexing each row afresh cost
- * as many instructions as its q.k. */
+ * runs this for every eight keys it reads, and indexing each row afresh put a
+ * table load and a multiply-add chain on every key. */
 ALWAYS_INLINE void key_rows(const Step *S, const void *cache, const int64_t *table, int kvh, int KVH, int D, int t0,
                             int L, int widen, int scaled, const void *rows[8], float scales[8],
                             float *restrict widened) {
@@ -826,8 +826,6 @@ int decoder_model_ok(const Model *M) {
     return 1;
 }
 
-/* hidden [n, M->hidden] in, the last layer's output out (in place).
- * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
 typedef struct {
     long keys;
     int group;
@@ -872,6 +870,8 @@ static int *order_groups(const Step *S, const int *group_starts, int num_groups)
     return order;
 }
 
+/* hidden [n, M->hidden] in, the last layer's output out (in place).
+ * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
 int decoder_forward(const Model *M, const Step *S, float *hidden, int num_threads) {
     const int n = S->n, H = M->num_heads, D = M->head_dim;
     if (n == 0) return 0;
