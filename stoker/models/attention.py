@@ -35,7 +35,7 @@ from stoker.models.cpu_kernels import (
     paged_prefill_attention,
     prefill_kernel_supported,
 )
-from stoker.models.kv_quant import dequantize_rows, is_quantized, quantize_rows
+from stoker.models.kv_quant import dequantize_rows, is_quantized, quantize_queries, quantize_rows
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,9 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """The model's one call: the backend that built `meta` serves it."""
-    return meta.backend.forward(q, k, v, k_cache, v_cache, meta, scale)
+    """The model's one call: the backend that built `meta` serves it (q rounded
+    through int8 first where the cache is int8: kv_quant.quantize_queries)."""
+    return meta.backend.forward(quantize_queries(q, k_cache.dtype), k, v, k_cache, v_cache, meta, scale)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

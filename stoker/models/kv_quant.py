@@ -13,6 +13,11 @@ Symmetric, per row: scale = max|x| / QMAX, q = round(x / scale) (int8: to
 nearest even, as torch.round and C's lrintf; fp8: torch's conversion), and
 x ~ q * scale. The C kernels (csrc/paged_attention.c, csrc/decoder_layer.c)
 compute the same thing; this module is the reference they are tested against.
+
+Against an int8 cache the queries are rounded through int8 as well, per
+(token, head) row and the same way (`quantize_queries`), as llama.cpp does
+against its q8_0 cache: q.k is then a sum of integer products, which the fused
+decoder computes exactly with int8 dot-product instructions.
 """
 
 from __future__ import annotations
@@ -59,3 +64,16 @@ def dequantize_rows(packed: torch.Tensor, dtype: torch.dtype, out_dtype: torch.d
     # A strided 4-byte slice cannot be reinterpreted in place: copy the scales out first.
     scale = raw[..., head_dim:].contiguous().view(torch.float32)
     return (values * scale).to(out_dtype)
+
+
+def quantize_queries(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """What attention over a cache of `cache_dtype` multiplies the keys by: for
+    an int8 cache, q [..., head_dim] rounded through int8 per row as a cache
+    row is (values times the row's scale, in q's dtype); any other cache, q
+    itself. The fused decoder (csrc/decoder_layer.c, quantize_query) keeps the
+    integers and sums q.k exactly before scaling; the other paths multiply
+    these floats, which differs from it only by float rounding. Measured cost:
+    docs/perf/kv-cache-quant.md (perplexity)."""
+    if cache_dtype != torch.int8:
+        return q
+    return dequantize_rows(quantize_rows(q, torch.int8), torch.int8, q.dtype)

@@ -49,8 +49,14 @@ def _llm(path: Path, fused: bool, monkeypatch: pytest.MonkeyPatch, **args: Any) 
 
 @pytest.mark.parametrize(
     ("arch", "mix", "default", "head_dim", "engine_args"),
-    [*((*case, HEAD_DIM, {}) for case in CASES), ("llama", {}, T.Q8_0, 80, {"block_size": 12})],
-    ids=[*IDS, "llama-head80-block12"],
+    [
+        *((*case, HEAD_DIM, {}) for case in CASES),
+        ("llama", {}, T.Q8_0, 80, {"block_size": 12}),
+        # an int8 cache: q.k in integers here, over q rounded through int8 there
+        ("llama", {}, T.Q8_0, 80, {"block_size": 12, "kv_cache_dtype": "int8"}),
+        ("qwen3", Q4_K_M, T.Q4_K, HEAD_DIM, {"kv_cache_dtype": "int8"}),
+    ],
+    ids=[*IDS, "llama-head80-block12", "llama-head80-block12-int8kv", "qwen3-Q4_K_M-int8kv"],
 )
 def test_fused_matches_torch_path(
     arch: str,
@@ -72,8 +78,9 @@ def test_fused_matches_torch_path(
     the torch path itself. Hence: every prompt within 3%, and at least one
     (the short ones never cross a boundary here) within 1e-5. A wrong rotary,
     slot, cache read, norm or bias moves every prompt by tens of percent.
-    The cache is the default bf16 one: both paths attend over the rows they
-    rounded and wrote, never the fresh k/v."""
+    The cache is the default bf16 one (or int8, where q is rounded through
+    int8 too: exact integer sums here, floats of the same values there): both
+    paths attend over the rows they rounded and wrote, never the fresh k/v."""
     path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default, head_dim=head_dim)
     prompts = _prompts(len(TOKENS))
     fused = _last_logits(_llm(path, True, monkeypatch, **engine_args), prompts)

@@ -29,7 +29,7 @@ from stoker.models.attention import (
     paged_attention,
     write_kv,
 )
-from stoker.models.kv_quant import dequantize_rows, quantize_rows, row_width
+from stoker.models.kv_quant import dequantize_rows, quantize_queries, quantize_rows, row_width
 from stoker.models.quant import kernels as quant_kernels
 
 FP8 = torch.float8_e4m3fn
@@ -116,8 +116,11 @@ def test_decode_reads_the_quantized_cache(head_dim: int, dtype: torch.dtype, qdt
         meta = backend.build_metadata(AttentionInputs(torch.zeros(0, dtype=torch.long), tables, lens, [], BS, 0))
         out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5).view(len(lens), H, head_dim)
         for i, n in enumerate(lens):
+            # against an int8 cache q is rounded through int8 too (kv_quant.quantize_queries)
             want = _naive(
-                q[i : i + 1].float(), _dequantized(k_cache, tables[i], n), _dequantized(v_cache, tables[i], n)
+                quantize_queries(q[i : i + 1].float(), dtype),
+                _dequantized(k_cache, tables[i], n),
+                _dequantized(v_cache, tables[i], n),
             )
             torch.testing.assert_close(out[i].float(), want[0], atol=tol, rtol=tol, msg=backend.name)
 
@@ -132,7 +135,7 @@ def test_prefill_chunks_read_the_quantized_cache(head_dim: int, dtype: torch.dty
     for i, (n, chunk_len) in enumerate([(7, 7), (21, 9), (40, 17)]):
         q = torch.randn(chunk_len, H, head_dim, generator=g)
         k_all, v_all = _dequantized(k_cache, tables[i], n), _dequantized(v_cache, tables[i], n)
-        want = _naive(q, k_all, v_all)
+        want = _naive(quantize_queries(q, dtype), k_all, v_all)
         # This chunk's own k/v as the model would pass them (before quantization): a path
         # that used them instead of the cache would differ from `want` by the quantization error.
         k_new = torch.randn(chunk_len, KVH, head_dim, generator=g)

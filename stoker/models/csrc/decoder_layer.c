@@ -549,6 +549,218 @@ ALWAYS_INLINE void pv_heads(float *const acc[], const float *const p[], int np, 
 #undef PV_NP
 }
 
+/* ---- q.k against an int8 cache, in integers ---------------------------------
+ * With an int8 cache, q is quantized too, per (row, head) as kv_store
+ * quantizes a cache row (scale = max|q| / 127, round half even), and q.k is
+ * summed in int32: exact, so its order is free and every path (and a prefill
+ * row and a decode row) gets the same integer; the score is then
+ * (float)sum * q's scale * (the key's scale * scale), in that order. llama.cpp
+ * does the same for its q8_0 cache (q as q8_0). The integer sum lets a pass's
+ * keys lie along the vector lanes (rows transposed by dwords, four values a
+ * lane): one multiply-add then yields four products for each of 16 keys
+ * (AVX-512) or 8, and no lane sums are left to fold. */
+#define QK_INT8_HEADS 4 /* queries a pass over the keys serves */
+#if QUANT_ISA == 3
+#define KT_KEYS 16 /* keys a pass: the vector's int32 lanes */
+typedef __m512i kt_t;
+#elif QUANT_SIMD
+#define KT_KEYS 8
+typedef __m256i kt_t;
+#else
+#define KT_KEYS 8
+typedef i32x8 kt_t; /* unused: the portable build sums the rows as stored */
+#endif
+#define KEY_PAD 16 /* scores rows are padded to this many keys: KT_KEYS on every path */
+
+typedef uint8_t u8x8 __attribute__((vector_size(8)));
+
+/* q [D] as int8 (qi), |qi| (qa), its scale and the sum of qi; D % 8 == 0. */
+static inline void quantize_query(const float *restrict q, int D, int8_t *restrict qi, uint8_t *restrict qa,
+                                  float *scale, int32_t *sum) {
+    const i32x8 abs_bits = {0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
+                            0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF};
+    f8 top = {0.f};
+    for (int d = 0; d < D; d += 8) top = max8(top, (f8)((i32x8)load8(q + d) & abs_bits));
+    float amax = 0.f;
+    for (int j = 0; j < 8; j++) amax = top[j] > amax ? top[j] : amax;
+    const float inv = amax > 0.f ? 127.f / amax : 0.f;
+    i32x8 sums = {0};
+    for (int d = 0; d < D; d += 8) {
+        /* round half even, as lrintf in the default mode: |q[d] * inv| <= 127 + an ulp */
+        const f8 v = max8(min8((load8(q + d) * inv + 0x1.8p23f) - 0x1.8p23f, (f8){0.f} + 127.f), (f8){0.f} - 127.f);
+        const i32x8 n = __builtin_convertvector(v, i32x8);
+        const i8x8 n8 = __builtin_convertvector(n, i8x8);
+        const u8x8 a8 = __builtin_convertvector((n ^ (n >> 31)) - (n >> 31), u8x8); /* |n| */
+        memcpy(qi + d, &n8, sizeof n8);
+        memcpy(qa + d, &a8, sizeof a8);
+        sums += n;
+    }
+    int32_t s = 0;
+    for (int j = 0; j < 8; j++) s += sums[j];
+    *scale = amax / 127.f;
+    *sum = s;
+}
+
+#if QUANT_ISA == 3
+/* KT_KEYS int8 rows of D values (D % 16 == 0), transposed by dwords: kt[g]
+ * lane i holds values 4g .. 4g + 3 of row i, offset by +128 (vpdpbusd's
+ * unsigned operand; q.k then takes 128 * sum(q) back off). */
+ALWAYS_INLINE void transpose_keys(const void *const rows[KT_KEYS], int D, kt_t *restrict kt) {
+    for (int c = 0; c < D; c += 64) {
+        const __mmask64 valid = D - c >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << (D - c)) - 1);
+        __m512i r[16], t[16], u[16];
+        for (int i = 0; i < 16; i++) r[i] = _mm512_maskz_loadu_epi8(valid, (const int8_t *)rows[i] + c);
+        for (int i = 0; i < 16; i += 2) {
+            t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+            t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        /* u[4G + k]: in each 128-bit lane L, dword 4L + k of rows 4G .. 4G + 3 */
+        for (int i = 0; i < 16; i += 4) {
+            u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+            u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+            u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+            u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+        }
+        const __m512i offset = _mm512_set1_epi8((char)0x80);
+        for (int k = 0; k < 4; k++) {
+            const __m512i v01 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i w01 = _mm512_shuffle_i32x4(u[k], u[4 + k], _MM_SHUFFLE(3, 2, 3, 2));
+            const __m512i v23 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(1, 0, 1, 0));
+            const __m512i w23 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], _MM_SHUFFLE(3, 2, 3, 2));
+            kt[c / 4 + k] = _mm512_xor_si512(_mm512_shuffle_i32x4(v01, v23, _MM_SHUFFLE(2, 0, 2, 0)), offset);
+            kt[c / 4 + 4 + k] = _mm512_xor_si512(_mm512_shuffle_i32x4(v01, v23, _MM_SHUFFLE(3, 1, 3, 1)), offset);
+            kt[c / 4 + 8 + k] = _mm512_xor_si512(_mm512_shuffle_i32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)), offset);
+            kt[c / 4 + 12 + k] = _mm512_xor_si512(_mm512_shuffle_i32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)), offset);
+        }
+    }
+}
+
+/* Scores of np queries (quantize_query's) and the keys in kt into out[h]
+ * [KT_KEYS]: the integer q.k, times the query's scale, times key_scales. */
+ALWAYS_INLINE void qk_int8(const kt_t *restrict kt, const int8_t *const qi[], const uint8_t *const qa[],
+                           const int32_t qsum[], const float qscale[], int np, int D, const float *key_scales,
+                           float *const out[]) {
+    (void)qa;
+    __m512i a[QK_INT8_HEADS];
+    for (int h = 0; h < np; h++) a[h] = _mm512_setzero_si512();
+    for (int g = 0; g < D / 4; g++) {
+        const __m512i k = kt[g];
+        for (int h = 0; h < np; h++) {
+            int32_t qd;
+            memcpy(&qd, qi[h] + 4 * g, sizeof qd);
+            a[h] = _mm512_dpbusd_epi32(a[h], k, _mm512_set1_epi32(qd));
+        }
+    }
+    const __m512 ks = _mm512_loadu_ps(key_scales);
+    for (int h = 0; h < np; h++) {
+        const __m512i dot = _mm512_sub_epi32(a[h], _mm512_set1_epi32(128 * qsum[h]));
+        _mm512_storeu_ps(out[h], _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(qscale[h])), ks));
+    }
+}
+#elif QUANT_SIMD
+/* Eight int8 rows of D values (D % 16 == 0), transposed by dwords: kt[g] lane
+ * i holds values 4g .. 4g + 3 of row i; offset by +128 on the VNNI paths
+ * (vpdpbusd's unsigned operand; q.k then takes 128 * sum(q) back off). */
+ALWAYS_INLINE void transpose_keys(const void *const rows[KT_KEYS], int D, kt_t *restrict kt) {
+    for (int c = 0; c < D; c += 32) {
+        __m256i r[8], t[8], u[8];
+        for (int i = 0; i < 8; i++) {
+            const int8_t *p = (const int8_t *)rows[i] + c;
+            r[i] = D - c >= 32 ? _mm256_loadu_si256((const __m256i *)p)
+                               : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+        }
+        for (int i = 0; i < 8; i += 2) {
+            t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+            t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+        }
+        for (int i = 0; i < 8; i += 4) {
+            u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+            u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+            u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+            u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+        }
+        for (int g = 0; g < 4; g++) {
+            kt[c / 4 + g] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x20);
+            kt[c / 4 + g + 4] = _mm256_permute2x128_si256(u[g], u[g + 4], 0x31);
+        }
+#if QUANT_ISA == 2
+        for (int g = 0; g < 8; g++) kt[c / 4 + g] = _mm256_xor_si256(kt[c / 4 + g], _mm256_set1_epi8((char)0x80));
+#endif
+    }
+}
+
+/* Scores of np queries (quantize_query's) and the keys in kt into out[h]
+ * [KT_KEYS]: the integer q.k, times the query's scale, times key_scales. */
+ALWAYS_INLINE void qk_int8(const kt_t *restrict kt, const int8_t *const qi[], const uint8_t *const qa[],
+                           const int32_t qsum[], const float qscale[], int np, int D, const float *key_scales,
+                           float *const out[]) {
+#if QUANT_ISA == 2
+    (void)qa;
+#endif
+    __m256i a[QK_INT8_HEADS];
+    for (int h = 0; h < np; h++) a[h] = _mm256_setzero_si256();
+    for (int g = 0; g < D / 4; g++) {
+        const __m256i k = kt[g];
+        for (int h = 0; h < np; h++) {
+            int32_t qd;
+            memcpy(&qd, qi[h] + 4 * g, sizeof qd);
+#if QUANT_ISA == 2
+            a[h] = _mm256_dpbusd_avx_epi32(a[h], k, _mm256_set1_epi32(qd));
+#else
+            int32_t ad; /* |q| times k with q's sign: maddubs' pairs stay within int16 */
+            memcpy(&ad, qa[h] + 4 * g, sizeof ad);
+            const __m256i p = _mm256_maddubs_epi16(_mm256_set1_epi32(ad), _mm256_sign_epi8(k, _mm256_set1_epi32(qd)));
+            a[h] = _mm256_add_epi32(a[h], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
+        }
+    }
+    for (int h = 0; h < np; h++) {
+#if QUANT_ISA == 2
+        a[h] = _mm256_sub_epi32(a[h], _mm256_set1_epi32(128 * qsum[h]));
+#else
+        (void)qsum;
+#endif
+        _mm256_storeu_ps(out[h], _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a[h]), _mm256_set1_ps(qscale[h])),
+                                               _mm256_loadu_ps(key_scales)));
+    }
+}
+#endif
+
+/* The same scores from the rows as stored: the portable build, and heads the
+ * transposition does not take (head_dim % 16 != 0). */
+ALWAYS_INLINE void qk_int8_rows(const void *const rows[KT_KEYS], const int8_t *const qi[], const float qscale[],
+                                int np, int D, const float *key_scales, float *const out[]) {
+    for (int h = 0; h < np; h++)
+        for (int i = 0; i < KT_KEYS; i++) {
+            const int8_t *k = (const int8_t *)rows[i];
+            int32_t s = 0;
+            for (int d = 0; d < D; d++) s += (int32_t)qi[h][d] * k[d];
+            out[h][i] = ((float)s * qscale[h]) * key_scales[i];
+        }
+}
+
+/* Scores of queries x0 .. x0 + np - 1 for keys t0 .. t0 + KT_KEYS - 1 into
+ * scores[x * Lpad + t0 ..]; key_scales: each key's scale times the softmax scale. */
+ALWAYS_INLINE void scores_int8(const kt_t *kt, const void *const rows[KT_KEYS], const float key_scales[KT_KEYS],
+                               const int8_t *qi, const uint8_t *qa, const float *qscale, const int32_t *qsum, int x0,
+                               int np, int D, float *scores, size_t Lpad, int t0) {
+    const int8_t *qs[QK_INT8_HEADS];
+    const uint8_t *as[QK_INT8_HEADS];
+    float *out[QK_INT8_HEADS];
+    for (int h = 0; h < np; h++) {
+        qs[h] = qi + (size_t)(x0 + h) * D;
+        as[h] = qa + (size_t)(x0 + h) * D;
+        out[h] = scores + (size_t)(x0 + h) * Lpad + t0;
+    }
+#if QUANT_SIMD
+    if (D % 16 == 0) qk_int8(kt, qs, as, qsum + x0, qscale + x0, np, D, key_scales, out);
+    else qk_int8_rows(rows, qs, qscale + x0, np, D, key_scales, out);
+#else
+    (void)kt, (void)as, (void)qsum;
+    qk_int8_rows(rows, qs, qscale + x0, np, D, key_scales, out);
+#endif
+}
+
 /* The cache rows of keys t0 .. t0 + 7 (for kv head kvh) through the block
  * table, and their scales (kv_scale); keys past the context (t0 + i >= L) get
  * key t0's, and their results are never read. With `widen`, a cache of
@@ -606,13 +818,14 @@ ALWAYS_INLINE void key_rows(const Step *S, const void *cache, const int64_t *tab
  * each stream its whole context from memory. What a (row, head) computes never
  * depends on which rows or heads share its item, so the grouping never changes
  * a result, and a prefill row computes exactly what a decode row does. Per
- * (row, head): scores by qk_x8, times (the key's scale times scale); weights
+ * (row, head): scores by qk_x8, times (the key's scale times scale), or for
+ * an int8 cache by scores_int8 (integer q.k, see there); weights
  * exp(score - max) summed in AV_LANES lanes by key index, folded to eight as
  * av_fold8, then the same tree; out = (p.v by pv_x8) / that sum. A lone row
  * (a decode) converts a narrower cache's rows in registers as it reads them;
  * rows that share each chunk widen it once: the same floats either way.
- * Scratch: nrows * count * (the longest context rounded up to 8 + head_dim)
- * floats. */
+ * Scratch: nrows * count * (the longest context rounded up to KEY_PAD +
+ * head_dim * 1.5 + 2) floats. */
 static void attend(const Model *M, const Step *S, int layer, const float *restrict qkv, size_t qkv_w,
                    float *restrict attn, int r0, int nrows, int h0, int count, float *restrict scratch) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads;
@@ -622,7 +835,7 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
         lengths[j] = (int)S->positions[r0 + j] + 1;
         longest = lengths[j] > longest ? lengths[j] : longest;
     }
-    const size_t Lpad = ((size_t)longest + 7) / 8 * 8;
+    const size_t Lpad = ((size_t)longest + KEY_PAD - 1) / KEY_PAD * KEY_PAD;
     const int64_t *table = S->tables + (size_t)(S->row_seq ? S->row_seq[r0] : r0) * S->max_blocks;
     const void *kc = S->k_caches[layer], *vc = S->v_caches[layer];
     float *scores = scratch, *acc = scratch + (size_t)heads * Lpad; /* [heads, Lpad], [heads, D] */
@@ -632,7 +845,41 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     float row_scales[8];
     const int widen = nrows > 1 && S->kv_format != KV_F32, format = widen ? KV_F32 : S->kv_format;
 
-    for (int t0 = 0; t0 < longest; t0 += 8) {
+    if (S->kv_format == KV_INT8) {
+        /* after acc: the queries as int8 and |int8|, [heads, D] each, their scales and sums */
+        int8_t *const qi = (int8_t *)(acc + (size_t)heads * D);
+        uint8_t *const qa = (uint8_t *)qi + (size_t)heads * D;
+        float *const qscale = (float *)(qa + (size_t)heads * D);
+        int32_t *const qsum = (int32_t *)(qscale + heads);
+        for (int x = 0; x < heads; x++)
+            quantize_query(qkv + (size_t)(r0 + x / count) * qkv_w + (size_t)(h0 + x % count) * D, D,
+                           qi + (size_t)x * D, qa + (size_t)x * D, &qscale[x], &qsum[x]);
+        kt_t kt[512 / 4];
+        const void *krows[KT_KEYS];
+        float key_scales[KT_KEYS];
+        for (int t0 = 0; t0 < longest; t0 += KT_KEYS) {
+            for (int c = 0; c < KT_KEYS; c += 8) /* past the context: rows whose results are never read */
+                key_rows(S, kc, table, kvh, KVH, D, t0 + c < longest ? t0 + c : t0, longest, 0, 0, krows + c,
+                         key_scales + c, NULL);
+            for (int i = 0; i < KT_KEYS; i++) key_scales[i] = key_scales[i] * M->scale;
+#if QUANT_SIMD
+            if (D % 16 == 0) transpose_keys(krows, D, kt);
+#endif
+            for (int j = 0; j < nrows; j++) {
+                if (t0 >= lengths[j]) continue;
+                for (int g = 0; g < count; g += QK_INT8_HEADS) {
+                    const int np = count - g < QK_INT8_HEADS ? count - g : QK_INT8_HEADS, x0 = j * count + g;
+#define SCORES(NP) scores_int8(kt, krows, key_scales, qi, qa, qscale, qsum, x0, NP, D, scores, Lpad, t0)
+                    if (np == 4) SCORES(4);
+                    else if (np == 3) SCORES(3);
+                    else if (np == 2) SCORES(2);
+                    else SCORES(1);
+#undef SCORES
+                }
+            }
+        }
+    }
+    for (int t0 = 0; S->kv_format != KV_INT8 && t0 < longest; t0 += 8) {
         key_rows(S, kc, table, kvh, KVH, D, t0, longest, widen, 0, rows, row_scales, widened);
         const f8 key_scales = load8(row_scales) * M->scale;
         for (int j = 0; j < nrows; j++) {
@@ -900,7 +1147,8 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.bsums32 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.attn_scratch_floats =
-        (size_t)ATTEND_ROWS * (H / M->num_kv_heads) * (((size_t)max_pos + 1 + 7) / 8 * 8 + (size_t)D);
+        (size_t)ATTEND_ROWS * (H / M->num_kv_heads) *
+        (((size_t)max_pos + KEY_PAD) / KEY_PAD * KEY_PAD + (size_t)D + (size_t)D / 2 + 2);
     /* Consecutive rows of one sequence (a prompt chunk, a verification), up to ATTEND_ROWS at a time. */
     B.group_starts = malloc(sizeof(int) * (rows + 1));
     B.num_groups = 0;
