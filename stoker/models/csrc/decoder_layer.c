@@ -174,21 +174,11 @@ static inline void kv_store(const Step *S, void *cache, size_t index, const floa
     }
     const float qmax = S->kv_format == KV_INT8 ? 127.f : 448.f;
     /* by eight lanes (D % 8 == 0): one lane's max chain was most of position_row */
-    const i32x8 abs_bits = {0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
-                            0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF};
-    f8 top = {0.f};
-    for (int d = 0; d < D; d += 8) top = max8(top, (f8)((i32x8)load8(x + d) & abs_bits));
-    float amax = 0.f;
-    for (int j = 0; j < 8; j++) amax = top[j] > amax ? top[j] : amax;
+    const float amax = absmax_row(x, D);
     const float inv = amax > 0.f ? qmax / amax : 0.f, scale = amax / qmax;
     if (S->kv_format == KV_INT8) {
-        int8_t *restrict q = (int8_t *)row;
-        for (int d = 0; d < D; d += 8) {
-            /* lrintf's round half even (|x * inv| <= 127 + an ulp), clamped to +-127 */
-            const f8 v = max8(min8((load8(x + d) * inv + 0x1.8p23f) - 0x1.8p23f, (f8){0.f} + 127.f), (f8){0.f} - 127.f);
-            const i8x8 b = __builtin_convertvector(__builtin_convertvector(v, i32x8), i8x8);
-            memcpy(q + d, &b, sizeof b);
-        }
+        /* lrintf's round half even (|x * inv| <= 127 + an ulp), clamped to +-127 */
+        for (int d = 0; d < D; d += 8) round_to_int8(load8(x + d) * inv, (int8_t *)row + d);
     } else {
         for (int d = 0; d < D; d++) {
             const float v = x[d] * inv;
@@ -585,24 +575,18 @@ typedef i32x8 kt_t; /* unused: the portable build sums the rows as stored */
 
 typedef uint8_t u8x8 __attribute__((vector_size(8)));
 
-/* q [D] as int8 (qi), |qi| (qa), its scale and the sum of qi; D % 8 == 0. */
+/* q [D] as int8 (qi), |qi| (qa), its scale and the sum of qi; D % 8 == 0, by
+ * eight lanes (a decode item quantizes its queries for a few hundred keys: a
+ * one-lane max chain cost a tenth of its time). */
 static inline void quantize_query(const float *restrict q, int D, int8_t *restrict qi, uint8_t *restrict qa,
                                   float *scale, int32_t *sum) {
-    const i32x8 abs_bits = {0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF,
-                            0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF, 0x7FFFFFFF};
-    f8 top = {0.f};
-    for (int d = 0; d < D; d += 8) top = max8(top, (f8)((i32x8)load8(q + d) & abs_bits));
-    float amax = 0.f;
-    for (int j = 0; j < 8; j++) amax = top[j] > amax ? top[j] : amax;
+    const float amax = absmax_row(q, D);
     const float inv = amax > 0.f ? 127.f / amax : 0.f;
     i32x8 sums = {0};
     for (int d = 0; d < D; d += 8) {
         /* round half even, as lrintf in the default mode: |q[d] * inv| <= 127 + an ulp */
-        const f8 v = max8(min8((load8(q + d) * inv + 0x1.8p23f) - 0x1.8p23f, (f8){0.f} + 127.f), (f8){0.f} - 127.f);
-        const i32x8 n = __builtin_convertvector(v, i32x8);
-        const i8x8 n8 = __builtin_convertvector(n, i8x8);
+        const i32x8 n = round_to_int8(load8(q + d) * inv, qi + d);
         const u8x8 a8 = __builtin_convertvector((n ^ (n >> 31)) - (n >> 31), u8x8); /* |n| */
-        memcpy(qi + d, &n8, sizeof n8);
         memcpy(qa + d, &a8, sizeof a8);
         sums += n;
     }

@@ -88,6 +88,22 @@ ALWAYS_INLINE f8 max8(f8 a, f8 b) { return select8(a > b, a, b); }
 ALWAYS_INLINE f8 min8(f8 a, f8 b) { return select8(a < b, a, b); }
 #endif
 
+/* |v|, by clearing the sign bits. */
+ALWAYS_INLINE f8 abs8(f8 v) {
+    const i32x8 magnitude = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
+                             0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
+    return (f8)((i32x8)v & magnitude);
+}
+
+/* max |x[i]| over n values (n % 8 == 0), 0 for none: eight lanes, then across them. */
+ALWAYS_INLINE float absmax_row(const float *x, int n) {
+    f8 top = {0.f};
+    for (int i = 0; i < n; i += 8) top = max8(top, abs8(load8(x + i)));
+    float m = 0.f;
+    for (int j = 0; j < 8; j++) m = top[j] > m ? top[j] : m;
+    return m;
+}
+
 /* Eight vectors' lane totals under op (max8, or + as plus8), one a lane, in
  * the order of vector index: by shuffles across the vectors (24 operations),
  * not a chain of seven per vector. For max and integer sums, whose result
@@ -198,12 +214,10 @@ ALWAYS_INLINE i32x8 round_to_int8(f8 y, int8_t *out) {
  * over lanes, d, 1 / d, its sum), which left the loop latency-bound at ~2.6
  * cycles a value. */
 ALWAYS_INLINE void quantize_32x8(const float *v, int8_t *qs, float *d_out, float *s_out, int16_t *isum_out) {
-    const i32x8 abs_bits = {0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff,
-                            0x7fffffff, 0x7fffffff, 0x7fffffff, 0x7fffffff};
     f8 block_max[8];
     for (int i = 0; i < 8; i++) {
         f8 a = {0.f};
-        for (int e = 0; e < 32; e += 8) a = max8(a, (f8)((i32x8)load8(v + 32 * i + e) & abs_bits));
+        for (int e = 0; e < 32; e += 8) a = max8(a, abs8(load8(v + 32 * i + e)));
         block_max[i] = a;
     }
     const f8 d = lanes_max8_x8(block_max) / 127.f;
