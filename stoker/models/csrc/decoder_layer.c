@@ -808,9 +808,10 @@ ALWAYS_INLINE void key_rows(const Step *S, const void *cache, const int64_t *tab
 /* Rows r0 .. r0 + nrows - 1 (all of one sequence: they read the same block
  * table), query heads h0 .. h0 + count - 1 (all of one kv head's group):
  * softmax(q k^T * scale) v over each row's context (its position + 1 keys, all
- * in the cache by now), eight keys at a time (p.v: PV_KEYS). The rows and heads share each
- * chunk of K and V rows, which is the point: a prompt's rows would otherwise
- * each stream its whole context from memory. What a (row, head) computes never
+ * in the cache by now), eight keys at a time (q.k against an int8 cache:
+ * KT_KEYS; p.v: PV_KEYS). The rows and heads share each chunk of K and V
+ * rows, which is the point: a prompt's rows would otherwise each stream its
+ * whole context from memory. What a (row, head) computes never
  * depends on which rows or heads share its item, so the grouping never changes
  * a result, and a prefill row computes exactly what a decode row does. Per
  * (row, head): scores by qk_x8, times (the key's scale times scale), or for
@@ -873,21 +874,22 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
                 }
             }
         }
-    }
-    for (int t0 = 0; S->kv_format != KV_INT8 && t0 < longest; t0 += 8) {
-        key_rows(S, kc, table, kvh, KVH, D, t0, longest, widen, 0, rows, row_scales, widened);
-        const f8 key_scales = load8(row_scales) * M->scale;
-        for (int j = 0; j < nrows; j++) {
-            if (t0 >= lengths[j]) continue;
-            const float *q = qkv + (size_t)(r0 + j) * qkv_w + (size_t)h0 * D;
-            for (int g = 0; g < count; g += QK_HEADS) {
-                const int np = count - g < QK_HEADS ? count - g : QK_HEADS;
-                const float *qs[QK_HEADS];
-                f8 out[QK_HEADS];
-                for (int h = 0; h < np; h++) qs[h] = q + (size_t)(g + h) * D;
-                qk_heads(qs, np, rows, format, D, out);
-                for (int h = 0; h < np; h++)
-                    store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * key_scales);
+    } else {
+        for (int t0 = 0; t0 < longest; t0 += 8) {
+            key_rows(S, kc, table, kvh, KVH, D, t0, longest, widen, 0, rows, row_scales, widened);
+            const f8 key_scales = load8(row_scales) * M->scale;
+            for (int j = 0; j < nrows; j++) {
+                if (t0 >= lengths[j]) continue;
+                const float *q = qkv + (size_t)(r0 + j) * qkv_w + (size_t)h0 * D;
+                for (int g = 0; g < count; g += QK_HEADS) {
+                    const int np = count - g < QK_HEADS ? count - g : QK_HEADS;
+                    const float *qs[QK_HEADS];
+                    f8 out[QK_HEADS];
+                    for (int h = 0; h < np; h++) qs[h] = q + (size_t)(g + h) * D;
+                    qk_heads(qs, np, rows, format, D, out);
+                    for (int h = 0; h < np; h++)
+                        store8(scores + (size_t)(j * count + g + h) * Lpad + t0, out[h] * key_scales);
+                }
             }
         }
     }

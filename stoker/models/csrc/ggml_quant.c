@@ -249,11 +249,7 @@ static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, c
             for (int e = 0; e < be; e++) widened[e] = bf16_to_float(((const uint16_t *)x)[row * (size_t)k + (size_t)b * be + e]);
             v = widened;
         }
-        f8 amax8 = {0.f};
-        for (int e = 0; e < be; e += 8) amax8 = max8(amax8, (f8)((i32x8)load8(v + e) & 0x7fffffff)); /* |v| */
-        float amax = 0.f;
-        for (int j = 0; j < 8; j++) amax = amax8[j] > amax ? amax8[j] : amax;
-        const float d = amax / 127.f;
+        const float d = absmax_row(v, be) / 127.f;
         const float id = d != 0.f ? 1.f / d : 0.f;
         i32x8 sum8 = {0};
         for (int e = 0; e < be; e += 8) sum8 += round_to_int8(load8(v + e) * id, qs + b * be + e);
