@@ -858,6 +858,32 @@ ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t o
     }
 }
 
+/* Eight Q4_0 / Q4_1 blocks' values (16 packed bytes at blocks[c] + qs_at:
+ * element e < 16 the low nibble of byte e, e >= 16 the high nibble of byte
+ * e - 16) into the panel's eight dword rows at dst, as gemm_unpack lays out
+ * stored32's bytes: dword t of the unpacked block is the low nibbles of packed
+ * dword t for t < 4 and their high nibbles for t >= 4, so transposing the 16
+ * packed bytes by dwords and splitting nibbles afterwards gives the same
+ * panel with a third of the shuffles (8 instead of 8 inserts and 24: the
+ * port they share with vpdpbusd, in a decode step that unpacks every weight). */
+ALWAYS_INLINE void nibble_panel(const uint8_t *const blocks[8], int qs_at, uint8_t *dst) {
+    __m256i y[4]; /* columns c and c + 4 */
+    for (int c = 0; c < 4; c++)
+        y[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blocks[c + 4] + qs_at)),
+                                _mm_loadu_si128((const __m128i *)(blocks[c] + qs_at)));
+    /* per 128-bit lane, columns (0, 1) | (4, 5): packed dwords 0, 1 and 2, 3; then (2, 3) | (6, 7) */
+    const __m256i a0 = _mm256_unpacklo_epi32(y[0], y[1]), a1 = _mm256_unpackhi_epi32(y[0], y[1]);
+    const __m256i a2 = _mm256_unpacklo_epi32(y[2], y[3]), a3 = _mm256_unpackhi_epi32(y[2], y[3]);
+    const __m256i packed[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2),
+                               _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int t = 0; t < 4; t++) {
+        _mm256_storeu_si256((__m256i *)(dst + (size_t)t * 4 * GEMM_PANEL), _mm256_and_si256(packed[t], low));
+        _mm256_storeu_si256((__m256i *)(dst + (size_t)(t + 4) * 4 * GEMM_PANEL),
+                            _mm256_and_si256(_mm256_srli_epi16(packed[t], 4), low));
+    }
+}
+
 /* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
  * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
  * int32, then d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of the
@@ -865,6 +891,7 @@ ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t o
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
 static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, int nb, uint8_t *scratch) {
     static const uint8_t zero_scales[4] = {0, 0, 0, 0}; /* d = m = 0 for columns past cols */
+    static const uint8_t zero_block[20] = {0}; /* a Q4_0 / Q4_1 block of zeros, the same */
     const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     int32_t *sc_k = (int32_t *)d, *mn_k = (int32_t *)mn;
@@ -878,6 +905,16 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
              * prefetcher has learned them, and a decode step reads each weight from memory. */
             for (int c = 0; c < 8; c++)
                 __builtin_prefetch(w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)b * row_bytes / (size_t)nb);
+            if (type == Q4_0 || type == Q4_1) { /* transposed while packed: see nibble_panel */
+                for (int c = 0; c < 8; c++)
+                    blocks[c] = c0 + c < cols ? w + (size_t)(c0 + c) * row_bytes + (size_t)b * ts : zero_block;
+                __m256 dv, mv;
+                block_scales(8, blocks, 0, &dv, &mv);
+                _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
+                _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
+                nibble_panel(blocks, type == Q4_1 ? 4 : 2, scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4);
+                continue;
+            }
             for (int c = 0; c < 8; c++) {
                 const int col = c0 + c;
                 v[c] = _mm256_setzero_si256();
