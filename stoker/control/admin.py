@@ -19,6 +19,7 @@ from stoker.control.auth import get_plane, require_admin
 from stoker.control.keys import ApiKey
 from stoker.control.plane import ControlPlane
 from stoker.errors import APIError
+from stoker.json_types import Boolean, Integer, Number
 
 router = APIRouter(prefix="/admin", tags=["admin"])
 AdminKey = Annotated[ApiKey, Depends(require_admin)]
@@ -30,17 +31,19 @@ class CreateKey(BaseModel):
 
     name: str = Field(min_length=1, max_length=200)
     # Bounded so every value fits the database's 64-bit integers.
-    rpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
-    tpm: int | None = Field(None, ge=1, le=MAX_LIMIT)
-    max_concurrent: int | None = Field(None, ge=1, le=MAX_LIMIT)
-    budget_tokens: int | None = Field(None, ge=1, le=MAX_LIMIT)
+    rpm: Integer | None = Field(None, ge=1, le=MAX_LIMIT)
+    tpm: Integer | None = Field(None, ge=1, le=MAX_LIMIT)
+    max_concurrent: Integer | None = Field(None, ge=1, le=MAX_LIMIT)
+    budget_tokens: Integer | None = Field(None, ge=1, le=MAX_LIMIT)
     budget_period: Literal["day", "month"] = "month"
     priority: Literal["interactive", "batch"] = "interactive"
-    models: list[str] | None = None
-    expires_at: float | None = Field(
+    # At least one (create_key's own check says so); in the schema, not enforced
+    # by pydantic, so the refusal keeps its message.
+    models: list[Annotated[str, Field(min_length=1)]] | None = Field(None, json_schema_extra={"minItems": 1})
+    expires_at: Number | None = Field(
         None, gt=0, le=1e11, allow_inf_nan=False, description="Unix time (seconds) after which the key stops working."
     )
-    admin: bool = False
+    admin: Boolean = False
 
 
 async def _existing_key(plane: ControlPlane, key_id: str) -> ApiKey:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.config import EngineConfig
@@ -84,6 +85,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{where}: {message}" if where else message), (where or None)
 
 
+def _allowed_methods(request: Request) -> str:
+    """Every method some route serves at this path: Starlette's 405 names only
+    the first route that matched the path (GET /admin/keys/{id} hid DELETE).
+    Asked of the routes by method, as routing would, since FastAPI keeps an
+    included router's routes behind one entry."""
+    routes = request.app.router.routes
+    allowed = [
+        method
+        for method in ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+        if any(route.matches({**request.scope, "method": method})[0] == Match.FULL for route in routes)
+    ]
+    return ", ".join(allowed)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, APIError)
@@ -94,11 +109,14 @@ def install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_message(exc)
         return StrictJSONResponse(APIError(400, message, param=param).body(), status_code=400)
 
-    async def http_error(_: Request, exc: Exception) -> StrictJSONResponse:
+    async def http_error(request: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, HTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         body = APIError(exc.status_code, str(exc.detail), type=kind).body()
-        return StrictJSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": _allowed_methods(request)}
+        return StrictJSONResponse(body, status_code=exc.status_code, headers=headers)
 
     async def unexpected(_: Request, exc: Exception) -> StrictJSONResponse:
         logger.exception("unhandled error", exc_info=exc)

@@ -40,12 +40,67 @@ def refine(schema: Any, vocab_size: int, max_model_len: int, model_names: list[s
         refine(value, vocab_size, max_model_len, model_names)
 
 
+# The one error body (stoker.errors.APIError), OpenAI's shape.
+ERROR_BODY = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"type": ["string", "null"]},
+                "code": {"type": ["string", "null"]},
+            },
+        }
+    },
+}
+# What a route may answer besides its success. Every route sits behind the
+# same authentication, body limit and error handlers, so one list serves all.
+# No 422: a body that fails validation is a 400 here, as with OpenAI.
+ERRORS = {
+    "400": "Malformed JSON, a field of the wrong type or out of range, or values the server refuses together; "
+    "the message names the field.",
+    "401": "No API key, or one that is unknown, revoked or expired.",
+    "403": "The key may not use this route or this model.",
+    "404": "No such model, key or route.",
+    "405": "The route exists for other methods (see Allow).",
+    "413": "The body is larger than the server accepts (--max-body-bytes).",
+    "429": "A rate limit, concurrency cap, budget or queue bound was reached; Retry-After says when to retry.",
+    "503": "Loading, draining, overloaded, or the store of keys and limits is unreachable; Retry-After says when "
+    "to retry.",
+    "504": "The request's deadline passed before it could be served.",
+}
+
+
+def document_errors(schema: dict[str, Any]) -> None:
+    """Give every operation the error answers above, in place, in place of
+    FastAPI's 422 (which this server never sends)."""
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components["ErrorResponse"] = ERROR_BODY
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+    reference = {"$ref": "#/components/schemas/ErrorResponse"}
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            responses.pop("422", None)
+            for status, description in ERRORS.items():
+                responses.setdefault(
+                    status, {"description": description, "content": {"application/json": {"schema": reference}}}
+                )
+
+
 def install(app: FastAPI, state: ServerState) -> None:
     generate: Callable[[], dict[str, Any]] = app.openapi  # FastAPI's: builds once, then cached
     refined_for: list[str] = []
 
     def openapi() -> dict[str, Any]:
         schema = generate()
+        if "ErrorResponse" not in schema.get("components", {}).get("schemas", {}):
+            document_errors(schema)
         names = state.fleet.names() if state.loaded else []
         infos = [m.stable.engine.info for m in state.fleet.models.values()]
         if names and names != refined_for and all(infos):  # again after a model is loaded or unloaded

@@ -12,18 +12,19 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.errors import APIError
+from stoker.json_types import Boolean, Integer, Number
 
 INT32 = 2**31 - 1
 # The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
 # 2**63 in a double, so a generator reading the schema as floats would overshoot).
 MAX_SEED = 2**63 - 1024
-Seed = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]
-NonNegInt = Annotated[int, Field(ge=0, le=INT32)]
+Seed = Annotated[Integer, Field(ge=-(2**63), le=MAX_SEED)]
+NonNegInt = Annotated[Integer, Field(ge=0, le=INT32)]
 # Tagged fields get the served model's limits in /openapi.json (server/openapi.py).
-TokenId = Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
-MaxTokens = Annotated[int, Field(ge=1, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})]
+TokenId = Annotated[Integer, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
+MaxTokens = Annotated[Integer, Field(ge=1, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})]
 ModelName = Annotated[str, Field(json_schema_extra={"x-stoker": "model"})]
-Float = Annotated[float, Field(allow_inf_nan=False)]
+Float = Annotated[Number, Field(allow_inf_nan=False)]
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -61,11 +62,11 @@ class _Request(BaseModel):
 
 
 # Finite floats with OpenAI's and vLLM's ranges; the bounds appear in the OpenAPI schema.
-Temperature = Annotated[float, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
-UnitOpen = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
-Unit = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
-Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
-RepetitionPenalty = Annotated[float, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
+Temperature = Annotated[Number, Field(ge=0.0, le=2.0, allow_inf_nan=False)]
+UnitOpen = Annotated[Number, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+Unit = Annotated[Number, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+Penalty = Annotated[Number, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+RepetitionPenalty = Annotated[Number, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
 StopString = Annotated[str, Field(min_length=1)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
 MAX_STOP_STRINGS = 64
@@ -81,7 +82,7 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     """The JSON schema the reply must satisfy (omitted: any JSON value)."""
-    strict: bool | None = None
+    strict: Boolean | None = None
     """Accepted for compatibility: stoker always enforces the whole schema, and
     answers 400 for a keyword it cannot enforce."""
 
@@ -107,7 +108,7 @@ class StructuredOutputs(BaseModel):
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
-    json_object: bool | None = None
+    json_object: Boolean | None = None
 
 
 class SamplingFields(_Request):
@@ -119,7 +120,7 @@ class SamplingFields(_Request):
 
     model: ModelName | None = None
     """Model name; may be omitted when one model is served."""
-    n: Annotated[int, Field(ge=1, le=64)] = 1
+    n: Annotated[Integer, Field(ge=1, le=64)] = 1
     max_tokens: MaxTokens | None = None
     temperature: Temperature | None = None
     top_p: UnitOpen | None = None
@@ -129,26 +130,26 @@ class SamplingFields(_Request):
     frequency_penalty: Penalty | None = None
     logit_bias: (
         Annotated[
-            dict[TokenIdKey, Annotated[float, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
+            dict[TokenIdKey, Annotated[Number, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
             Field(json_schema_extra={"additionalProperties": False}),
         ]
         | None
     ) = None
     """Token id (as a string, as JSON keys are) to a bias added to its logit."""
-    stream: bool = False
+    stream: Boolean = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     # vLLM extras
-    top_k: Annotated[int, Field(ge=-1, le=INT32)] | None = None
+    top_k: Annotated[Integer, Field(ge=-1, le=INT32)] | None = None
     """-1 or 0 disables top-k."""
     min_p: Unit | None = None
     repetition_penalty: RepetitionPenalty | None = None
-    min_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] = 0
-    ignore_eos: bool = False
-    num_speculative_tokens: Annotated[int, Field(ge=0, le=16)] | None = None
+    min_tokens: Annotated[Integer, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] = 0
+    ignore_eos: Boolean = False
+    num_speculative_tokens: Annotated[Integer, Field(ge=0, le=16)] | None = None
     """stoker: most draft tokens per step for this request (0: no speculation; None: the server's setting)."""
     stop_token_ids: list[TokenId] | None = None
-    skip_special_tokens: bool = True
+    skip_special_tokens: Boolean = True
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -159,14 +160,16 @@ class SamplingFields(_Request):
     """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, with `root ::=`)."""
     structured_outputs: StructuredOutputs | None = None
     # stoker's scheduling fields
-    priority: Annotated[int, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | Literal["interactive", "batch"] | None = None
+    priority: Annotated[Integer, Field(ge=-MAX_PRIORITY, le=MAX_PRIORITY)] | Literal["interactive", "batch"] | None = (
+        None
+    )
     """Lower is served first (0 interactive, 1 batch); a key's class caps how high a request may go."""
-    timeout: Annotated[float, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    timeout: Annotated[Number, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] | None = None
     """Seconds the request may take; the engine drops or aborts it after that (504 if nothing was sent)."""
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Boolean = False
 
 
 class TextPart(BaseModel):
@@ -178,7 +181,15 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Content may be absent only on an assistant turn (one that carries tool
+    # calls); models/tokenizer.py refuses the rest, and the schema says so.
+    model_config = ConfigDict(
+        extra="allow",
+        json_schema_extra={
+            "if": {"properties": {"role": {"const": "assistant"}}, "required": ["role"]},
+            "else": {"properties": {"content": {"not": {"type": "null"}}}, "required": ["content"]},
+        },
+    )
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -189,7 +200,7 @@ class FunctionDefinition(BaseModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     """JSON schema of the arguments (omitted: an object with any properties)."""
-    strict: bool | None = None
+    strict: Boolean | None = None
 
 
 class Tool(BaseModel):
@@ -228,12 +239,12 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     """Newer OpenAI name for max_tokens; wins when both are given."""
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Boolean = False
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools, "none" without (as OpenAI)."""
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Boolean | None = None
     """With tool_choice "required": whether the reply may hold several calls (default true)."""
 
     @model_validator(mode="after")
@@ -262,13 +273,13 @@ class CompletionRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt
-    max_tokens: Annotated[int, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] | None = None
+    max_tokens: Annotated[Integer, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})] | None = None
     """0 (with echo) returns the prompt alone, e.g. to score it with logprobs."""
-    echo: bool = False
+    echo: Boolean = False
     """Prepend the prompt to the text; with logprobs, the prompt tokens' logprobs too."""
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    best_of: Annotated[int, Field(ge=1, le=64)] | None = None
-    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    best_of: Annotated[Integer, Field(ge=1, le=64)] | None = None
+    prompt_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
     """vLLM extension: each prompt token's logprob, rank and this many top alternatives."""
 
     @model_validator(mode="after")
@@ -290,13 +301,13 @@ class EmbeddingRequest(_Request):
 class TokenizeCompletionRequest(_Request):
     model: ModelName | None = None
     prompt: str
-    add_special_tokens: bool = True
+    add_special_tokens: Boolean = True
 
 
 class TokenizeChatRequest(_Request):
     model: ModelName | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
+    add_generation_prompt: Boolean = True
 
 
 # vLLM's shape: a prompt or chat messages (the schema's anyOf says exactly that).

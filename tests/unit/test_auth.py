@@ -216,6 +216,10 @@ async def test_admin_api(setup):
     assert_openai_error(await client.get("/admin/keys/nope", headers=auth(admin)), 404)
     assert_openai_error(await client.delete("/admin/keys/nope", headers=auth(admin)), 404, "key_not_found")
     assert (await client.post("/admin/keys", json={"name": "x", "bogus": 1}, headers=auth(admin))).status_code == 422
+    # true is not a limit of 1 token a minute, nor 1 an admin flag (this harness has no 400 handler)
+    for bad in ({"tpm": True}, {"rpm": False}, {"admin": 1}, {"expires_at": True}):
+        answer = await client.post("/admin/keys", json={"name": "x", **bad}, headers=auth(admin))
+        assert answer.status_code == 422, (bad, answer.text)
 
 
 async def test_rate_limit_429_and_headers(setup):

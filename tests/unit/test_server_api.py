@@ -98,6 +98,13 @@ def test_completions_echo_logprobs_stream(http: httpx.Client) -> None:
         ({"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"prompt": "x", "num_speculative_tokens": 17}, "num_speculative_tokens"),
         ({"prompt": "x", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+        # JSON booleans are not numbers, nor numbers and strings booleans (pydantic's lax mode took them)
+        ({"prompt": "x", "max_tokens": True}, "max_tokens"),
+        ({"prompt": "x", "temperature": False}, "temperature"),
+        ({"prompt": [1, True]}, "prompt"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),
+        ({"prompt": "x", "stream": 1}, "stream"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
     ],
 )
 def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param: str | None) -> None:
@@ -119,6 +126,39 @@ def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param:
 )
 def test_chat_client_errors_are_400(http: httpx.Client, body: dict) -> None:
     error_of(http.post("/v1/chat/completions", json=body), 400)
+
+
+def test_numbers_keep_their_json_types(http: httpx.Client) -> None:
+    assert error_of(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2.0}), 400)["param"] == "max_tokens"
+    body = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 1}).json()
+    assert body["usage"]["completion_tokens"] == 2  # an integer is a number
+
+
+def test_openapi_documents_every_answer(http: httpx.Client) -> None:
+    schema = http.get("/openapi.json").json()
+    assert "HTTPValidationError" not in schema["components"]["schemas"]
+    # constraints stay JSON Schema's minimum/maximum, not pydantic's ge/le
+    assert '"ge"' not in str(schema).replace("'", '"') and '"le"' not in str(schema).replace("'", '"')
+    stop_ids = schema["components"]["schemas"]["CompletionRequest"]["properties"]["stop_token_ids"]["anyOf"][0]
+    assert stop_ids["items"]["minimum"] == 0
+    error = schema["components"]["schemas"]["ErrorResponse"]
+    assert error["properties"]["error"]["required"] == ["message", "type"]
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            codes = set(operation["responses"])
+            assert "422" not in codes, (method, path)  # validation failures are 400s
+            assert {"400", "401", "404", "429", "503"} <= codes, (method, path, codes)
+    message = schema["components"]["schemas"]["ChatMessage"]
+    assert message["else"]["required"] == ["content"]  # only an assistant turn may omit it
+
+
+def test_405_names_every_method_of_the_path(http: httpx.Client) -> None:
+    # GET and DELETE /admin/keys/{id} are two routes: Starlette's 405 named only the first.
+    answer = http.request("PUT", "/admin/keys/nope")
+    error_of(answer, 405)
+    assert set(answer.headers["allow"].split(", ")) == {"GET", "DELETE"}
+    answer = http.request("PUT", "/v1/completions")
+    assert answer.status_code == 405 and answer.headers["allow"] == "POST"
 
 
 def test_malformed_json_and_wrong_types(http: httpx.Client) -> None:

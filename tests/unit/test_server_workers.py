@@ -136,6 +136,9 @@ def test_render_gives_the_token_ids_a_request_would_be_served_with(fake_server) 
         encoded = [http.post("/tokenize", json={"prompt": p}).json()["tokens"] for p in ("one two", "three")]
         assert [entry["token_ids"] for entry in texts.json()] == encoded
         assert http.post("/v1/completions/render", json={"prompt": [[5, 6, 7]]}).json()[0]["token_ids"] == [5, 6, 7]
+        # ids the model has not: refused as /v1/completions refuses them, not rendered
+        outside = http.post("/v1/completions/render", json={"prompt": [[5, 10**6]]})
+        assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt", outside.text
 
 
 def test_flush_cache_drops_the_unused_prefix_blocks_once(fake_server) -> None:

@@ -22,6 +22,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.errors import APIError
+from stoker.json_types import Number
 from stoker.server.fleet import FleetError, checked_spec
 from stoker.server.state import ServerState, get_state
 
@@ -37,14 +38,14 @@ class LoadModel(BaseModel):
     """GGUF file or Hugging Face folder, as the server's machine sees it."""
     digest: str | None = None
     """sha256:<hex> the files must have; the load is refused otherwise."""
-    canary_percent: float | None = Field(None, ge=0, le=100)
+    canary_percent: Number | None = Field(None, ge=0, le=100)
     """Load beside the stable version and give it this share of new requests."""
 
 
 class CanaryShare(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    percent: float = Field(ge=0, le=100)
+    percent: Number = Field(ge=0, le=100)
 
 
 async def _operator(request: Request) -> ServerState:
@@ -86,15 +87,27 @@ async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
     return {"name": version.name, **version.describe()}
 
 
-@router.post("/{name}/{action}")
-async def end_canary(name: str, action: Literal["promote", "rollback"], request: Request) -> dict[str, Any]:
-    """promote: the canary becomes the stable version; rollback: the canary is dropped."""
+async def _end_canary(name: str, action: Literal["promote", "rollback"], request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
         version = state.fleet.promote(name) if action == "promote" else state.fleet.rollback(name)
     except FleetError as exc:
         raise _bad(exc) from None
     return {"name": name, **version.describe()}
+
+
+# Two routes, not one POST /{name}/{action}: that one also caught POST
+# /{name}/canary (a 400 for the action) where the path serves PUT only (a 405).
+@router.post("/{name}/promote")
+async def promote(name: str, request: Request) -> dict[str, Any]:
+    """The canary becomes the stable version."""
+    return await _end_canary(name, "promote", request)
+
+
+@router.post("/{name}/rollback")
+async def rollback(name: str, request: Request) -> dict[str, Any]:
+    """The canary is dropped."""
+    return await _end_canary(name, "rollback", request)
 
 
 @router.put("/{name}/canary")

@@ -84,17 +84,21 @@ def sampling_params(
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
-def resolve_max_tokens(version: ModelVersion, prompts: list[list[int]], requested: int | None) -> int:
-    """The per-sample token budget; 400 naming the numbers when it cannot fit the context."""
-    limit = version.max_model_len
+def check_prompt_ids(version: ModelVersion, prompts: list[list[int]]) -> None:
+    """400 for an empty prompt or a token id outside the model's vocabulary."""
     vocab = version.vocab_size
-    longest = 0
     for ids in prompts:
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
-        longest = max(longest, len(ids))
+
+
+def resolve_max_tokens(version: ModelVersion, prompts: list[list[int]], requested: int | None) -> int:
+    """The per-sample token budget; 400 naming the numbers when it cannot fit the context."""
+    check_prompt_ids(version, prompts)
+    limit = version.max_model_len
+    longest = max((len(ids) for ids in prompts), default=0)
     if requested is None:
         if longest >= limit:
             raise bad_request(
@@ -288,6 +292,7 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
     """As /v1/chat/completions/render, one entry per prompt (vLLM answers a list here too)."""
     version = get_state(request).version_for(body.model)
     prompts, _ = completion_prompts(body, version.tokenizer)
+    check_prompt_ids(version, prompts)
     return [{"model": version.name, "token_ids": ids} for ids in prompts]
 
 
