@@ -182,7 +182,7 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     # Content may be absent only on an assistant turn (one that carries tool
-    # calls); models/tokenizer.py refuses the rest, and the schema says so.
+    # calls): checked here for every route that takes messages, and stated in the schema.
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={
@@ -193,6 +193,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content is required for role {self.role!r}")
+        return self
 
 
 class FunctionDefinition(BaseModel):

@@ -105,6 +105,9 @@ def test_completions_echo_logprobs_stream(http: httpx.Client) -> None:
         ({"prompt": "x", "logprobs": True}, "logprobs"),
         ({"prompt": "x", "stream": 1}, "stream"),
         ({"prompt": "x", "echo": "yes"}, "echo"),
+        # ids beyond the vocabulary: refused here, whatever the engine would do
+        ({"prompt": "x", "stop_token_ids": [10**6]}, "stop_token_ids"),
+        ({"prompt": "x", "logit_bias": {"1000000": 1}}, "logit_bias"),
     ],
 )
 def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param: str | None) -> None:
@@ -122,6 +125,7 @@ def test_completion_client_errors_are_400(http: httpx.Client, body: dict, param:
         {"messages": CHAT, "functions": [{"name": "f"}]},
         {"messages": CHAT, "top_logprobs": 2},
         {"messages": CHAT, "response_format": {"type": "xml"}},
+        {"messages": [{"role": "user"}]},  # content may be absent only on an assistant turn
     ],
 )
 def test_chat_client_errors_are_400(http: httpx.Client, body: dict) -> None:

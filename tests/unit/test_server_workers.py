@@ -139,6 +139,11 @@ def test_render_gives_the_token_ids_a_request_would_be_served_with(fake_server) 
         # ids the model has not: refused as /v1/completions refuses them, not rendered
         outside = http.post("/v1/completions/render", json={"prompt": [[5, 10**6]]})
         assert outside.status_code == 400 and outside.json()["error"]["param"] == "prompt", outside.text
+        # and a body serving would refuse is refused here too
+        unservable = http.post("/v1/completions/render", json={"prompt": "x", "min_tokens": 20, "max_tokens": 4})
+        assert unservable.status_code == 400 and unservable.json()["error"]["param"] == "min_tokens", unservable.text
+        untemplated = http.post("/tokenize", json={"messages": [{"role": "tool"}]})
+        assert untemplated.status_code == 400, untemplated.text
 
 
 def test_flush_cache_drops_the_unused_prefix_blocks_once(fake_server) -> None:

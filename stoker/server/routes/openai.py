@@ -84,19 +84,33 @@ def sampling_params(
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
 
 
-def check_prompt_ids(version: ModelVersion, prompts: list[list[int]]) -> None:
-    """400 for an empty prompt or a token id outside the model's vocabulary."""
+def check_token_ids(version: ModelVersion, prompts: list[list[int]], body: SamplingFields) -> None:
+    """400 for an empty prompt, or a token id (prompt, stop_token_ids, logit_bias)
+    outside the model's vocabulary: the engine refuses them too, but the answer
+    should not depend on which engine serves."""
     vocab = version.vocab_size
     for ids in prompts:
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
         if vocab is not None and any(not 0 <= t < vocab for t in ids):
             raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")
+    if vocab is not None and any(t >= vocab for t in body.stop_token_ids or []):
+        raise bad_request(f"stop_token_ids must be below the vocabulary size {vocab}", param="stop_token_ids")
+    if vocab is not None and any(int(t) >= vocab for t in body.logit_bias or {}):
+        raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
 
 
-def resolve_max_tokens(version: ModelVersion, prompts: list[list[int]], requested: int | None) -> int:
-    """The per-sample token budget; 400 naming the numbers when it cannot fit the context."""
-    check_prompt_ids(version, prompts)
+def completion_max_tokens(body: CompletionRequest) -> int | None:
+    """max_tokens as given (null: up to the context), 16 when absent, as OpenAI."""
+    return body.max_tokens if "max_tokens" in body.model_fields_set else 16
+
+
+def resolve_max_tokens(
+    version: ModelVersion, prompts: list[list[int]], requested: int | None, body: SamplingFields
+) -> int:
+    """The per-sample token budget, once every token id the request names is
+    checked (check_token_ids); 400 naming the numbers when it cannot fit the context."""
+    check_token_ids(version, prompts, body)
     limit = version.max_model_len
     longest = max((len(ids) for ids in prompts), default=0)
     if requested is None:
@@ -284,7 +298,10 @@ async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str
     events replicas publish (docs/routers.md)."""
     version = get_state(request).version_for(body.model)
     plan = plan_tools(body, requested_constraint(body), version.tokenizer)
-    return {"model": version.name, "token_ids": chat_prompt_ids(body, version.tokenizer, plan)}
+    ids = chat_prompt_ids(body, version.tokenizer, plan)
+    # Refused as serving would refuse it: the budget, the token ids, the sampling fields together.
+    sampling_params(body, resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens, body), None)
+    return {"model": version.name, "token_ids": ids}
 
 
 @router.post("/v1/completions/render")
@@ -292,11 +309,21 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
     """As /v1/chat/completions/render, one entry per prompt (vLLM answers a list here too)."""
     version = get_state(request).version_for(body.model)
     prompts, _ = completion_prompts(body, version.tokenizer)
-    check_prompt_ids(version, prompts)
+    sampling_params(body, resolve_max_tokens(version, prompts, completion_max_tokens(body), body), None)  # as chat's
     return [{"model": version.name, "token_ids": ids} for ids in prompts]
 
 
-@router.post("/v1/chat/completions")
+# With "stream": true the answer is server-sent events, one JSON chunk per
+# `data:` line and `data: [DONE]` last.
+STREAMED: dict[int | str, dict[str, Any]] = {
+    200: {
+        "description": 'The completion, or with "stream": true its chunks as server-sent events.',
+        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+}
+
+
+@router.post("/v1/chat/completions", responses=STREAMED)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     return await serve_from_chain(state, body.model, lambda version: chat_attempt(body, request, state, version))
@@ -313,7 +340,7 @@ async def chat_attempt(
     if constraint is not None:
         await version.grammars.check(constraint)
     ids = chat_prompt_ids(body, tokenizer, plan)
-    max_tokens = resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens)
+    max_tokens = resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens, body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
     job = Job("chat", model, [ids], params, [None])
@@ -496,7 +523,7 @@ def vllm_prompt_logprobs(
     return out
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAMED)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     if body.max_tokens == 0 and not body.echo:
@@ -513,7 +540,7 @@ async def completion_attempt(
         await version.grammars.check(constraint)
     tokenizer = version.tokenizer
     prompts, texts = completion_prompts(body, tokenizer)
-    max_tokens = resolve_max_tokens(version, prompts, body.max_tokens if "max_tokens" in body.model_fields_set else 16)
+    max_tokens = resolve_max_tokens(version, prompts, completion_max_tokens(body), body)
     if body.echo:
         texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
     # echo + logprobs scores the prompt too: the engine's prompt_logprobs, at the larger top-N asked for.
