@@ -27,7 +27,6 @@ from stoker.engine import process as proto
 from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
-ENGINE_GOMP_SPINCOUNT = "10000"  # spins at an OpenMP barrier before sleeping (see _spawn)
 
 
 class EngineUnavailableError(RuntimeError):
@@ -133,13 +132,6 @@ class AsyncEngineClient:
         out = self._actx.socket(zmq.PULL)
         out.setsockopt(zmq.RCVHWM, 0)
         out.bind(out_addr)
-        # libgomp's threads spin ~300k times at a barrier before sleeping: on a CPU
-        # shared with another busy process, a thread taken off its core then costs
-        # the others that spin at every barrier, and a request ran 7-9x slower
-        # instead of ~2x (docs/server.md). 10k: as fast alone, 2.4x faster shared.
-        # Set here, before the spawn, so the engine has it before libgomp loads;
-        # the front end runs no OpenMP. A value the user set wins.
-        os.environ.setdefault("GOMP_SPINCOUNT", ENGINE_GOMP_SPINCOUNT)
         process = self._mp.Process(
             target=proto.run_engine,
             args=(

@@ -156,23 +156,3 @@ async def test_sigterm_past_shutdown_timeout_aborts(tmp_path) -> None:
     assert code == 0 and elapsed < 6
     for lines in results:
         assert lines[-1] == "data: [DONE]" and finish_reasons(lines) == ["abort"]
-
-
-def engine_environ(server: ServerProcess) -> dict[str, str]:
-    with open(f"/proc/{ready_body(server)['engine_pid']}/environ", "rb") as f:
-        pairs = [entry.split(b"=", 1) for entry in f.read().split(b"\0") if b"=" in entry]
-    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/environ"), reason="reads /proc")
-def test_engine_spins_briefly_at_openmp_barriers_unless_told(fake_server: ServerProcess, tmp_path) -> None:
-    # libgomp's default spin made a request 7-9x slower on a shared CPU (docs/server.md)
-    expected = os.environ.get("GOMP_SPINCOUNT", "10000")
-    assert engine_environ(fake_server)["GOMP_SPINCOUNT"] == expected
-    told = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model"], str(tmp_path), env={"GOMP_SPINCOUNT": "123"}
-    )
-    try:
-        assert engine_environ(told)["GOMP_SPINCOUNT"] == "123"
-    finally:
-        told.stop()
