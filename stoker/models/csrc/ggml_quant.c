@@ -891,8 +891,7 @@ ALWAYS_INLINE void nibble_panel(const uint8_t *const blocks[8], int qs_at, uint8
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
 ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_bytes, int cols, int nb,
                                   uint8_t *scratch) {
-    static const uint8_t zero_scales[4] = {0, 0, 0, 0}; /* d = m = 0 for columns past cols */
-    static const uint8_t zero_block[20] = {0}; /* a Q4_0 / Q4_1 block of zeros, the same */
+    static const uint8_t zero_block[20] = {0}; /* columns past cols: d = m = 0 (and Q4_0/Q4_1 values 0) */
     const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     int32_t *sc_k = (int32_t *)d, *mn_k = (int32_t *)mn;
@@ -944,7 +943,7 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
                     }
                     continue;
                 }
-                blocks[c] = zero_scales;
+                blocks[c] = zero_block;
                 if (col < cols) {
                     blocks[c] = w + (size_t)col * row_bytes + (size_t)b * ts;
                     v[c] = stored32(type, blocks[c]);

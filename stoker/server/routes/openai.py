@@ -100,6 +100,11 @@ def check_token_ids(version: ModelVersion, prompts: list[list[int]], body: Sampl
         raise bad_request(f"logit_bias token ids must be below the vocabulary size {vocab}", param="logit_bias")
 
 
+def chat_max_tokens(body: ChatCompletionRequest) -> int | None:
+    """max_completion_tokens, else max_tokens (null: up to the context)."""
+    return body.max_completion_tokens or body.max_tokens
+
+
 def completion_max_tokens(body: CompletionRequest) -> int | None:
     """max_tokens as given (null: up to the context), 16 when absent, as OpenAI."""
     return body.max_tokens if "max_tokens" in body.model_fields_set else 16
@@ -300,7 +305,7 @@ async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str
     plan = plan_tools(body, requested_constraint(body), version.tokenizer)
     ids = chat_prompt_ids(body, version.tokenizer, plan)
     # Refused as serving would refuse it: the budget, the token ids, the sampling fields together.
-    sampling_params(body, resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens, body), None)
+    sampling_params(body, resolve_max_tokens(version, [ids], chat_max_tokens(body), body), None)
     return {"model": version.name, "token_ids": ids}
 
 
@@ -340,7 +345,7 @@ async def chat_attempt(
     if constraint is not None:
         await version.grammars.check(constraint)
     ids = chat_prompt_ids(body, tokenizer, plan)
-    max_tokens = resolve_max_tokens(version, [ids], body.max_completion_tokens or body.max_tokens, body)
+    max_tokens = resolve_max_tokens(version, [ids], chat_max_tokens(body), body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
     job = Job("chat", model, [ids], params, [None])
