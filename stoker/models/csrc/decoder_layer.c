@@ -38,6 +38,7 @@
  * once at load.
  */
 #include <math.h>
+#include <pthread.h>
 
 #include "ggml_quant.c"
 #include "subnormals.h"
@@ -1118,6 +1119,59 @@ static int *order_groups(const Step *S, const int *group_starts, int num_groups)
     return order;
 }
 
+/* Places B's buffers for rows rows in block, each 64-byte aligned, and
+ * returns the bytes they take (with block NULL, only the bytes). B's
+ * attn_scratch_floats and gemm_scratch_size are set first. */
+static size_t lay_out(Buffers *B, char *block, const Model *M, size_t rows, int kmax, int num_threads) {
+    const int H = M->num_heads, D = M->head_dim, qkv_w = (H + 2 * M->num_kv_heads) * D, I = M->intermediate;
+    size_t used = 0;
+#define PLACE(field, type, count)                                         \
+    B->field = block ? (type *)(void *)(block + used) : NULL;             \
+    used += (sizeof(type) * (size_t)(count) + 63) / 64 * 64
+    PLACE(normed, float, rows * M->hidden);
+    PLACE(qkv, float, rows * qkv_w);
+    PLACE(attn, float, rows * H * D);
+    PLACE(gate_up, float, rows * 2 * I);
+    PLACE(act, float, rows * I);
+    PLACE(qs32, int8_t, rows * kmax);
+    PLACE(qs256, int8_t, rows * kmax);
+    PLACE(d32, float, rows * (kmax / 32));
+    PLACE(s32, float, rows * (kmax / 32));
+    PLACE(d256, float, rows * (kmax / 32));
+    PLACE(s256, float, rows * (kmax / 32));
+    PLACE(bsums32, int16_t, rows * (kmax / 16));
+    PLACE(bsums256, int16_t, rows * (kmax / 16));
+    PLACE(isum32, int16_t, rows * (kmax / 32));
+    PLACE(attn_scratch, float, B->attn_scratch_floats * (size_t)num_threads);
+    PLACE(gemm_scratch, uint8_t, B->gemm_scratch_size * (size_t)num_threads);
+    PLACE(group_starts, int, rows + 1);
+#undef PLACE
+    return used;
+}
+
+/* The buffers of a call stay allocated for the next: a prompt chunk's come to
+ * megabytes, and fresh ones came from the kernel on every call, each page
+ * faulted in and zeroed (clear_page ~3% of an offline prefill's samples in
+ * perf). One block, the largest a call has needed, for one call at a time: a
+ * call that finds it taken allocates its own. */
+static pthread_mutex_t step_block_lock = PTHREAD_MUTEX_INITIALIZER;
+static char *step_block;
+static size_t step_block_bytes;
+
+/* The kept block, at least bytes (a multiple of 64) long, held until step_block_give_back; NULL if another call holds it or memory ran out. */
+static char *step_block_take(size_t bytes) {
+    if (pthread_mutex_trylock(&step_block_lock) != 0) return NULL;
+    if (bytes > step_block_bytes) {
+        free(step_block);
+        step_block = aligned_alloc(64, bytes);
+        step_block_bytes = step_block ? bytes : 0;
+    }
+    if (!step_block) pthread_mutex_unlock(&step_block_lock);
+    return step_block;
+}
+
+static void step_block_give_back(void) { pthread_mutex_unlock(&step_block_lock); }
+
 /* hidden [n, M->hidden] in, the last layer's output out (in place).
  * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
 int decoder_forward(const Model *M, const Step *S, float *hidden, int num_threads) {
@@ -1129,48 +1183,29 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
         if (S->positions[r] > max_pos) max_pos = (int)S->positions[r];
     }
     if (num_threads < 1) num_threads = 1;
-    const int qkv_w = (H + 2 * M->num_kv_heads) * D, I = M->intermediate;
     int kmax = M->hidden > H * D ? M->hidden : H * D;
-    kmax = kmax > I ? kmax : I;
+    kmax = kmax > M->intermediate ? kmax : M->intermediate;
     Buffers B;
     const size_t rows = (size_t)n;
-    B.normed = malloc(sizeof(float) * rows * M->hidden);
-    B.qkv = malloc(sizeof(float) * rows * qkv_w);
-    B.attn = malloc(sizeof(float) * rows * H * D);
-    B.gate_up = malloc(sizeof(float) * rows * 2 * I);
-    B.act = malloc(sizeof(float) * rows * I);
-    B.qs32 = malloc(rows * kmax);
-    B.qs256 = malloc(rows * kmax);
-    B.d32 = malloc(sizeof(float) * rows * (kmax / 32));
-    B.s32 = malloc(sizeof(float) * rows * (kmax / 32));
-    B.d256 = malloc(sizeof(float) * rows * (kmax / 32));
-    B.s256 = malloc(sizeof(float) * rows * (kmax / 32));
-    B.bsums32 = malloc(sizeof(int16_t) * rows * (kmax / 16));
-    B.bsums256 = malloc(sizeof(int16_t) * rows * (kmax / 16));
     B.attn_scratch_floats =
         (size_t)ATTEND_ROWS * (H / M->num_kv_heads) *
         (((size_t)max_pos + KEY_PAD) / KEY_PAD * KEY_PAD + (size_t)D + (size_t)D / 2 + 2);
+    B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
+    const size_t total = lay_out(&B, NULL, M, rows, kmax, num_threads);
+    char *block = step_block_take(total), *own = NULL;
+    if (!block) block = own = aligned_alloc(64, total);
+    if (!block) return 1;
+    lay_out(&B, block, M, rows, kmax, num_threads);
     /* Consecutive rows of one sequence (a prompt chunk, a verification), up to ATTEND_ROWS at a time. */
-    B.group_starts = malloc(sizeof(int) * (rows + 1));
     B.num_groups = 0;
-    for (int r = 0; B.group_starts && r < n; r++) {
+    for (int r = 0; r < n; r++) {
         const int start = B.num_groups ? B.group_starts[B.num_groups - 1] : 0;
         if (r == 0 || !S->row_seq || S->row_seq[r] != S->row_seq[r - 1] || r - start == ATTEND_ROWS)
             B.group_starts[B.num_groups++] = r;
     }
-    if (B.group_starts) B.group_starts[B.num_groups] = n;
+    B.group_starts[B.num_groups] = n;
     B.group_order = order_groups(S, B.group_starts, B.num_groups);
-    B.attn_scratch = malloc(sizeof(float) * B.attn_scratch_floats * (size_t)num_threads);
-    B.isum32 = malloc(sizeof(int16_t) * rows * (kmax / 32));
-    B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
-    B.gemm_scratch = malloc(B.gemm_scratch_size * (size_t)num_threads + 1); /* + 1: never malloc(0) */
-    void *all[] = {B.normed, B.qkv,    B.attn,         B.gate_up, B.act,      B.qs32,
-                   B.qs256,  B.d32,    B.s32,          B.d256,    B.s256,     B.bsums32,
-                   B.bsums256, B.attn_scratch, B.isum32, B.gemm_scratch, B.group_starts, B.group_order};
-    const int count = (int)(sizeof all / sizeof all[0]);
-    int rc = 0;
-    for (int i = 0; i < count; i++)
-        if (!all[i]) rc = 1;
+    const int rc = B.group_order ? 0 : 1;
     if (rc == 0) {
 #pragma omp parallel num_threads(num_threads)
         {
@@ -1179,6 +1214,10 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
             fp_mode_restore(caller);
         }
     }
-    for (int i = 0; i < count; i++) free(all[i]);
+    free(B.group_order);
+    if (own)
+        free(own);
+    else
+        step_block_give_back();
     return rc;
 }
