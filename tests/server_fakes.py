@@ -56,11 +56,24 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(i - OFFSET for i in ids if i >= OFFSET).decode(errors="replace")
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tokenize: bool = False):
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+        continue_final_message: bool = False,
+        variables: dict | None = None,
+    ):
+        """Each message as <role>content and a newline; template variables as a first <vars ...> line."""
+
         def content(c: object) -> str:
             return c if isinstance(c, str) else "\n".join(p["text"] for p in c)  # type: ignore[union-attr]
 
         text = "".join(f"<{m['role']}>{content(m.get('content') or '')}\n" for m in messages)
+        if variables:
+            text = "<vars " + " ".join(f"{k}={v}" for k, v in sorted(variables.items())) + ">\n" + text
+        if continue_final_message:
+            text = text.removesuffix("\n")
         if add_generation_prompt:
             text += "<assistant>"
         return self.encode(text) if tokenize else text

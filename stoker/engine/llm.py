@@ -97,14 +97,29 @@ class LLM:
         messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """One conversation (a list of messages) or a list of conversations."""
+        """One conversation (a list of messages) or a list of conversations.
+
+        The template options are vLLM's LLM.chat ones: continue_final_message
+        leaves the last message open (with add_generation_prompt=False), and
+        chat_template_kwargs are variables for the model's template."""
         conversations: list[list[dict[str, Any]]] = (
             [cast(list[dict[str, Any]], messages)]
             if messages and isinstance(messages[0], dict)
             else list(cast(Sequence[list[dict[str, Any]]], messages))
         )
         prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
+            self.tokenizer.apply_chat_template(
+                c,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                continue_final_message=continue_final_message,
+                variables=chat_template_kwargs,
+            )
+            for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

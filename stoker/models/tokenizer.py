@@ -9,10 +9,13 @@ flattening and the model's full set of end-of-sequence ids.
 
 from __future__ import annotations
 
+import inspect
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
+
+import jinja2
 
 if TYPE_CHECKING:  # importing transformers costs seconds; only the loader needs it at run time
     import tokenizers
@@ -98,6 +101,16 @@ def _special_token(folder: Path, name: str) -> str | None:
         if isinstance(value, str):
             return value
     return None
+
+
+# What rendering a chat template raises over a request's own input (its
+# messages, its template variables, the template's raise_exception): a 400.
+# A variable of the wrong type fails inside the template as a TypeError.
+TEMPLATE_ERRORS = (ValueError, TypeError, jinja2.TemplateError)
+
+
+class TemplateVariableError(ValueError):
+    """A caller's template variable that would set what apply_chat_template sets itself."""
 
 
 class Tokenizer:
@@ -208,20 +221,35 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
+        variables: Mapping[str, Any] | None = None,
         **template_kwargs: Any,
     ) -> str | list[int]:
         """Render messages with the model's Jinja template, as Hugging Face does.
 
         tokenize=True returns token ids of the rendered prompt without adding
         special tokens again (the template already contains them), which is
-        what transformers does too.
+        what transformers does too. continue_final_message leaves the last
+        message open (a prefilled answer the model continues). variables are
+        a caller's extra template variables (a request's chat_template_kwargs):
+        ValueError for one that would set what this call sets itself.
         """
         if self.chat_template is None:
             raise ValueError("this model has no chat template; use a plain completion prompt instead")
         normalized = [_normalize_message(m, i) for i, m in enumerate(_check_list(messages))]
+        if variables:
+            reserved = {"messages", *template_kwargs, *inspect.signature(self.hf.apply_chat_template).parameters}
+            taken = sorted(name for name in variables if name in reserved)
+            if taken:
+                raise TemplateVariableError(
+                    f"chat_template_kwargs may not set {', '.join(map(repr, taken))}: "
+                    "the server sets it (use the request field of that name where there is one)"
+                )
+            template_kwargs = {**variables, **template_kwargs}
         text = self.hf.apply_chat_template(
             normalized,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             **template_kwargs,
         )

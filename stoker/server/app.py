@@ -68,19 +68,47 @@ def _too_large(limit: int) -> StrictJSONResponse:
 
 
 def _is_type_tag(part: str) -> bool:
-    return "[" in part or part in ("str", "int", "float", "bool", "list", "dict") or part.startswith("function-")
+    return (
+        "[" in part
+        or part in ("str", "int", "float", "bool", "list", "dict")
+        or part.startswith(("function-", "constrained-"))
+    )
+
+
+# Errors that say a union's branch did not fit the input's shape at all; one
+# that did fit (a list that is empty, a number out of range) says more.
+_SHAPE_MISMATCH = frozenset(
+    {
+        "missing",
+        "literal_error",
+        "string_type",
+        "int_type",
+        "float_type",
+        "bool_type",
+        "list_type",
+        "dict_type",
+        "model_type",
+        "model_attributes_type",
+        "union_tag_invalid",
+        "is_instance_of",
+    }
+)
+
+
+def _error_path(error: Any) -> list[str]:
+    """An error's place in the body: without "body" and pydantic's union-member tags (str, list[int], ...)."""
+    return [str(p) for p in error.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
-    # Drop "body" and pydantic's union-member tags (str, list[int], ...) from the path.
-    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not (isinstance(p, str) and _is_type_tag(p))]
+    # The branch that fit the input best: not a shape mismatch, then the deepest.
+    first = min(errors, key=lambda e: (e.get("type") in _SHAPE_MISMATCH, -len(_error_path(e))))
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-    where = ".".join(loc)
+    where = ".".join(_error_path(first))
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return (f"{where}: {message}" if where else message), (where or None)
 

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.errors import APIError
 from stoker.json_types import Boolean, Integer, Number
+from stoker.models.tokenizer import TemplateVariableError
 
 INT32 = 2**31 - 1
 # The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
@@ -29,6 +30,11 @@ Float = Annotated[Number, Field(allow_inf_nan=False)]
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def template_error(exc: Exception) -> APIError:
+    """400 for a chat template that refused a request's input (one of TEMPLATE_ERRORS)."""
+    return bad_request(str(exc), param="chat_template_kwargs" if isinstance(exc, TemplateVariableError) else "messages")
 
 
 def unavailable(message: str) -> APIError:
@@ -223,7 +229,28 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Request):
+    """Messages and how the model's chat template renders them (vLLM's names)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: Boolean = True
+    """End the prompt with the opening of an assistant turn, as the template writes it."""
+    continue_final_message: Boolean = False
+    """Leave the last message open so the reply continues it (a prefilled answer); needs add_generation_prompt false."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3's."""
+
+    @model_validator(mode="after")
+    def _check_template_fields(self) -> ChatTemplateFields:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message and add_generation_prompt cannot both be true: "
+                "set add_generation_prompt to false to continue the last message"
+            )
+        return self
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # top_logprobs needs logprobs: true (as OpenAI and vLLM); said in the schema too.
     model_config = ConfigDict(
         json_schema_extra={
@@ -240,9 +267,10 @@ class ChatCompletionRequest(SamplingFields):
         # Prompt scoring is a /v1/completions feature (echo + logprobs there).
         "echo",
         "prompt_logprobs",
+        # A template from the client runs in the server: vLLM refuses it too unless trusted.
+        "chat_template",
     )
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: MaxTokens | None = None
     """Newer OpenAI name for max_tokens; wins when both are given."""
     logprobs: Boolean = False
@@ -310,10 +338,10 @@ class TokenizeCompletionRequest(_Request):
     add_special_tokens: Boolean = True
 
 
-class TokenizeChatRequest(_Request):
+class TokenizeChatRequest(ChatTemplateFields):
+    _unsupported: ClassVar[tuple[str, ...]] = ("chat_template",)
+
     model: ModelName | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: Boolean = True
 
 
 # vLLM's shape: a prompt or chat messages (the schema's anyOf says exactly that).

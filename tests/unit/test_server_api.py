@@ -132,6 +132,46 @@ def test_chat_client_errors_are_400(http: httpx.Client, body: dict) -> None:
     error_of(http.post("/v1/chat/completions", json=body), 400)
 
 
+def test_chat_template_fields(http: httpx.Client) -> None:
+    answer = [*CHAT, {"role": "assistant", "content": "Hello"}]
+
+    def rendered(body: dict) -> str:
+        tokens = http.post("/tokenize", json=body).json()["tokens"]
+        return http.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+
+    assert rendered({"messages": answer}).endswith("<assistant>Hello\n<assistant>")
+    continued = {"messages": answer, "continue_final_message": True, "add_generation_prompt": False}
+    assert rendered(continued).endswith("<assistant>Hello")
+    assert rendered({"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}).startswith(
+        "<vars enable_thinking=False>"
+    )
+    body = http.post("/v1/chat/completions", json={**continued, "max_tokens": 2}).json()
+    assert body["usage"]["prompt_tokens"] == len("<user>hi\n<assistant>Hello")
+    # both at once contradict each other (vLLM refuses it too); a template from the client is not run
+    error = error_of(http.post("/v1/chat/completions", json={**continued, "add_generation_prompt": True}), 400)
+    assert "continue_final_message" in error["message"]
+    error = error_of(http.post("/tokenize", json={**continued, "add_generation_prompt": True}), 400)
+    assert "continue_final_message" in error["message"]  # not the completion form's "prompt: Field required"
+    for path in ("/v1/chat/completions", "/tokenize"):
+        error = error_of(http.post(path, json={"messages": CHAT, "chat_template": "{{ 1 }}"}), 400)
+        assert error["message"] == "chat_template is not supported by this server"
+    error = error_of(http.post("/v1/chat/completions", json={"messages": CHAT, "chat_template_kwargs": [1]}), 400)
+    assert error["param"] == "chat_template_kwargs"
+
+
+def test_union_errors_name_the_branch_that_fit(http: httpx.Client) -> None:
+    """A field that takes several shapes: the error from the shape the input had, without pydantic's tags."""
+    cases = [
+        ({"prompt": []}, "prompt", "at least 1 item"),
+        ({"prompt": ["a", ""]}, "prompt.1", "at least 1 character"),
+        ({"prompt": "x", "stop": [""]}, "stop.0", "at least 1 character"),
+        ({"prompt": "x", "priority": 10**6}, "priority", "less than or equal to 100"),
+    ]
+    for body, param, fragment in cases:
+        error = error_of(http.post("/v1/completions", json=body), 400)
+        assert error["param"] == param and fragment in error["message"], error
+
+
 def test_numbers_keep_their_json_types(http: httpx.Client) -> None:
     assert error_of(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2.0}), 400)["param"] == "max_tokens"
     body = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 1}).json()

@@ -10,7 +10,7 @@ import pytest
 from tiny_models import make_tiny_hf_model
 
 from stoker.models.loader import load_tokenizer
-from stoker.models.tokenizer import Tokenizer
+from stoker.models.tokenizer import TEMPLATE_ERRORS, TemplateVariableError, Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,33 @@ def test_no_template(tok: Tokenizer) -> None:
     bare.hf.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         bare.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_continue_final_message_leaves_the_answer_open(tok: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "The answer is"}]
+    closed = str(tok.apply_chat_template(messages, add_generation_prompt=False))
+    assert closed.rstrip().endswith("<|im_end|>")
+    text = str(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True))
+    assert text.endswith("The answer is") and closed.startswith(text)
+    with pytest.raises(ValueError):  # transformers: both at once is a contradiction
+        tok.apply_chat_template(messages, add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_variables_reach_the_template(tok: Tokenizer) -> None:
+    import copy
+
+    custom = Tokenizer(copy.deepcopy(tok.hf))
+    custom.hf.chat_template = "{% if brief %}[brief]{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    messages = [{"role": "user", "content": "x"}]
+    assert custom.apply_chat_template(messages, variables={"brief": True}) == "[brief]x"
+    assert custom.apply_chat_template(messages, variables={"brief": False}) == "x"
+    for name in ("messages", "tokenize", "add_generation_prompt", "tools", "chat_template"):
+        with pytest.raises(TemplateVariableError, match=repr(name)):
+            custom.apply_chat_template(messages, variables={name: 1})
+    # a variable of the wrong type fails inside the template: one of TEMPLATE_ERRORS
+    custom.hf.chat_template = "{{ count + 1 }}"
+    with pytest.raises(TEMPLATE_ERRORS):
+        custom.apply_chat_template(messages, variables={"count": {"a": 1}})
 
 
 def test_eos_ids_merge_in_order(tok: Tokenizer) -> None:

@@ -6,7 +6,6 @@ import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -19,7 +18,7 @@ from stoker.engine.params import (
     TokenLogprob,
 )
 from stoker.errors import APIError
-from stoker.models.tokenizer import Tokenizer
+from stoker.models.tokenizer import TEMPLATE_ERRORS, Tokenizer
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo
@@ -30,6 +29,7 @@ from stoker.server.protocol import (
     bad_request,
     deadline_exceeded,
     flatten_prompts,
+    template_error,
     unavailable,
 )
 from stoker.server.serving import (
@@ -275,9 +275,16 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: Too
         [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
     )
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **template_kwargs)
-    except (ValueError, jinja2.TemplateError) as exc:
-        raise bad_request(str(exc), param="messages") from None
+        ids = tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tokenize=True,
+            continue_final_message=body.continue_final_message,
+            variables=body.chat_template_kwargs,
+            **template_kwargs,
+        )
+    except TEMPLATE_ERRORS as exc:
+        raise template_error(exc) from None
     assert not isinstance(ids, str)  # tokenize=True: ids, not text
     return ids
 

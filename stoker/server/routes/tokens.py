@@ -5,10 +5,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import jinja2
 from fastapi import APIRouter, Depends, Request
 
-from stoker.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest, bad_request
+from stoker.models.tokenizer import TEMPLATE_ERRORS
+from stoker.server.protocol import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+    bad_request,
+    template_error,
+)
 from stoker.server.state import get_state, run_before_hooks
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
@@ -60,10 +66,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         try:
             tokens = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.add_generation_prompt, tokenize=True
+                messages,
+                add_generation_prompt=body.add_generation_prompt,
+                tokenize=True,
+                continue_final_message=body.continue_final_message,
+                variables=body.chat_template_kwargs,
             )
-        except (ValueError, jinja2.TemplateError) as exc:
-            raise bad_request(str(exc), param="messages") from None
+        except TEMPLATE_ERRORS as exc:
+            raise template_error(exc) from None
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": version.max_model_len}
