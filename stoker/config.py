@@ -107,7 +107,7 @@ class EngineConfig(BaseModel):
     max_num_seqs: int = Field(64, ge=1)
     """Most requests running at once."""
     max_model_len: int | None = Field(None, ge=1)
-    """Context length limit; default the model's own."""
+    """Context length limit; default the model's own. Beyond the model's own: its own, with a warning."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     scheduling_policy: Literal["fcfs", "priority"] = "priority"

@@ -121,6 +121,13 @@ class EngineCore:
             config.max_model_len or loaded.config.max_position_embeddings,
             loaded.config.max_position_embeddings,
         )
+        if config.max_model_len and config.max_model_len > self.max_model_len:
+            log.warning(
+                "max_model_len %d is beyond the %d positions the model was trained for: serving %d",
+                config.max_model_len,
+                self.max_model_len,
+                self.max_model_len,
+            )
         model = build_model(loaded.config, loaded.weights, self.dtype, self.device, self.max_model_len)
         del loaded
 
