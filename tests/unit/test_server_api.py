@@ -238,9 +238,13 @@ def test_body_too_large_413(http: httpx.Client) -> None:
     error_of(http.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"}), 413)
 
 
-def test_models_tokenize_detokenize_version_health(http: httpx.Client) -> None:
+def test_models_tokenize_detokenize_version_health(http: httpx.Client, fake_server) -> None:
     models = http.get("/v1/models").json()["data"]
     assert models[0]["id"] == "fake-model" and models[0]["max_model_len"] == 256
+    assert http.get("/v1/models/fake-model").json() == models[0]
+    assert error_of(http.get("/v1/models/org/other"), 404)["code"] == "model_not_found"
+    client = openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0)
+    assert client.models.retrieve("fake-model").id == "fake-model"
     tokens = http.post("/tokenize", json={"prompt": "hi"}).json()
     assert tokens["tokens"] == [107, 108] and tokens["count"] == 2
     chat = http.post("/tokenize", json={"messages": CHAT}).json()

@@ -1,4 +1,4 @@
-"""/v1/models, /tokenize and /detokenize."""
+"""/v1/models (and one by id), /tokenize and /detokenize."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 
+from stoker.errors import APIError
 from stoker.models.tokenizer import TEMPLATE_ERRORS
 from stoker.server.protocol import (
     DetokenizeRequest,
@@ -56,6 +57,22 @@ async def list_models(request: Request) -> dict[str, Any]:
             }
         )
     return {"object": "list", "data": data}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """OpenAI's model retrieval (the SDK's models.retrieve): the list's entry for one id."""
+    listed = await list_models(request)
+    for entry in listed["data"]:
+        if entry["id"] == model_id:
+            return dict(entry)
+    served = ", ".join(entry["id"] for entry in listed["data"]) or "none yet"
+    raise APIError(
+        404,
+        f"The model `{model_id}` does not exist. Models served here: {served}.",
+        param="model",
+        code="model_not_found",
+    )
 
 
 @router.post("/tokenize")
