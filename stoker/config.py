@@ -42,7 +42,7 @@ class ModelConfig:
 
 DTypeName = Literal["float32", "bfloat16", "float16", "auto"]
 KVCacheDTypeName = Literal["auto", "bfloat16", "bf16", "float32", "float16", "int8", "fp8_e4m3"]
-QuantizationName = Literal["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+QuantizationName = Literal["auto", "none", "q8_0", "int8", "q4_0", "q4_1", "q5_0", "q5_1"]
 
 DEFAULT_KV_CACHE_TOKENS = 32768
 """The KV capacity when no size is given: 32 requests of 1k tokens, or 4 of 8k, running at once
@@ -81,7 +81,7 @@ class EngineConfig(BaseModel):
     """Weight format. auto: a GGUF keeps its own quantization where the CPU int8 kernels serve it (else it is
     dequantized to dtype), a Hugging Face folder stays dense; none: every weight dequantized to dtype;
     q8_0/q4_0/q4_1/q5_0/q5_1: linear layers quantized to that format at load (embeddings and LM head Q8_0,
-    norms dense; CPU only). See docs/quantization.md."""
+    norms dense; CPU only); int8: q8_0 by its common name. See docs/quantization.md."""
     kv_cache_dtype: KVCacheDTypeName = "auto"
     """KV cache element type (vLLM's --kv-cache-dtype). auto: bfloat16 where a GGUF's weights stay quantized on
     the CPU (activations are float32 there; a bf16 cache holds twice the tokens and decodes faster, at no measured

@@ -16,7 +16,7 @@ import time
 from typing import Any, get_args
 
 from stoker.bench.workload import parse_int_list
-from stoker.config import KVCacheDTypeName
+from stoker.config import KVCacheDTypeName, QuantizationName
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--quantization",
         default="auto",
-        choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+        choices=get_args(QuantizationName),
         help="stoker's weight format (docs/quantization.md)",
     )
     p.add_argument(

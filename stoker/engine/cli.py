@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, get_args
+
+from stoker.config import QuantizationName
 
 
 def add_parser(subparsers: Any) -> None:
@@ -18,7 +20,7 @@ def add_parser(subparsers: Any) -> None:
         p.add_argument(
             "--quantization",
             default="auto",
-            choices=["auto", "none", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+            choices=get_args(QuantizationName),
             help="weight format (docs/quantization.md); default auto: a GGUF keeps its own",
         )
         p.add_argument("--max-tokens", type=int, default=128)

@@ -294,6 +294,20 @@ def test_hf_folder_quantized_at_load(quantization: str, tmp_path: Path) -> None:
         assert rel < bound, rel
 
 
+def test_int8_is_q8_0_by_its_common_name(tmp_path: Path) -> None:
+    folder = make_tiny_hf_model("llama", tmp_path)
+    int8 = load_model(str(folder), torch.float32, "cpu", "int8").weights
+    q8_0 = load_model(str(folder), torch.float32, "cpu", "q8_0").weights
+    assert int8.keys() == q8_0.keys()
+    for name, weight in int8.items():
+        other = q8_0[name]
+        if isinstance(weight, GGMLTensor):
+            assert isinstance(other, GGMLTensor) and weight.qtype == other.qtype == T.Q8_0
+            assert torch.equal(weight.data, other.data), name
+        else:
+            assert isinstance(other, torch.Tensor) and torch.equal(weight, other), name
+
+
 def test_quantization_choices_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="q3_k")  # type: ignore[arg-type]

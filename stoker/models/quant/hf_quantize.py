@@ -24,6 +24,7 @@ log = logging.getLogger("stoker.models.quant")
 
 QUANTIZE_AT_LOAD: dict[str, GGMLQuantizationType] = {
     "q8_0": GGMLQuantizationType.Q8_0,
+    "int8": GGMLQuantizationType.Q8_0,  # int8 values, a scale per 32: q8_0 under its common name
     "q4_0": GGMLQuantizationType.Q4_0,
     "q4_1": GGMLQuantizationType.Q4_1,
     "q5_0": GGMLQuantizationType.Q5_0,
