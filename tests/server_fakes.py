@@ -225,6 +225,10 @@ class FakeEngineCore:
                 if sample.done:
                     continue
                 token = OFFSET + ord("a") + (sample.generated + sample.index) % 26
+                if token in (params.stop_token_ids or []):  # a stop token ends the sample unseen
+                    sample.done = True
+                    outputs.append(self._out(req, sample, [], FinishReason.STOP))
+                    continue
                 sample.generated += 1
                 self.generated += 1
                 t = sample.times

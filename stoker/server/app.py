@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib
 import logging
 import time
@@ -13,6 +14,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,7 +25,7 @@ from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
-from stoker.server.routes import embeddings, health, models, openai, tokens, workers
+from stoker.server.routes import embeddings, health, models, openai, responses, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import GrammarChecker
@@ -72,7 +74,21 @@ def _is_type_tag(part: str) -> bool:
         "[" in part
         or part in ("str", "int", "float", "bool", "list", "dict")
         or part.startswith(("function-", "constrained-"))
+        or part in _model_names()
     )
+
+
+@functools.cache
+def _model_names() -> frozenset[str]:
+    """Class names of the request models: pydantic tags a union's model branches with them."""
+    seen: set[type[BaseModel]] = set()
+    pending = list(BaseModel.__subclasses__())
+    while pending:
+        model = pending.pop()
+        if model not in seen:
+            seen.add(model)
+            pending.extend(model.__subclasses__())
+    return frozenset(model.__name__ for model in seen if model.__module__.startswith("stoker."))
 
 
 # Errors that say a union's branch did not fit the input's shape at all; one
@@ -294,7 +310,15 @@ def create_app(
     app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan, default_response_class=StrictJSONResponse)
     app.state.stoker = state
     install_error_handlers(app)
-    for router in (health.router, openai.router, embeddings.router, tokens.router, workers.router, models.router):
+    for router in (
+        health.router,
+        openai.router,
+        responses.router,
+        embeddings.router,
+        tokens.router,
+        workers.router,
+        models.router,
+    ):
         app.include_router(router)
     for name in EXTENSIONS:
         try:

@@ -212,3 +212,31 @@ def test_a_bad_schema_is_a_400_and_the_server_keeps_serving(client: openai.OpenA
         )
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3)
     assert ok.choices[0].message.content is not None
+
+
+def test_responses_api_calls_tools_and_follows_a_schema(client: openai.OpenAI) -> None:
+    """The Responses API serves the same machinery: a required call is a
+    function_call item with valid arguments, its output goes back as an input
+    item, and text.format json_schema holds."""
+    weather = {"type": "function", **WEATHER["function"]}  # the Responses API's flat tool
+    ask = "What is the weather in Paris?"
+    first = client.responses.create(
+        model=MODEL, input=ask, tools=[weather], tool_choice="required", max_output_tokens=100
+    )
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema_rs.validate(WEATHER["function"]["parameters"], json.loads(call.arguments))
+    history = [
+        {"role": "user", "content": ask},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21, "sky": "clear"}'},
+    ]
+    second = client.responses.create(model=MODEL, input=history, tools=[weather], max_output_tokens=40, temperature=0)
+    assert second.output_text and second.usage.input_tokens > first.usage.input_tokens
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    text_format = {"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}}
+    with client.responses.stream(model=MODEL, input="A person as JSON.", text=text_format, max_output_tokens=60) as s:
+        for _ in s:
+            pass
+        final = s.get_final_response()
+    jsonschema_rs.validate(schema, json.loads(final.output_text))

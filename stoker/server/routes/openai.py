@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -155,7 +155,12 @@ async def run(
     render_final: Any,
     obj: str,
     fields: SamplingFields,
+    frame: Callable[[dict[str, Any]], str] = sse,
+    done_marker: bool = True,
 ) -> Response:
+    """Admit and run a job; answer its final body, or stream what render_delta
+    makes of each delta (each chunk written by frame; "data: [DONE]" last
+    unless done_marker is false)."""
     job.request_id = request_id_for(request) or job.request_id
     job.version = version.label
     await state.hooks.run_admit(
@@ -217,10 +222,10 @@ async def run(
     async def body() -> AsyncIterator[str]:
         try:
             for chunk in render_delta(job, *first, head):
-                yield sse(chunk)
+                yield frame(chunk)
             async for prompt_index, delta in events:
                 for chunk in render_delta(job, prompt_index, delta, head):
-                    yield sse(chunk)
+                    yield frame(chunk)
             if include_usage:
                 yield sse({**head, "choices": [], "usage": job.usage()})
         except EngineUnavailableError as exc:
@@ -231,7 +236,8 @@ async def run(
             yield sse(exc.body())
         finally:
             await events.aclose()
-        yield "data: [DONE]\n\n"
+        if done_marker:
+            yield "data: [DONE]\n\n"
 
     def on_close() -> None:
         if not all(o.finished for o in job.outputs) and outcome["error"] is None:
@@ -341,10 +347,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     return await serve_from_chain(state, body.model, lambda version: chat_attempt(body, request, state, version))
 
 
-async def chat_attempt(
-    body: ChatCompletionRequest, request: Request, state: ServerState, version: ModelVersion
-) -> Response:
-    model = version.name
+async def chat_job(body: ChatCompletionRequest, version: ModelVersion, endpoint: str) -> tuple[Job, ToolPlan]:
+    """The job a chat request becomes (its prompt through the template, its
+    budget, sampling and output constraint), and how its tools are planned."""
     tokenizer = version.tokenizer
     constraint = requested_constraint(body)
     plan = plan_tools(body, constraint, tokenizer)
@@ -355,7 +360,13 @@ async def chat_attempt(
     max_tokens = resolve_max_tokens(version, [ids], chat_max_tokens(body), body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
-    job = Job("chat", model, [ids], params, [None])
+    return Job(endpoint, version.name, [ids], params, [None]), plan
+
+
+async def chat_attempt(
+    body: ChatCompletionRequest, request: Request, state: ServerState, version: ModelVersion
+) -> Response:
+    job, plan = await chat_job(body, version, "chat")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     sent_role: set[int] = set()
 

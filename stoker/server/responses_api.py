@@ -1,0 +1,289 @@
+"""OpenAI's Responses API (POST /v1/responses) on top of chat: the request,
+its translation into a chat request, and the response object and stream
+events built from a finished or running sample.
+
+Stateless, as vLLM serves it by default: nothing is stored, so
+previous_response_id, background runs and GET /v1/responses/{id} are not
+offered (400 naming the field), and every response says "store": false.
+Text input only; function tools only (built-in tools such as web_search
+need OpenAI's servers).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from stoker.json_types import Boolean
+from stoker.server.protocol import ChatCompletionRequest, MaxTokens, SamplingFields, bad_request
+
+
+class InputText(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class InputMessage(BaseModel):
+    """A message item (the "easy" form has no type)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["message"] | None = None
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText]
+
+
+class FunctionCallItem(BaseModel):
+    """A call the model made earlier, sent back with the conversation."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+
+
+class FunctionCallOutputItem(BaseModel):
+    """The result of a call, for the model to read."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function_call_output"]
+    call_id: str
+    output: str
+
+
+InputItem = FunctionCallItem | FunctionCallOutputItem | InputMessage
+
+
+class FunctionTool(BaseModel):
+    """The Responses API's function tool: chat's function fields, flattened."""
+
+    type: Literal["function"]
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: Boolean | None = None
+
+
+class NamedFunctionChoice(BaseModel):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(BaseModel):
+    """text.format: plain text, any JSON object, or JSON valid for a schema."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    description: str | None = None
+    strict: Boolean | None = None
+
+    @model_validator(mode="after")
+    def _schema_for_json_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("text.format of type json_schema needs a schema")
+        return self
+
+
+class TextOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(SamplingFields):
+    _unsupported: ClassVar[tuple[str, ...]] = (
+        # stateless: nothing to continue from or to run in the background
+        "previous_response_id",
+        "conversation",
+        "background",
+        "prompt",
+        "reasoning",
+        "include",
+        "max_tool_calls",
+        "top_logprobs",
+    )
+
+    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    instructions: str | None = None
+    """A system message put before the input."""
+    max_output_tokens: MaxTokens | None = None
+    text: TextOptions | None = None
+    tools: Annotated[list[FunctionTool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
+    parallel_tool_calls: Boolean | None = None
+    store: Boolean | None = None
+    """Accepted; nothing is stored (the response says store: false)."""
+    metadata: dict[str, str] | None = None
+    """Given back on the response."""
+    truncation: Literal["disabled"] | None = None
+    """Only "disabled": an input beyond the context is a 400, never cut."""
+
+    @model_validator(mode="after")
+    def _check(self) -> ResponsesRequest:
+        if self.n != 1:
+            raise ValueError("n is not supported by the Responses API (one output per response)")
+        if self.response_format is not None and self.text is not None and self.text.format is not None:
+            raise ValueError("give text.format or response_format, not both")
+        return self
+
+
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: instructions first, calls and their outputs as tool turns."""
+    messages: list[dict[str, Any]] = []
+    if body.instructions:
+        messages.append({"role": "system", "content": body.instructions})
+    if isinstance(body.input, str):
+        return [*messages, {"role": "user", "content": body.input}]
+    for item in body.input:
+        if isinstance(item, FunctionCallItem):
+            call = {
+                "id": item.call_id,
+                "type": "function",
+                "function": {"name": item.name, "arguments": item.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+        else:
+            content = (
+                item.content
+                if isinstance(item.content, str)
+                else [{"type": "text", "text": part.text} for part in item.content]
+            )
+            messages.append({"role": item.role, "content": content})
+    return messages
+
+
+def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that serves this response: the same sampling fields,
+    messages from the input, chat's shapes for tools and the output format."""
+    fields = {name: getattr(body, name) for name in SamplingFields.model_fields if name in body.model_fields_set}
+    fields.pop("stream", None)
+    chat: dict[str, Any] = {**fields, "messages": input_messages(body)}
+    if body.max_output_tokens is not None:
+        chat["max_tokens"] = body.max_output_tokens
+    if body.tools:
+        chat["tools"] = [
+            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
+            for tool in body.tools
+        ]
+    if isinstance(body.tool_choice, NamedFunctionChoice):
+        chat["tool_choice"] = {"type": "function", "function": {"name": body.tool_choice.name}}
+    elif body.tool_choice is not None:
+        chat["tool_choice"] = body.tool_choice
+    if body.parallel_tool_calls is not None:
+        chat["parallel_tool_calls"] = body.parallel_tool_calls
+    text_format = body.text.format if body.text is not None else None
+    if text_format is not None and text_format.type == "json_object":
+        chat["response_format"] = {"type": "json_object"}
+    elif text_format is not None and text_format.type == "json_schema":
+        schema = {"name": text_format.name or "output", "schema": text_format.schema_, "strict": text_format.strict}
+        chat["response_format"] = {"type": "json_schema", "json_schema": schema}
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"input: {where}: {first['msg']}", param="input") from None
+
+
+def new_item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [output_text(text)] if status == "completed" else [],
+    }
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call as a function_call output item."""
+    return {
+        "type": "function_call",
+        "id": new_item_id("fc"),
+        "call_id": call["id"],
+        "name": call["function"]["name"],
+        "arguments": call["function"]["arguments"],
+        "status": "completed",
+    }
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    """Chat's usage under the Responses API's names."""
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
+        "output_tokens": chat_usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": chat_usage["total_tokens"],
+    }
+
+
+def status_of(finish_reason: str | None) -> tuple[str, dict[str, Any] | None]:
+    """The response's status and incomplete_details from its sample's finish reason."""
+    if finish_reason == "length":
+        return "incomplete", {"reason": "max_output_tokens"}
+    if finish_reason == "abort":  # its deadline (timeout) passed during generation
+        return "incomplete", {"reason": "timeout"}
+    return "completed", None
+
+
+def response_object(
+    body: ResponsesRequest,
+    response_id: str,
+    created: int,
+    model: str,
+    output: list[dict[str, Any]],
+    status: str,
+    incomplete: dict[str, Any] | None = None,
+    chat_usage: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The Response: what was generated, and the request's settings as applied."""
+    text_format = body.text.format if body.text is not None and body.text.format is not None else None
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": created,
+        "status": status,
+        "error": None,
+        "incomplete_details": incomplete,
+        "instructions": body.instructions,
+        "max_output_tokens": body.max_output_tokens,
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "previous_response_id": None,
+        "store": False,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "text": {
+            "format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}
+        },
+        "tool_choice": (
+            body.tool_choice.model_dump()
+            if isinstance(body.tool_choice, NamedFunctionChoice)
+            else body.tool_choice or ("auto" if body.tools else "none")
+        ),
+        "tools": [tool.model_dump(exclude_none=True) for tool in body.tools or []],
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "truncation": "disabled",
+        "usage": usage(chat_usage) if chat_usage is not None else None,
+        "user": body.user,
+        "metadata": body.metadata or {},
+    }

@@ -1,0 +1,154 @@
+"""POST /v1/responses: OpenAI's Responses API, served as a chat request
+(stoker/server/responses_api.py translates both ways)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from stoker.engine.params import CompletionOutput, EngineCoreOutput
+from stoker.server.fallback import serve_from_chain
+from stoker.server.fleet import ModelVersion
+from stoker.server.responses_api import (
+    ResponsesRequest,
+    as_chat_request,
+    function_call_item,
+    message_item,
+    new_item_id,
+    output_text,
+    response_object,
+    status_of,
+)
+from stoker.server.routes.openai import STREAMED, chat_job, run
+from stoker.server.serving import Job, sse
+from stoker.server.state import ServerState, get_state, run_before_hooks
+from stoker.server.tools import ToolPlan, parse_reply
+
+router = APIRouter(dependencies=[Depends(run_before_hooks)])
+
+
+@router.post("/v1/responses", responses=STREAMED)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state = get_state(request)
+    return await serve_from_chain(state, body.model, lambda version: response_attempt(body, request, state, version))
+
+
+def typed_sse(event: dict[str, Any]) -> str:
+    """A stream event as OpenAI writes them: its type on the event line too."""
+    return f"event: {event['type']}\n{sse(event)}"
+
+
+def reply_output(sample: CompletionOutput, plan: ToolPlan, message_id: str) -> list[dict[str, Any]]:
+    """The output items of a finished sample: its text as a message (unless it
+    is only calls), then each function call."""
+    content, calls = parse_reply(sample.text, plan)
+    items = [message_item(message_id, content or "", "completed")] if content or not calls else []
+    return items + [function_call_item(call) for call in calls]
+
+
+async def response_attempt(
+    body: ResponsesRequest, request: Request, state: ServerState, version: ModelVersion
+) -> Response:
+    job, plan = await chat_job(as_chat_request(body), version, "responses")
+    message_id = new_item_id("msg")
+    sequence = itertools.count()
+    started = False  # response.created sent
+    streaming_text = False  # the message item is open and its text goes out as it comes
+
+    def response_id() -> str:
+        return f"resp_{job.request_id}"
+
+    def finished(sample: CompletionOutput) -> dict[str, Any]:
+        status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
+        output = reply_output(sample, plan, message_id)
+        return response_object(body, response_id(), job.created, job.model, output, status, incomplete, job.usage())
+
+    def render_final(job: Job) -> dict[str, Any]:
+        return finished(job.outputs[0].outputs[0])
+
+    def event(kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "sequence_number": next(sequence), **fields}
+
+    def opening() -> list[dict[str, Any]]:
+        snapshot = response_object(body, response_id(), job.created, job.model, [], "in_progress")
+        return [event("response.created", response=snapshot), event("response.in_progress", response=snapshot)]
+
+    def open_message(index: int, item_id: str) -> list[dict[str, Any]]:
+        return [
+            event("response.output_item.added", output_index=index, item=message_item(item_id, "", "in_progress")),
+            event(
+                "response.content_part.added",
+                item_id=item_id,
+                output_index=index,
+                content_index=0,
+                part=output_text(""),
+            ),
+        ]
+
+    def text_delta(index: int, item_id: str, text: str) -> dict[str, Any]:
+        return event(
+            "response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text, logprobs=[]
+        )
+
+    def close_message(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        where = {"item_id": item["id"], "output_index": index, "content_index": 0}
+        part = item["content"][0]
+        return [
+            event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+            event("response.content_part.done", **where, part=part),
+            event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+        where = {"item_id": item["id"], "output_index": index}
+        opened = {**item, "arguments": "", "status": "in_progress"}
+        return [
+            event("response.output_item.added", output_index=index, item=opened),
+            event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+            event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+            event("response.output_item.done", output_index=index, item=item),
+        ]
+
+    def render_delta(job: Job, _prompt: int, d: EngineCoreOutput, _head: dict[str, Any]) -> list[dict[str, Any]]:
+        """Plain text streams as it comes; a reply that may hold tool calls is
+        parsed once finished, then sent item by item (as chat streams it)."""
+        nonlocal started, streaming_text
+        events = [] if started else opening()
+        started = True
+        if not plan.active and not streaming_text and (d.new_text or d.finished):
+            events += open_message(0, message_id)
+            streaming_text = True
+        if not plan.active and d.new_text:
+            events.append(text_delta(0, message_id, d.new_text))
+        if not d.finished:
+            return events
+        response = finished(job.outputs[0].outputs[0])
+        for index, item in enumerate(response["output"]):
+            if item["type"] != "message":
+                events += call_events(index, item)
+                continue
+            if not streaming_text:
+                events += open_message(index, item["id"])
+                if item["content"][0]["text"]:
+                    events.append(text_delta(index, item["id"], item["content"][0]["text"]))
+            events += close_message(index, item)
+        kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
+        return [*events, event(kind, response=response)]
+
+    return await run(
+        request,
+        state,
+        version,
+        job,
+        body.stream,
+        False,
+        render_delta,
+        render_final,
+        "response",
+        body,
+        frame=typed_sse,
+        done_marker=False,
+    )

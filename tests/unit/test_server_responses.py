@@ -1,0 +1,136 @@
+"""POST /v1/responses (OpenAI's Responses API) over a real server process
+running the fake engine core, through the official openai client; the
+translation into chat, on its own."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from server_fakes import OFFSET
+
+from stoker.server.responses_api import ResponsesRequest, as_chat_request, input_messages
+
+pytestmark = pytest.mark.timeout(120)
+STOP_AT_D = OFFSET + ord("d")  # the fake engine writes a, b, c, d ...
+TOOL = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
+
+
+@pytest.fixture(scope="module")
+def client(fake_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{fake_server.url}/v1", api_key="x", max_retries=0)
+
+
+def test_text_response_with_usage_and_settings(client: openai.OpenAI) -> None:
+    r = client.responses.create(model="fake-model", input="hi", instructions="be brief", max_output_tokens=5)
+    assert r.object == "response" and r.id.startswith("resp_") and r.model == "fake-model"
+    assert r.output_text == "abcde"
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    (message,) = r.output
+    assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
+    # instructions become a system message before the input
+    assert r.usage.input_tokens == len("<system>be brief\n<user>hi\n<assistant>")
+    assert r.usage.output_tokens == 5 and r.usage.total_tokens == r.usage.input_tokens + 5
+    assert r.instructions == "be brief" and r.max_output_tokens == 5 and r.store is False
+    done = client.responses.create(model="fake-model", input="hi", extra_body={"stop_token_ids": [STOP_AT_D]})
+    assert done.status == "completed" and done.incomplete_details is None and done.output_text == "abc"
+
+
+def test_stream_events_add_up_to_the_response(client: openai.OpenAI) -> None:
+    events = list(client.responses.create(model="fake-model", input="hi", max_output_tokens=4, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1].response
+    assert text == final.output_text == "abcd" and final.usage.output_tokens == 4
+    assert {e.item_id for e in events if e.type == "response.output_text.delta"} == {final.output[0].id}
+    # the SDK's stream helper accumulates the same events into the final response
+    with client.responses.stream(model="fake-model", input="hi", extra_body={"stop_token_ids": [STOP_AT_D]}) as stream:
+        for _ in stream:
+            pass
+        assert stream.get_final_response().output_text == "abc"
+
+
+def test_raw_stream_names_each_event(fake_server) -> None:
+    body = {"model": "fake-model", "input": "hi", "max_output_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{fake_server.url}/v1/responses", json=body, timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[0] == "event: response.created" and lines[-2] == "event: response.incomplete"
+    assert "[DONE]" not in lines[-1]  # OpenAI ends a response stream with its last event
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+        ({"background": True}, "background is not supported"),
+        ({"n": 2}, "one output per response"),
+        ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
+        ({"input": []}, "input"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"truncation": "auto"}, "truncation"),
+        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs a schema"),
+        ({"text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, "not both"),
+        ({"max_output_tokens": 10_000}, "maximum context length"),
+    ],
+)
+def test_bad_requests_are_400(fake_server, extra: dict, fragment: str) -> None:
+    r = httpx.post(f"{fake_server.url}/v1/responses", json={"model": "fake-model", "input": "hi", **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert fragment in r.json()["error"]["message"], r.text
+
+
+def test_conversation_items_become_chat_messages() -> None:
+    body = ResponsesRequest.model_validate(
+        {
+            "instructions": "be brief",
+            "input": [
+                {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city":"Rome"}'},
+                {"type": "function_call", "call_id": "c2", "name": "get_weather", "arguments": '{"city":"Oslo"}'},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "message", "role": "assistant", "content": "It is sunny."},
+            ],
+        }
+    )
+    messages = input_messages(body)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == [{"type": "text", "text": "weather?"}]
+    assert [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]  # parallel calls: one turn
+    assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+
+
+def test_tools_and_text_format_take_chats_shapes() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = ResponsesRequest.model_validate(
+        {
+            "input": "hi",
+            "tools": [TOOL],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+            "parallel_tool_calls": False,
+            "text": {"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}},
+            "max_output_tokens": 7,
+            "temperature": 0.5,
+            "top_k": 3,
+        }
+    )
+    chat = as_chat_request(body)
+    assert chat.tools is not None and chat.tools[0].function.name == "get_weather"
+    assert chat.tool_choice is not None and chat.tool_choice.function.name == "get_weather"  # type: ignore[union-attr]
+    assert chat.parallel_tool_calls is False and chat.max_tokens == 7
+    assert chat.temperature == 0.5 and chat.top_k == 3  # vLLM's sampling extras pass through
+    assert chat.response_format is not None and chat.response_format.json_schema is not None
+    assert chat.response_format.json_schema.schema_ == schema
