@@ -233,9 +233,15 @@ def test_responses_api_calls_tools_and_follows_a_schema(client: openai.OpenAI) -
     ]
     second = client.responses.create(model=MODEL, input=history, tools=[weather], max_output_tokens=40, temperature=0)
     assert second.output_text and second.usage.input_tokens > first.usage.input_tokens
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"]}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}},
+        "required": ["name"],
+        "additionalProperties": False,  # else the default model lists properties until the budget ends
+    }
     text_format = {"format": {"type": "json_schema", "name": "person", "schema": schema, "strict": True}}
-    with client.responses.stream(model=MODEL, input="A person as JSON.", text=text_format, max_output_tokens=60) as s:
+    kwargs = dict(model=MODEL, input="A person as JSON.", text=text_format, max_output_tokens=120, temperature=0)
+    with client.responses.stream(**kwargs) as s:  # type: ignore[call-overload]
         for _ in s:
             pass
         final = s.get_final_response()

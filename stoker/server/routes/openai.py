@@ -24,6 +24,7 @@ from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo
 from stoker.server.protocol import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     SamplingFields,
     bad_request,
@@ -280,13 +281,21 @@ def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: Too
     messages, template_kwargs = prepare_messages(
         [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
     )
+    return template_ids(tokenizer, messages, body, **template_kwargs)
+
+
+def template_ids(
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], fields: ChatTemplateFields, **template_kwargs: Any
+) -> list[int]:
+    """Messages through the model's chat template as a request's template
+    fields ask, as token ids; 400 for what the template refuses."""
     try:
         ids = tokenizer.apply_chat_template(
             messages,
-            add_generation_prompt=body.add_generation_prompt,
+            add_generation_prompt=fields.add_generation_prompt,
             tokenize=True,
-            continue_final_message=body.continue_final_message,
-            variables=body.chat_template_kwargs,
+            continue_final_message=fields.continue_final_message,
+            variables=fields.chat_template_kwargs,
             **template_kwargs,
         )
     except TEMPLATE_ERRORS as exc:

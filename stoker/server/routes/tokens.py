@@ -8,14 +8,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from stoker.errors import APIError
-from stoker.models.tokenizer import TEMPLATE_ERRORS
 from stoker.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeRequest,
     bad_request,
-    template_error,
 )
+from stoker.server.routes.openai import template_ids
 from stoker.server.state import get_state, run_before_hooks
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
@@ -80,17 +79,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     version = get_state(request).version_for(body.model)
     tokenizer = version.tokenizer
     if isinstance(body, TokenizeChatRequest):
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
-        try:
-            tokens = tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=body.add_generation_prompt,
-                tokenize=True,
-                continue_final_message=body.continue_final_message,
-                variables=body.chat_template_kwargs,
-            )
-        except TEMPLATE_ERRORS as exc:
-            raise template_error(exc) from None
+        tokens = template_ids(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], body)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": version.max_model_len}
