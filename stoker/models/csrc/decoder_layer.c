@@ -1151,9 +1151,10 @@ static size_t lay_out(Buffers *B, char *block, const Model *M, size_t rows, int 
 
 /* The buffers of a call stay allocated for the next: a prompt chunk's come to
  * megabytes, and fresh ones came from the kernel on every call, each page
- * faulted in and zeroed (clear_page ~3% of an offline prefill's samples in
- * perf). One block, the largest a call has needed, for one call at a time: a
- * call that finds it taken allocates its own. */
+ * faulted in and zeroed again where the linears and row loops first wrote
+ * them (half the page faults of an offline prefill, by perf). One block, the
+ * largest a call has needed, for one call at a time: a call that finds it
+ * taken allocates its own. */
 static pthread_mutex_t step_block_lock = PTHREAD_MUTEX_INITIALIZER;
 static char *step_block;
 static size_t step_block_bytes;
