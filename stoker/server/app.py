@@ -25,6 +25,7 @@ from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
+from stoker.server.responses_store import ResponseStore
 from stoker.server.routes import embeddings, health, models, openai, responses, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
@@ -290,7 +291,9 @@ def create_app(
         max_memory=config.max_model_memory,
         drain_timeout=config.shutdown_timeout,
     )
-    state = ServerState(config=config, fleet=fleet, extras=dict(extras or {}))
+    state = ServerState(
+        config=config, fleet=fleet, extras=dict(extras or {}), responses=ResponseStore(config.responses_store_size)
+    )
 
     def fatal(message: str) -> None:
         if on_fatal is None:

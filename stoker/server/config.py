@@ -61,6 +61,8 @@ class ServerConfig(BaseModel):
     """Most embedding inputs run in one forward pass."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """Seconds in-flight requests may take to finish after SIGTERM; past it they end with finish_reason "abort"."""
+    responses_store_size: int = Field(1000, ge=0)
+    """Responses (POST /v1/responses) kept in memory, newest first, for previous_response_id and GET /v1/responses/{id}; per server process; 0 keeps none."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest accepted request body; bigger ones get 413."""
     max_grammar_bytes: int = Field(256 * 1024, ge=1024)

@@ -2,11 +2,10 @@
 its translation into a chat request, and the response object and stream
 events built from a finished or running sample.
 
-Stateless, as vLLM serves it by default: nothing is stored, so
-previous_response_id, background runs and GET /v1/responses/{id} are not
-offered (400 naming the field), and every response says "store": false.
-Text input only; function tools only (built-in tools such as web_search
-need OpenAI's servers).
+Responses are kept in memory (responses_store.py) for previous_response_id
+and GET/DELETE /v1/responses/{id}; background runs and conversations are
+not offered (400 naming the field). Text input only; function tools only
+(built-in tools such as web_search need OpenAI's servers).
 """
 
 from __future__ import annotations
@@ -96,8 +95,7 @@ class TextOptions(BaseModel):
 
 class ResponsesRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = (
-        # stateless: nothing to continue from or to run in the background
-        "previous_response_id",
+        # no background runs, no conversation objects
         "conversation",
         "background",
         "prompt",
@@ -108,6 +106,8 @@ class ResponsesRequest(SamplingFields):
     )
 
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    previous_response_id: str | None = None
+    """A stored response this one continues: its input and output come before this input."""
     instructions: str | None = None
     """A system message put before the input."""
     max_output_tokens: MaxTokens | None = None
@@ -116,7 +116,7 @@ class ResponsesRequest(SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: Boolean | None = None
     store: Boolean | None = None
-    """Accepted; nothing is stored (the response says store: false)."""
+    """Keep the response for previous_response_id and GET /v1/responses/{id} (default true, as OpenAI)."""
     metadata: dict[str, str] | None = None
     """Given back on the response."""
     truncation: Literal["disabled"] | None = None
@@ -132,12 +132,10 @@ class ResponsesRequest(SamplingFields):
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation as chat messages: instructions first, calls and their outputs as tool turns."""
-    messages: list[dict[str, Any]] = []
-    if body.instructions:
-        messages.append({"role": "system", "content": body.instructions})
+    """The request's input as chat messages (calls and their outputs as tool turns), without its instructions."""
     if isinstance(body.input, str):
-        return [*messages, {"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
+    messages: list[dict[str, Any]] = []
     for item in body.input:
         if isinstance(item, FunctionCallItem):
             call = {
@@ -162,12 +160,15 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def as_chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that serves this response: the same sampling fields,
-    messages from the input, chat's shapes for tools and the output format."""
+def as_chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat request that serves this response: the same sampling fields;
+    messages from the instructions, the conversation so far (earlier: a
+    previous response's) and the input; chat's shapes for tools and the
+    output format."""
     fields = {name: getattr(body, name) for name in SamplingFields.model_fields if name in body.model_fields_set}
     fields.pop("stream", None)
-    chat: dict[str, Any] = {**fields, "messages": input_messages(body)}
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    chat: dict[str, Any] = {**fields, "messages": [*system, *(earlier or []), *input_messages(body)]}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
     if body.tools:
@@ -254,6 +255,7 @@ def response_object(
     status: str,
     incomplete: dict[str, Any] | None = None,
     chat_usage: dict[str, Any] | None = None,
+    stored: bool = False,
 ) -> dict[str, Any]:
     """The Response: what was generated, and the request's settings as applied."""
     text_format = body.text.format if body.text is not None and body.text.format is not None else None
@@ -269,8 +271,8 @@ def response_object(
         "model": model,
         "output": output,
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
-        "previous_response_id": None,
-        "store": False,
+        "previous_response_id": body.previous_response_id,
+        "store": stored,
         "temperature": 1.0 if body.temperature is None else body.temperature,
         "text": {
             "format": text_format.model_dump(by_alias=True, exclude_none=True) if text_format else {"type": "text"}

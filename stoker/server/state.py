@@ -13,6 +13,7 @@ from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, ModelVersion, ServedModel
 from stoker.server.hooks import ServerHooks
 from stoker.server.protocol import unavailable
+from stoker.server.responses_store import ResponseStore
 
 if TYPE_CHECKING:
     from stoker.models.embedding import EmbeddingBatcher
@@ -35,6 +36,8 @@ class ServerState:
     """Room for control/observe objects (metrics registry, admission controller, ...)."""
     engine_ids_in_use: set[str] = field(default_factory=set)
     """Engine request ids (bases) of jobs in flight; see serving.run_job."""
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))
+    """Stored /v1/responses answers (sized by config.responses_store_size)."""
 
     @property
     def default_version(self) -> ModelVersion:

@@ -233,6 +233,16 @@ def test_responses_api_calls_tools_and_follows_a_schema(client: openai.OpenAI) -
     ]
     second = client.responses.create(model=MODEL, input=history, tools=[weather], max_output_tokens=40, temperature=0)
     assert second.output_text and second.usage.input_tokens > first.usage.input_tokens
+    # the same turn by reference: the stored first response holds the question and the call
+    chained = client.responses.create(
+        model=MODEL,
+        input=history[2:],
+        previous_response_id=first.id,
+        tools=[weather],
+        max_output_tokens=40,
+        temperature=0,
+    )
+    assert chained.usage.input_tokens == second.usage.input_tokens
     schema = {
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 20}},

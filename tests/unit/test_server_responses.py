@@ -10,6 +10,7 @@ import pytest
 from server_fakes import OFFSET
 
 from stoker.server.responses_api import ResponsesRequest, as_chat_request, input_messages
+from stoker.server.responses_store import ResponseStore, StoredResponse, output_messages
 
 pytestmark = pytest.mark.timeout(120)
 STOP_AT_D = OFFSET + ord("d")  # the fake engine writes a, b, c, d ...
@@ -31,7 +32,7 @@ def test_text_response_with_usage_and_settings(client: openai.OpenAI) -> None:
     # instructions become a system message before the input
     assert r.usage.input_tokens == len("<system>be brief\n<user>hi\n<assistant>")
     assert r.usage.output_tokens == 5 and r.usage.total_tokens == r.usage.input_tokens + 5
-    assert r.instructions == "be brief" and r.max_output_tokens == 5 and r.store is False
+    assert r.instructions == "be brief" and r.max_output_tokens == 5 and r.store is True
     done = client.responses.create(model="fake-model", input="hi", extra_body={"stop_token_ids": [STOP_AT_D]})
     assert done.status == "completed" and done.incomplete_details is None and done.output_text == "abc"
 
@@ -74,7 +75,7 @@ def test_raw_stream_names_each_event(fake_server) -> None:
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
-        ({"previous_response_id": "resp_1"}, "previous_response_id is not supported"),
+        ({"previous_response_id": "resp_1"}, "Previous response with id 'resp_1' not found"),
         ({"background": True}, "background is not supported"),
         ({"n": 2}, "one output per response"),
         ({"tools": [{"type": "web_search"}]}, "tools.0.type"),
@@ -107,10 +108,13 @@ def test_conversation_items_become_chat_messages() -> None:
         }
     )
     messages = input_messages(body)
-    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert messages[1]["content"] == [{"type": "text", "text": "weather?"}]
-    assert [c["id"] for c in messages[2]["tool_calls"]] == ["c1", "c2"]  # parallel calls: one turn
-    assert messages[3] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[0]["content"] == [{"type": "text", "text": "weather?"}]
+    assert [c["id"] for c in messages[1]["tool_calls"]] == ["c1", "c2"]  # parallel calls: one turn
+    assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "sunny"}
+    earlier = [{"role": "user", "content": "before"}, {"role": "assistant", "content": "ok"}]
+    chat = as_chat_request(body, earlier)  # instructions, then the earlier turns, then this input
+    assert [m.role for m in chat.messages] == ["system", "user", "assistant", "user", "assistant", "tool", "assistant"]
 
 
 def test_tools_and_text_format_take_chats_shapes() -> None:
@@ -134,3 +138,65 @@ def test_tools_and_text_format_take_chats_shapes() -> None:
     assert chat.temperature == 0.5 and chat.top_k == 3  # vLLM's sampling extras pass through
     assert chat.response_format is not None and chat.response_format.json_schema is not None
     assert chat.response_format.json_schema.schema_ == schema
+
+
+def test_stored_responses_continue_and_can_be_fetched_and_deleted(client: openai.OpenAI) -> None:
+    first = client.responses.create(model="fake-model", input="hi", instructions="be brief", max_output_tokens=5)
+    assert first.store is True
+    assert client.responses.retrieve(first.id).output_text == "abcde"
+    second = client.responses.create(
+        model="fake-model", input="more", previous_response_id=first.id, max_output_tokens=3
+    )
+    # the earlier turn comes first; the earlier instructions are not carried over (as OpenAI)
+    assert second.usage.input_tokens == len("<user>hi\n<assistant>abcde\n<user>more\n<assistant>")
+    assert second.previous_response_id == first.id
+    third = client.responses.create(
+        model="fake-model", input="again", previous_response_id=second.id, max_output_tokens=1
+    )
+    assert third.usage.input_tokens == len(
+        "<user>hi\n<assistant>abcde\n<user>more\n<assistant>abc\n<user>again\n<assistant>"
+    )
+    streamed = list(client.responses.create(model="fake-model", input="hi", max_output_tokens=2, stream=True))
+    assert client.responses.retrieve(streamed[-1].response.id).output_text == "ab"
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError, match="not found"):
+        client.responses.create(model="fake-model", input="x", previous_response_id=first.id)
+    unstored = client.responses.create(model="fake-model", input="hi", max_output_tokens=1, store=False)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+
+
+def test_store_keeps_the_newest_and_each_keys_own() -> None:
+    def entry(n: int, owner: str | None) -> StoredResponse:
+        return StoredResponse({"id": f"resp_{n}"}, [], owner)
+
+    store = ResponseStore(2)
+    for n in range(3):
+        store.put(entry(n, "key-a"))
+    assert store.get("resp_0", "key-a") is None and len(store) == 2  # the oldest went
+    assert store.get("resp_1", "key-a") is not None
+    assert store.get("resp_1", "key-b") is None and store.get("resp_1", None) is None
+    assert not store.delete("resp_1", "key-b") and store.delete("resp_1", "key-a")
+    store.put(entry(3, "key-a"))  # resp_1 was used last, but it is gone: resp_2 and resp_3 remain
+    assert {n for n in range(4) if store.get(f"resp_{n}", "key-a")} == {2, 3}
+    off = ResponseStore(0)
+    off.put(entry(0, None))
+    assert not off.enabled and len(off) == 0
+
+
+def test_output_items_become_the_assistant_turn() -> None:
+    call = {
+        "type": "function_call",
+        "id": "fc_1",
+        "call_id": "c1",
+        "name": "f",
+        "arguments": "{}",
+        "status": "completed",
+    }
+    text = {"type": "message", "id": "msg_1", "content": [{"type": "output_text", "text": "Sure."}]}
+    assert output_messages([text]) == [{"role": "assistant", "content": "Sure."}]
+    (turn,) = output_messages([call])
+    assert turn["content"] is None and turn["tool_calls"][0]["id"] == "c1"

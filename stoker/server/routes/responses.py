@@ -1,5 +1,6 @@
 """POST /v1/responses: OpenAI's Responses API, served as a chat request
-(stoker/server/responses_api.py translates both ways)."""
+(stoker/server/responses_api.py translates both ways); GET and DELETE
+/v1/responses/{id} for the stored ones (stoker/server/responses_store.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +11,22 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from stoker.engine.params import CompletionOutput, EngineCoreOutput
+from stoker.errors import APIError
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
+from stoker.server.protocol import bad_request
 from stoker.server.responses_api import (
     ResponsesRequest,
     as_chat_request,
     function_call_item,
+    input_messages,
     message_item,
     new_item_id,
     output_text,
     response_object,
     status_of,
 )
+from stoker.server.responses_store import StoredResponse, output_messages
 from stoker.server.routes.openai import STREAMED, chat_job, run
 from stoker.server.serving import Job, sse
 from stoker.server.state import ServerState, get_state, run_before_hooks
@@ -33,7 +38,45 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 @router.post("/v1/responses", responses=STREAMED)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
-    return await serve_from_chain(state, body.model, lambda version: response_attempt(body, request, state, version))
+    earlier: list[dict[str, Any]] = []
+    if body.previous_response_id is not None:
+        previous = state.responses.get(body.previous_response_id, key_id(request))
+        if previous is None:
+            raise bad_request(
+                f"Previous response with id '{body.previous_response_id}' not found.",
+                param="previous_response_id",
+                code="previous_response_not_found",
+            )
+        earlier = previous.conversation
+    return await serve_from_chain(
+        state, body.model, lambda version: response_attempt(body, earlier, request, state, version)
+    )
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    """A stored response, as it was answered."""
+    entry = get_state(request).responses.get(response_id, key_id(request))
+    if entry is None:
+        raise not_found(response_id)
+    return entry.response
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+    if not get_state(request).responses.delete(response_id, key_id(request)):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def key_id(request: Request) -> str | None:
+    """The caller's API key id (None in open mode): stored responses are its own."""
+    key = getattr(request.state, "api_key", None)
+    return getattr(key, "id", None)
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"No response with id '{response_id}' found.", param="response_id", code="not_found")
 
 
 def typed_sse(event: dict[str, Any]) -> str:
@@ -50,9 +93,10 @@ def reply_output(sample: CompletionOutput, plan: ToolPlan, message_id: str) -> l
 
 
 async def response_attempt(
-    body: ResponsesRequest, request: Request, state: ServerState, version: ModelVersion
+    body: ResponsesRequest, earlier: list[dict[str, Any]], request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
-    job, plan = await chat_job(as_chat_request(body), version, "responses")
+    job, plan = await chat_job(as_chat_request(body, earlier), version, "responses")
+    store = state.responses.enabled and body.store is not False
     message_id = new_item_id("msg")
     sequence = itertools.count()
     started = False  # response.created sent
@@ -62,9 +106,16 @@ async def response_attempt(
         return f"resp_{job.request_id}"
 
     def finished(sample: CompletionOutput) -> dict[str, Any]:
+        """The response once its sample is done, stored unless the request said not to."""
         status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
         output = reply_output(sample, plan, message_id)
-        return response_object(body, response_id(), job.created, job.model, output, status, incomplete, job.usage())
+        response = response_object(
+            body, response_id(), job.created, job.model, output, status, incomplete, job.usage(), stored=store
+        )
+        if store:
+            conversation = [*earlier, *input_messages(body), *output_messages(output)]
+            state.responses.put(StoredResponse(response, conversation, key_id(request)))
+        return response
 
     def render_final(job: Job) -> dict[str, Any]:
         return finished(job.outputs[0].outputs[0])
@@ -73,7 +124,7 @@ async def response_attempt(
         return {"type": kind, "sequence_number": next(sequence), **fields}
 
     def opening() -> list[dict[str, Any]]:
-        snapshot = response_object(body, response_id(), job.created, job.model, [], "in_progress")
+        snapshot = response_object(body, response_id(), job.created, job.model, [], "in_progress", stored=store)
         return [event("response.created", response=snapshot), event("response.in_progress", response=snapshot)]
 
     def open_message(index: int, item_id: str) -> list[dict[str, Any]]:
