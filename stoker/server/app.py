@@ -121,8 +121,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    # The branch that fit the input best: not a shape mismatch, then the deepest.
-    first = min(errors, key=lambda e: (e.get("type") in _SHAPE_MISMATCH, -len(_error_path(e))))
+    # The branch that fit the input best: not a shape mismatch, then the deepest;
+    # a wrong value names the problem better than a field missing beside it.
+    first = min(
+        errors, key=lambda e: (e.get("type") in _SHAPE_MISMATCH, e.get("type") == "missing", -len(_error_path(e)))
+    )
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     where = ".".join(_error_path(first))

@@ -16,7 +16,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stoker.json_types import Boolean
-from stoker.server.protocol import ChatCompletionRequest, MaxTokens, SamplingFields, bad_request
+from stoker.server.protocol import ChatCompletionRequest, FunctionDefinition, MaxTokens, SamplingFields, bad_request
 
 
 class InputText(BaseModel):
@@ -56,14 +56,10 @@ class FunctionCallOutputItem(BaseModel):
 InputItem = FunctionCallItem | FunctionCallOutputItem | InputMessage
 
 
-class FunctionTool(BaseModel):
+class FunctionTool(FunctionDefinition):
     """The Responses API's function tool: chat's function fields, flattened."""
 
     type: Literal["function"]
-    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: Boolean | None = None
 
 
 class NamedFunctionChoice(BaseModel):
