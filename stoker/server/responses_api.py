@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from stoker.json_types import Boolean
+from stoker.json_types import Boolean, Integer
 from stoker.server.protocol import ChatCompletionRequest, FunctionDefinition, MaxTokens, SamplingFields, bad_request
 
 
@@ -96,9 +96,7 @@ class ResponsesRequest(SamplingFields):
         "background",
         "prompt",
         "reasoning",
-        "include",
         "max_tool_calls",
-        "top_logprobs",
     )
 
     input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
@@ -117,6 +115,13 @@ class ResponsesRequest(SamplingFields):
     """Given back on the response."""
     truncation: Literal["disabled"] | None = None
     """Only "disabled": an input beyond the context is a 400, never cut."""
+    include: list[Literal["message.output_text.logprobs"]] | None = None
+    """Extra output: "message.output_text.logprobs", each output token's logprob (with top_logprobs alternatives)."""
+    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return "message.output_text.logprobs" in (self.include or []) or self.top_logprobs is not None
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:
@@ -167,6 +172,8 @@ def as_chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None
     chat: dict[str, Any] = {**fields, "messages": [*system, *(earlier or []), *input_messages(body)]}
     if body.max_output_tokens is not None:
         chat["max_tokens"] = body.max_output_tokens
+    if body.wants_logprobs:
+        chat |= {"logprobs": True, "top_logprobs": body.top_logprobs or 0}
     if body.tools:
         chat["tools"] = [
             {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
@@ -196,18 +203,19 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
         "type": "message",
         "id": item_id,
         "status": status,
         "role": "assistant",
-        "content": [output_text(text)] if status == "completed" else [],
+        "content": [output_text(text, logprobs)] if status == "completed" else [],
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """A text part; logprobs as chat's logprobs.content entries (token, logprob, bytes, top_logprobs)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def function_call_item(call: dict[str, Any]) -> dict[str, Any]:

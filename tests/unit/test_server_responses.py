@@ -86,6 +86,8 @@ def test_raw_stream_names_each_event(fake_server) -> None:
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "needs a schema"),
         ({"text": {"format": {"type": "json_object"}}, "response_format": {"type": "json_object"}}, "not both"),
         ({"max_output_tokens": 10_000}, "maximum context length"),
+        ({"include": ["reasoning.encrypted_content"]}, "include.0"),
+        ({"top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_requests_are_400(fake_server, extra: dict, fragment: str) -> None:
@@ -200,3 +202,19 @@ def test_output_items_become_the_assistant_turn() -> None:
     assert output_messages([text]) == [{"role": "assistant", "content": "Sure."}]
     (turn,) = output_messages([call])
     assert turn["content"] is None and turn["tool_calls"][0]["id"] == "c1"
+
+
+def test_logprobs_when_included(client: openai.OpenAI) -> None:
+    asked = {"include": ["message.output_text.logprobs"], "top_logprobs": 2, "max_output_tokens": 3}
+    r = client.responses.create(model="fake-model", input="hi", **asked)
+    scored = r.output[0].content[0].logprobs
+    assert [s.token for s in scored] == ["a", "b", "c"]
+    assert all(s.logprob <= 0 and len(s.top_logprobs) == 2 for s in scored)
+    assert (
+        client.responses.create(model="fake-model", input="hi", max_output_tokens=3).output[0].content[0].logprobs == []
+    )
+    events = list(client.responses.create(model="fake-model", input="hi", stream=True, **asked))
+    streamed = [s.token for e in events if e.type == "response.output_text.delta" for s in e.logprobs]
+    assert streamed == ["a", "b", "c"]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [s.token for s in done.logprobs] == ["a", "b", "c"]

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from stoker.engine.params import CompletionOutput, EngineCoreOutput
+from stoker.engine.params import CompletionOutput, EngineCoreOutput, TokenLogprob
 from stoker.errors import APIError
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
@@ -27,7 +27,7 @@ from stoker.server.responses_api import (
     status_of,
 )
 from stoker.server.responses_store import StoredResponse, output_messages
-from stoker.server.routes.openai import STREAMED, chat_job, run
+from stoker.server.routes.openai import STREAMED, chat_job, chat_logprobs, run
 from stoker.server.serving import Job, sse
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.tools import ToolPlan, parse_reply
@@ -84,11 +84,21 @@ def typed_sse(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\n{sse(event)}"
 
 
-def reply_output(sample: CompletionOutput, plan: ToolPlan, message_id: str) -> list[dict[str, Any]]:
+def token_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """Tokens' logprobs as an output_text part carries them (chat's entries)."""
+    scored = chat_logprobs(version, items)
+    return scored["content"] if scored is not None else []
+
+
+def reply_output(
+    sample: CompletionOutput, plan: ToolPlan, message_id: str, version: ModelVersion
+) -> list[dict[str, Any]]:
     """The output items of a finished sample: its text as a message (unless it
-    is only calls), then each function call."""
+    is only calls; with its tokens' logprobs where asked, unless calls were
+    cut out of it), then each function call."""
     content, calls = parse_reply(sample.text, plan)
-    items = [message_item(message_id, content or "", "completed")] if content or not calls else []
+    logprobs = token_logprobs(version, sample.logprobs) if not calls else None
+    items = [message_item(message_id, content or "", "completed", logprobs)] if content or not calls else []
     return items + [function_call_item(call) for call in calls]
 
 
@@ -108,7 +118,7 @@ async def response_attempt(
     def finished(sample: CompletionOutput) -> dict[str, Any]:
         """The response once its sample is done, stored unless the request said not to."""
         status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
-        output = reply_output(sample, plan, message_id)
+        output = reply_output(sample, plan, message_id, version)
         response = response_object(
             body, response_id(), job.created, job.model, output, status, incomplete, job.usage(), stored=store
         )
@@ -139,16 +149,15 @@ async def response_attempt(
             ),
         ]
 
-    def text_delta(index: int, item_id: str, text: str) -> dict[str, Any]:
-        return event(
-            "response.output_text.delta", item_id=item_id, output_index=index, content_index=0, delta=text, logprobs=[]
-        )
+    def text_delta(index: int, item_id: str, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+        where = {"item_id": item_id, "output_index": index, "content_index": 0}
+        return event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
 
     def close_message(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         part = item["content"][0]
         return [
-            event("response.output_text.done", **where, text=part["text"], logprobs=[]),
+            event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
             event("response.content_part.done", **where, part=part),
             event("response.output_item.done", output_index=index, item=item),
         ]
@@ -169,11 +178,11 @@ async def response_attempt(
         nonlocal started, streaming_text
         events = [] if started else opening()
         started = True
-        if not plan.active and not streaming_text and (d.new_text or d.finished):
+        if not plan.active and not streaming_text and (d.new_text or d.new_logprobs or d.finished):
             events += open_message(0, message_id)
             streaming_text = True
-        if not plan.active and d.new_text:
-            events.append(text_delta(0, message_id, d.new_text))
+        if not plan.active and (d.new_text or d.new_logprobs):  # logprobs go with the text they score
+            events.append(text_delta(0, message_id, d.new_text, token_logprobs(version, d.new_logprobs)))
         if not d.finished:
             return events
         response = finished(job.outputs[0].outputs[0])
@@ -183,8 +192,9 @@ async def response_attempt(
                 continue
             if not streaming_text:
                 events += open_message(index, item["id"])
-                if item["content"][0]["text"]:
-                    events.append(text_delta(index, item["id"], item["content"][0]["text"]))
+                part = item["content"][0]
+                if part["text"]:
+                    events.append(text_delta(index, item["id"], part["text"], part["logprobs"]))
             events += close_message(index, item)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
         return [*events, event(kind, response=response)]
