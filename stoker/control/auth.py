@@ -80,6 +80,9 @@ async def authenticate(request: Request, scope: str = SCOPE_INFERENCE) -> ApiKey
         request.state.api_key = None
         return None
     header = request.headers.get("authorization", "")
+    if not header and request.headers.get("x-api-key"):
+        # Anthropic's clients send the key bare in x-api-key (/v1/messages).
+        header = "Bearer " + request.headers["x-api-key"]
     scheme, _, token = header.partition(" ")
     token = token.strip()
     if not header:

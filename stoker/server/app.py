@@ -26,7 +26,7 @@ from stoker.server import openapi
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.responses_store import ResponseStore
-from stoker.server.routes import embeddings, health, models, openai, responses, tokens, workers
+from stoker.server.routes import anthropic, embeddings, health, models, openai, responses, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import GrammarChecker
@@ -320,6 +320,7 @@ def create_app(
         health.router,
         openai.router,
         responses.router,
+        anthropic.router,
         embeddings.router,
         tokens.router,
         workers.router,

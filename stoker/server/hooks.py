@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class AdmissionInfo:
     endpoint: str
-    """"chat", "completion", "responses" or "embedding"."""
+    """"chat", "completion", "responses", "messages" or "embedding"."""
     model: str
     prompt_tokens: int
     """Sum over the request's prompts (a completion may carry several)."""

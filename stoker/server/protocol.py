@@ -51,14 +51,16 @@ def deadline_exceeded(request_id: str) -> APIError:
     )
 
 
-class _Request(BaseModel):
+class RequestBody(BaseModel):
+    """A request body: unknown fields ignored, the known-unsupported ones (_unsupported) a 400 naming them."""
+
     # extra="allow" keeps unknown fields visible so known-unsupported ones can be named.
     model_config = ConfigDict(extra="allow", protected_namespaces=())
 
     _unsupported: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="after")
-    def _reject_unsupported(self) -> _Request:
+    def _reject_unsupported(self) -> RequestBody:
         extra = self.model_extra or {}
         for name in self._unsupported:
             value = extra.get(name)
@@ -117,7 +119,7 @@ class StructuredOutputs(BaseModel):
     json_object: Boolean | None = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(RequestBody):
     """Sampling fields shared by chat and completions (OpenAI names, then vLLM's
     extras), with the ranges OpenAI and vLLM accept. Everything the server
     checks without knowing the model is declared here, so the OpenAPI schema
@@ -229,7 +231,7 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class ChatTemplateFields(_Request):
+class ChatTemplateFields(RequestBody):
     """Messages and how the model's chat template renders them (vLLM's names)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -323,7 +325,7 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class EmbeddingRequest(_Request):
+class EmbeddingRequest(RequestBody):
     _unsupported: ClassVar[tuple[str, ...]] = ("dimensions",)
 
     model: str | None = None
@@ -332,7 +334,7 @@ class EmbeddingRequest(_Request):
     user: str | None = None
 
 
-class TokenizeCompletionRequest(_Request):
+class TokenizeCompletionRequest(RequestBody):
     model: ModelName | None = None
     prompt: str
     add_special_tokens: Boolean = True
@@ -348,7 +350,7 @@ class TokenizeChatRequest(ChatTemplateFields):
 TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(RequestBody):
     model: ModelName | None = None
     tokens: list[TokenId]
 

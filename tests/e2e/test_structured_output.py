@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import jsonschema_rs
 import openai
 import pytest
@@ -256,3 +257,26 @@ def test_responses_api_calls_tools_and_follows_a_schema(client: openai.OpenAI) -
             pass
         final = s.get_final_response()
     jsonschema_rs.validate(schema, json.loads(final.output_text))
+
+
+def test_anthropic_messages_api_calls_tools(real_server: ServerProcess) -> None:
+    """/v1/messages on the default model: tool_choice any gives a tool_use block
+    whose input is valid for the tool's schema, and its tool_result goes back."""
+    tool = {
+        "name": "get_weather",
+        "description": "Current weather in a city.",
+        "input_schema": WEATHER["function"]["parameters"],
+    }
+    ask = {"role": "user", "content": "What is the weather in Paris?"}
+    body = {"model": MODEL, "max_tokens": 100, "messages": [ask], "tools": [tool], "tool_choice": {"type": "any"}}
+    with httpx.Client(base_url=real_server.url, timeout=300, headers={"anthropic-version": "2023-06-01"}) as http:
+        first = http.post("/v1/messages", json=body).json()
+        assert first["stop_reason"] == "tool_use", first
+        (call,) = [block for block in first["content"] if block["type"] == "tool_use"]
+        jsonschema_rs.validate(tool["input_schema"], call["input"])
+        result = {"type": "tool_result", "tool_use_id": call["id"], "content": '{"temp_c": 21}'}
+        turns = [ask, {"role": "assistant", "content": first["content"]}, {"role": "user", "content": [result]}]
+        second = http.post("/v1/messages", json={**body, "messages": turns, "tool_choice": {"type": "none"}}).json()
+        assert second["content"][0]["type"] == "text" and second["content"][0]["text"]
+        alone = http.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": [ask]}).json()
+        assert second["usage"]["input_tokens"] > alone["input_tokens"]  # the call and its result are in the prompt

@@ -44,6 +44,18 @@ def bearer(secret: str) -> dict:
     return {"Authorization": f"Bearer {secret}"}
 
 
+def test_anthropic_clients_key_in_x_api_key(served) -> None:
+    """Anthropic's clients send the key bare in x-api-key: it counts as the bearer token.
+    (Runs first: test_control_plane_in_the_real_server counts its requests, then stops the server.)"""
+    server, secrets, _ = served
+    body = {"model": "fake-model", "max_tokens": 2, "messages": CHAT}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        assert http.post("/v1/messages", json=body, headers={"x-api-key": secrets["admin"]}).status_code == 200
+        r = http.post("/v1/messages", json=body, headers={"x-api-key": "sk-stoker-wrong"})
+        assert r.status_code == 401
+        assert http.post("/v1/messages", json=body).status_code == 401
+
+
 def test_control_plane_in_the_real_server(served) -> None:
     server, secrets, db = served
     with httpx.Client(base_url=server.url, timeout=30) as http:
@@ -120,10 +132,11 @@ def test_control_plane_in_the_real_server(served) -> None:
     by_id = {x["request_id"]: x for x in lines}
     assert by_id["no-model"]["status"] == 404 and by_id["no-model"]["key_name"] == "root"
     assert by_id["bad-dl"]["status"] == 400
-    assert sum(x["status"] == 401 for x in lines) == 2  # one line per request, refusals included
+    # one line per request, refusals included (two from test_anthropic_clients_key_in_x_api_key)
+    assert sum(x["status"] == 401 for x in lines) == 4
     with open_db(db).connect() as conn:
         rows = conn.execute(select(usage)).fetchall()
-    assert len(rows) == 5  # every admitted request (3 user, 2 budget), written by shutdown
+    assert len(rows) == 6  # every admitted request (3 user, 2 budget, the x-api-key one), written by shutdown
     assert {r.status for r in rows} == {200}
 
 

@@ -1,0 +1,217 @@
+"""Anthropic's Messages API (POST /v1/messages, /v1/messages/count_tokens) on
+top of chat: the request, its translation into a chat request, and the
+message built from a finished sample, as vLLM offers it for clients such as
+the anthropic SDK.
+
+Text and tools only: image and document blocks, extended thinking and
+server tools are a 400 naming the field. Errors keep stoker's one error body
+({"error": {"message", "type", ...}}), which the anthropic SDK reads by its
+status code and message as well.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from stoker.json_types import Boolean, Integer
+from stoker.server.protocol import (
+    MAX_STOP_STRINGS,
+    ChatCompletionRequest,
+    FunctionDefinition,
+    MaxTokens,
+    ModelName,
+    RequestBody,
+    StopString,
+    Temperature,
+    UnitOpen,
+    bad_request,
+)
+
+
+class TextBlock(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(BaseModel):
+    """A call the assistant made (in its earlier turns)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+class ToolResultBlock(BaseModel):
+    """The result of a call, in a user turn."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[TextBlock] = ""
+    is_error: Boolean | None = None
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: Annotated[str, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(BaseModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: Boolean | None = None
+
+
+class MessagesRequest(RequestBody):
+    _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers", "container")
+
+    model: ModelName | None = None
+    max_tokens: MaxTokens
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    temperature: Temperature | None = None
+    top_p: UnitOpen | None = None
+    top_k: Annotated[Integer, Field(ge=-1)] | None = None
+    stream: Boolean = False
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(RequestBody):
+    """count_tokens takes the request's prompt half."""
+
+    _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers")
+
+    model: ModelName | None = None
+    messages: Annotated[list[Message], Field(min_length=1)]
+    system: str | list[TextBlock] | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+
+
+def _text(content: str | list[TextBlock]) -> str:
+    return content if isinstance(content, str) else "".join(block.text for block in content)
+
+
+def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: system first; a user turn's tool
+    results become tool messages (before its text), an assistant turn's
+    tool_use blocks its tool_calls."""
+    messages: list[dict[str, Any]] = []
+    if body.system:
+        messages.append({"role": "system", "content": _text(body.system)})
+    for message in body.messages:
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        texts = [block.text for block in message.content if isinstance(block, TextBlock)]
+        if message.role == "assistant":
+            calls = [
+                {"id": b.id, "type": "function", "function": {"name": b.name, "arguments": json.dumps(b.input)}}
+                for b in message.content
+                if isinstance(b, ToolUseBlock)
+            ]
+            turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or (None if calls else "")}
+            messages.append({**turn, "tool_calls": calls} if calls else turn)
+            continue
+        for block in message.content:
+            if isinstance(block, ToolResultBlock):
+                messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
+            elif isinstance(block, ToolUseBlock):
+                raise bad_request("tool_use blocks belong to assistant turns", param="messages")
+        if texts:
+            messages.append({"role": "user", "content": "".join(texts)})
+    return messages
+
+
+def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
+    """The chat request that serves this message (or counts its prompt)."""
+    chat: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    if isinstance(body, MessagesRequest):
+        chat["max_tokens"] = body.max_tokens
+        for name in ("temperature", "top_p", "top_k"):
+            if getattr(body, name) is not None:
+                chat[name] = getattr(body, name)
+        if body.stop_sequences:
+            chat["stop"] = body.stop_sequences
+        if body.metadata and isinstance(body.metadata.get("user_id"), str):
+            chat["user"] = body.metadata["user_id"]
+    if body.tools:
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": FunctionDefinition(
+                    name=tool.name, description=tool.description, parameters=tool.input_schema
+                ).model_dump(exclude_none=True),
+            }
+            for tool in body.tools
+        ]
+    choice = body.tool_choice
+    if choice is not None:
+        if choice.type == "tool":
+            if not choice.name:
+                raise bad_request("tool_choice of type tool needs a name", param="tool_choice")
+            chat["tool_choice"] = {"type": "function", "function": {"name": choice.name}}
+        else:
+            chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        if choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"messages: {where}: {first['msg']}", param="messages") from None
+
+
+def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
+    """A chat tool call as a tool_use content block (its arguments parsed: Anthropic sends an object)."""
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        arguments = {}
+    return {
+        "type": "tool_use",
+        "id": call["id"],
+        "name": call["function"]["name"],
+        "input": arguments if isinstance(arguments, dict) else {"value": arguments},
+    }
+
+
+def stop_reason(finish_reason: str | None, matched: int | str | None, called: bool) -> tuple[str, str | None]:
+    """Anthropic's stop_reason and stop_sequence from the sample's finish."""
+    if called:
+        return "tool_use", None
+    if finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(matched, str):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "input_tokens": chat_usage["prompt_tokens"],
+        "output_tokens": chat_usage["completion_tokens"],
+        "cache_read_input_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"],
+        "cache_creation_input_tokens": 0,
+    }
