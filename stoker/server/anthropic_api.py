@@ -3,8 +3,9 @@ top of chat: the request, its translation into a chat request, and the
 message built from a finished sample, as vLLM offers it for clients such as
 the anthropic SDK.
 
-Text and tools only: image and document blocks, extended thinking and
-server tools are a 400 naming the field. Errors keep stoker's one error body
+Text, tools and JSON output (output_config.format, the SDK's messages.parse);
+image and document blocks, extended thinking and server tools are a 400
+naming the field. Errors keep stoker's one error body
 ({"error": {"message", "type", ...}}), which the anthropic SDK reads by its
 status code and message as well.
 """
@@ -79,6 +80,21 @@ class ToolChoice(BaseModel):
     disable_parallel_tool_use: Boolean | None = None
 
 
+class JsonOutputFormat(BaseModel):
+    """output_config.format: the reply is JSON that satisfies this schema (the SDK's messages.parse)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    type: Literal["json_schema"]
+    schema_: dict[str, Any] = Field(alias="schema")
+
+
+class OutputConfig(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    format: JsonOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+    """Accepted and ignored: it steers extended thinking, which this server does not do."""
+
+
 class MessagesRequest(RequestBody):
     _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers", "container")
 
@@ -94,6 +110,7 @@ class MessagesRequest(RequestBody):
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
     metadata: dict[str, Any] | None = None
+    output_config: OutputConfig | None = None
 
 
 class CountTokensRequest(RequestBody):
@@ -155,6 +172,9 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
             chat["stop"] = body.stop_sequences
         if body.metadata and isinstance(body.metadata.get("user_id"), str):
             chat["user"] = body.metadata["user_id"]
+        if body.output_config is not None and body.output_config.format is not None:
+            schema = body.output_config.format.schema_
+            chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
     if body.tools:
         chat["tools"] = [
             {

@@ -118,3 +118,16 @@ def test_stop_reasons_and_tool_use_blocks() -> None:
     assert stop_reason("stop", None, True) == ("tool_use", None)
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     assert tool_use_block(call) == {"type": "tool_use", "id": "call_1", "name": "f", "input": {"a": 1}}
+
+
+def test_output_config_format_is_a_json_schema_response_format(http: httpx.Client) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    body = {"max_tokens": 5, "messages": ASK, "output_config": {"format": {"type": "json_schema", "schema": schema}}}
+    chat = as_chat_request(
+        MessagesRequest.model_validate({**body, "output_config": {**body["output_config"], "effort": "low"}})
+    )
+    assert chat.response_format is not None and chat.response_format.json_schema is not None
+    assert chat.response_format.type == "json_schema" and chat.response_format.json_schema.schema_ == schema
+    wrong = {**body, "output_config": {"format": {"type": "regex", "schema": schema}}}
+    r = http.post("/v1/messages", json={"model": "fake-model", **wrong})
+    assert r.status_code == 400 and "output_config" in r.json()["error"]["message"], r.text
