@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.json_types import Boolean, Integer
 from stoker.server.protocol import (
@@ -29,6 +29,7 @@ from stoker.server.protocol import (
     Temperature,
     UnitOpen,
     bad_request,
+    chat_request_from,
 )
 
 
@@ -195,12 +196,7 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
             chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}[choice.type]
         if choice.disable_parallel_tool_use:
             chat["parallel_tool_calls"] = False
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"messages: {where}: {first['msg']}", param="messages") from None
+    return chat_request_from(chat, "messages")
 
 
 def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:

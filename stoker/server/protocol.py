@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from stoker.errors import APIError
 from stoker.json_types import Boolean, Integer, Number
@@ -303,6 +303,17 @@ EmbeddingInput = (
     | Annotated[list[NonNegInt], Field(min_length=1)]
     | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
 )
+
+
+def chat_request_from(chat: dict[str, Any], param: str) -> ChatCompletionRequest:
+    """The chat request another API's body becomes (Responses, Messages): what
+    chat refuses is a 400 naming the field, under that API's `param`."""
+    try:
+        return ChatCompletionRequest.model_validate(chat)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise bad_request(f"{param}: {where}: {first['msg']}", param=param) from None
 
 
 class CompletionRequest(SamplingFields):

@@ -13,10 +13,16 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.json_types import Boolean, Integer
-from stoker.server.protocol import ChatCompletionRequest, FunctionDefinition, MaxTokens, SamplingFields, bad_request
+from stoker.server.protocol import (
+    ChatCompletionRequest,
+    FunctionDefinition,
+    MaxTokens,
+    SamplingFields,
+    chat_request_from,
+)
 
 
 class InputText(BaseModel):
@@ -191,12 +197,7 @@ def as_chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None
     elif text_format is not None and text_format.type == "json_schema":
         schema = {"name": text_format.name or "output", "schema": text_format.schema_, "strict": text_format.strict}
         chat["response_format"] = {"type": "json_schema", "json_schema": schema}
-    try:
-        return ChatCompletionRequest.model_validate(chat)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise bad_request(f"input: {where}: {first['msg']}", param="input") from None
+    return chat_request_from(chat, "input")
 
 
 def new_item_id(prefix: str) -> str:
