@@ -897,23 +897,30 @@ static void attend(const Model *M, const Step *S, int layer, const float *restri
     for (int x = 0; x < heads; x++) {
         float *sx = scores + x * Lpad;
         const int L = lengths[x / count];
-        f8 top = {0};
-        top = top - INFINITY;
+        /* The max in four vectors, each its own dependency chain: a max is
+         * exact, so any order gives the same m. */
+        f8 top[4] = {{0}};
+        for (int u = 0; u < 4; u++) top[u] = top[u] - INFINITY;
         int t = 0;
-        for (; t + 8 <= L; t += 8) top = max8(top, load8(sx + t));
+        for (; t + 32 <= L; t += 32)
+            for (int u = 0; u < 4; u++) top[u] = max8(top[u], load8(sx + t + 8 * u));
+        for (; t + 8 <= L; t += 8) top[0] = max8(top[0], load8(sx + t));
+        top[0] = max8(max8(top[0], top[1]), max8(top[2], top[3]));
         float m = -INFINITY;
-        for (int j = 0; j < 8; j++) m = top[j] > m ? top[j] : m;
+        for (int j = 0; j < 8; j++) m = top[0][j] > m ? top[0][j] : m;
         for (; t < L; t++) m = sx[t] > m ? sx[t] : m;
+        /* Weights by whole vectors, the last one masked past L (its keys
+         * weigh exactly 0, which leaves each lane's sum as it was): the same
+         * operations, lane by lane, as one key at a time, without a scalar
+         * tail, which cost as much as the vectors for short contexts. The
+         * scores row is padded to KEY_PAD keys, a multiple of AV_LANES. */
         float lanes[AV_LANES] = {0.f};
-        for (t = 0; t + AV_LANES <= L; t += AV_LANES)
+        for (t = 0; t < L; t += AV_LANES)
             for (int j = 0; j < AV_LANES; j++) {
-                sx[t + j] = exp_nonpositive(sx[t + j] - m);
+                const float w = exp_nonpositive(sx[t + j] - m);
+                sx[t + j] = t + j < L ? w : 0.f;
                 lanes[j] = lanes[j] + sx[t + j];
             }
-        for (; t < L; t++) {
-            sx[t] = exp_nonpositive(sx[t] - m);
-            lanes[t % AV_LANES] = lanes[t % AV_LANES] + sx[t];
-        }
         float l8[8]; /* lanes j and j + 8 first, as av_fold8 */
         for (int j = 0; j < 8; j++) l8[j] = lanes[j];
 #if AV_LANES == 16
