@@ -260,7 +260,14 @@ def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts:
         restarts.pop(key, None)
     plane.metrics.set_model_versions(
         [
-            (v.name, v.label, v.digest or "", os.path.abspath(v.spec.path), v.status)
+            (
+                v.name,
+                v.label,
+                v.digest or "",
+                os.path.abspath(v.spec.path),
+                v.status,
+                v.engine.info.quantized_matmul if v.engine.info else "",
+            )
             for v in fleet.versions()
             if v.status != "failed"
         ]

@@ -112,7 +112,9 @@ class EngineCore:
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, quantized_weights)
         loaded = load_model(model_path, self.dtype, str(self.device), config.quantization)
         quantized = any(isinstance(w, GGMLTensor) for w in loaded.weights.values())
-        log.info("weights: %s; quantized matmul: %s", describe(loaded.weights), quant_isa() if quantized else "none")
+        self.weights_summary = describe(loaded.weights)
+        self.quantized_matmul = quant_isa() if quantized else "none"
+        log.info("weights: %s; quantized matmul: %s", self.weights_summary, self.quantized_matmul)
         self.model_config: ModelConfig = loaded.config
         self.tokenizer: Tokenizer = loaded.tokenizer
         self.served_model_name = config.served_model_name or loaded.config.name

@@ -70,6 +70,10 @@ class EngineInfo:
     """The engine's own tokenizer, pickled, so both sides tokenize identically."""
     kv_cache_bytes: int = 0
     """Bytes the KV cache takes once every block is in use (the server's memory budget counts them)."""
+    quantized_matmul: str = "none"
+    """The int8 kernels' ISA path (avx512_vnni, avx_vnni, avx2, portable), or none (weights dequantized)."""
+    weights: str = ""
+    """The weights' formats and size, e.g. 'Q4_1 (210 tensors) + Q8_0 (1) + F32 (61), 78 MiB'."""
 
 
 @dataclass
@@ -202,6 +206,8 @@ def run_engine(
             pid=os.getpid(),
             tokenizer=pickle.dumps(core.tokenizer),
             kv_cache_bytes=_kv_cache_bytes(core),
+            quantized_matmul=getattr(core, "quantized_matmul", "none"),
+            weights=getattr(core, "weights_summary", ""),
         )
         out.send_multipart([READY, encoder.encode(info)])
         out.send_multipart([STATS, encoder.encode(core.stats())])

@@ -230,8 +230,9 @@ class Metrics:
         # -- models (several per server, versions, fallback, cost) --------------
         self.model_version_info = Gauge(
             "stoker:model_version_info",
-            "1 per model version loaded: which file (digest) answers under a model name, and its state.",
-            ["model_name", "version", "digest", "path", "status"],
+            "1 per model version loaded: which file (digest) answers under a model name, its state, and the "
+            "ISA path of its int8 kernels (none: weights dequantized; empty while it loads).",
+            ["model_name", "version", "digest", "path", "status", "quantized_matmul"],
             registry=r,
         )
         self.version_requests = Counter(
@@ -446,8 +447,8 @@ class Metrics:
         if e2e is not None:
             self.version_e2e.labels(model_name, version).observe(max(0.0, e2e))
 
-    def set_model_versions(self, versions: list[tuple[str, str, str, str, str]]) -> None:
-        """The versions loaded now: (model_name, version, digest, path, status) each."""
+    def set_model_versions(self, versions: list[tuple[str, str, str, str, str, str]]) -> None:
+        """The versions loaded now: (model_name, version, digest, path, status, quantized_matmul) each."""
         self.model_version_info.clear()
         for labels in versions:
             self.model_version_info.labels(*labels).set(1)

@@ -321,6 +321,8 @@ class ModelVersion:
             "memory_bytes": self.memory_bytes(),
             "max_model_len": info.max_model_len if info else None,
             "kv_capacity_tokens": info.kv_capacity_tokens if info else None,
+            "weights": info.weights if info else None,
+            "quantized_matmul": info.quantized_matmul if info else None,
             "created": int(self.created),
             "error": self.error,
         }

@@ -23,6 +23,7 @@ from conftest import REPO, TESTS_DIR, ServerProcess, auth, start_server
 
 from stoker.bench.synthetic_gguf import LlamaShape, write_llama_gguf
 from stoker.config import default_model_path
+from stoker.models.quant.kernels import quant_isa
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TINY = LlamaShape(hidden=256, intermediate=512, layers=1, heads=4, kv_heads=2, vocab=300, context=256)
@@ -95,6 +96,14 @@ def test_each_model_has_its_own_engine_and_metrics(served: tuple[ServerProcess, 
     metrics = httpx.get(f"{server.url}/metrics", headers=auth(secret)).text
     assert 'vllm:generation_tokens_total{model_name="smol"}' in metrics
     assert 'vllm:kv_cache_usage_perc{model_name="tiny"}' in metrics
+    # the int8 kernels' path, as the engine chose it, beside the file it serves
+    isa = quant_isa()
+    smol_info = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("stoker:model_version_info{") and 'model_name="smol"' in line
+    )
+    assert f'quantized_matmul="{isa}"' in smol_info and smol_info.endswith(" 1.0"), smol_info
 
 
 def test_a_key_without_the_fallback_model_is_not_served_by_it(served: tuple[ServerProcess, str]) -> None:
