@@ -341,11 +341,18 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
 
 
 # With "stream": true the answer is server-sent events, one JSON chunk per
-# `data:` line and `data: [DONE]` last.
+# `data:` line and `data: [DONE]` last (chat, completions); /v1/responses and
+# /v1/messages name each event on an `event:` line too. Before OpenAPI 3.2's
+# itemSchema, a stream's `schema` describes one event.
+SSE_EVENT: dict[str, Any] = {
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "data": {"type": "string"}},
+    "required": ["data"],
+}
 STREAMED: dict[int | str, dict[str, Any]] = {
     200: {
         "description": 'The completion, or with "stream": true its chunks as server-sent events.',
-        "content": {"application/json": {}, "text/event-stream": {"schema": {"type": "string"}}},
+        "content": {"application/json": {}, "text/event-stream": {"schema": SSE_EVENT}},
     }
 }
 
