@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import os
 import shlex
 import sys
 import time
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stoker.bench.workload import LengthDist, Tokenizer
+from stoker.cli_keys import add_key_options, api_key_of
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -60,11 +60,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="other servers to run the same workload against, alternating A,B,A,B per repetition",
     )
     g.add_argument("--model", default=None, help="model name to send; default: the first one each server lists")
-    g.add_argument(
-        "--api-key",
-        default=os.environ.get("STOKER_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-        help="bearer token (default $STOKER_API_KEY or $OPENAI_API_KEY)",
-    )
+    add_key_options(g, ("STOKER_API_KEY", "OPENAI_API_KEY"))
     g.add_argument(
         "--endpoint",
         choices=["completions", "chat"],
@@ -175,7 +171,7 @@ async def soak_main(args: argparse.Namespace) -> int:
         rss_interval=args.rss_interval,
         warmup=args.soak_warmup,
         growth_window=args.growth_window,
-        api_key=args.api_key,
+        api_key=api_key_of(args),
         timeout=args.timeout,
         seed=args.seed,
     )
@@ -270,7 +266,7 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         num_requests=args.num_requests,
         duration=args.duration,
         repeats=args.repeats or (2 if len(urls) > 1 else 1),
-        api_key=args.api_key,
+        api_key=api_key_of(args),
         ignore_eos=args.ignore_eos,
         temperature=args.temperature,
         timeout=args.timeout,
@@ -316,7 +312,7 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
     if args.out:
         result = {
             "command": _command(),
-            "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key")},
+            "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "api_key_file", "key_env")},
             "targets": [vars(t) for t in cfg.targets],
             "merged": merged,
             "comparisons": comparisons,

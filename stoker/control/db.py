@@ -195,13 +195,10 @@ def is_shared(engine: Engine) -> bool:
 
 
 def redact_url(url: str) -> str:
-    """The database URL without its password, for messages."""
-    from sqlalchemy.engine import make_url
+    """The database URL without its password (in the userinfo or the query), for messages."""
+    from stoker.redact import redact_url as redact
 
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1] if "@" in url else url
+    return redact(url)
 
 
 def current_version(conn: Connection) -> int:

@@ -36,7 +36,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import redis
 import redis.asyncio as aioredis
@@ -47,6 +47,7 @@ from stoker.control.keys import ApiKey
 from stoker.control.limit_scripts import ACQUIRE, RELEASE, RENEW
 from stoker.control.limits import Lease, concurrency_exceeded, format_duration, rate_exceeded
 from stoker.errors import APIError, StartupRefused
+from stoker.redact import redact_url
 
 log = logging.getLogger("stoker.control.store")
 
@@ -60,13 +61,8 @@ POOL_WAIT = 5.0
 
 
 def redact(url: str) -> str:
-    """The URL without its password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """The URL without its password (userinfo or ?password=), for messages and logs."""
+    return redact_url(url)
 
 
 def check_redis_url(url: str, timeout: float = 3.0) -> None:

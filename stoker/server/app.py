@@ -25,6 +25,7 @@ from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
+from stoker.server.host_guard import HostGuardMiddleware
 from stoker.server.responses_store import ResponseStore
 from stoker.server.routes import anthropic, embeddings, health, models, openai, responses, tokens, workers
 from stoker.server.state import ServerState
@@ -294,9 +295,10 @@ def create_app(
         max_memory=config.max_model_memory,
         drain_timeout=config.shutdown_timeout,
     )
-    state = ServerState(
-        config=config, fleet=fleet, extras=dict(extras or {}), responses=ResponseStore(config.responses_store_size)
+    responses_store = ResponseStore(
+        config.responses_store_size, config.responses_store_per_key, config.responses_store_entry_bytes
     )
+    state = ServerState(config=config, fleet=fleet, extras=dict(extras or {}), responses=responses_store)
 
     def fatal(message: str) -> None:
         if on_fatal is None:
@@ -336,5 +338,7 @@ def create_app(
             raise
         module.install(app, state)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    if config.allowed_hosts:
+        app.add_middleware(HostGuardMiddleware, allowed=config.allowed_hosts)  # outermost: before any other work
     openapi.install(app, state)
     return app

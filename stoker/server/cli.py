@@ -161,6 +161,8 @@ def check_tls(config: ServerConfig) -> None:
     """ValueError naming the flag when the TLS settings cannot make a server context."""
     import ssl
 
+    from stoker.server.tls import harden
+
     if (config.ssl_keyfile is None) != (config.ssl_certfile is None):
         raise ValueError("--ssl-keyfile and --ssl-certfile go together (the key and the certificate it signs)")
     if config.ssl_certfile is None:
@@ -169,7 +171,7 @@ def check_tls(config: ServerConfig) -> None:
         return
     if config.ssl_cert_reqs == ssl.CERT_REQUIRED and not config.ssl_ca_certs:
         raise ValueError("--ssl-cert-reqs 2 (client certificates required) needs --ssl-ca-certs to check them against")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context = harden(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER))
     try:
         context.load_cert_chain(config.ssl_certfile, config.ssl_keyfile)
     except (OSError, ssl.SSLError) as exc:
@@ -188,6 +190,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
 
     from stoker.server.app import create_app, drain
     from stoker.server.http_protocol import HTTP1Protocol
+    from stoker.server.tls import context_factory as tls_context_factory
 
     logging.basicConfig(level=server_config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
@@ -241,6 +244,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
         ssl_certfile=server_config.ssl_certfile,
         ssl_ca_certs=server_config.ssl_ca_certs,
         ssl_cert_reqs=server_config.ssl_cert_reqs,
+        ssl_context_factory=tls_context_factory if server_config.ssl_certfile else None,
     )
     server = Server(uv_config)
     server.run()

@@ -63,6 +63,10 @@ class ServerConfig(BaseModel):
     """Seconds in-flight requests may take to finish after SIGTERM; past it they end with finish_reason "abort"."""
     responses_store_size: int = Field(1000, ge=0)
     """Responses (POST /v1/responses) kept in memory, newest first, for previous_response_id and GET /v1/responses/{id}; per server process; 0 keeps none."""
+    responses_store_per_key: int = Field(100, ge=1)
+    """Stored responses one API key (or open mode, as one owner) may hold; past it the key's own least recently used one goes, never another key's."""
+    responses_store_entry_bytes: int = Field(256 * 1024, ge=1024)
+    """Largest stored response (the response and its conversation, as JSON); a bigger one is answered with "store": false and not kept (400 if the request said "store": true and its input alone is over). The store holds at most responses-store-size times this."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     """Largest accepted request body; bigger ones get 413."""
     max_grammar_bytes: int = Field(256 * 1024, ge=1024)
@@ -85,6 +89,8 @@ class ServerConfig(BaseModel):
     """CA bundle (PEM) that client certificates are checked against (mTLS, e.g. between a router and its replicas)."""
     ssl_cert_reqs: int = Field(0, ge=0, le=2)
     """Client certificates: 0 not asked for, 1 checked if sent, 2 required (mTLS; needs --ssl-ca-certs). Python's ssl.CERT_* values, as uvicorn and vLLM take them."""
+    allowed_hosts: list[str] = Field(default_factory=list)
+    """Host header values this server answers (names, *.example.com, or *; repeat the flag; a YAML list; env: separated by spaces): others get 400, which closes DNS rebinding of a server on 127.0.0.1. Empty: any Host."""
     models: list[str] = Field(default_factory=list)
     """Models to serve besides MODEL, each NAME=PATH[@sha256:DIGEST], each in its own engine process (repeat --model; a YAML list; env: separated by spaces)."""
     fallback: list[str] = Field(default_factory=list)
@@ -92,7 +98,7 @@ class ServerConfig(BaseModel):
     max_model_memory: ByteSize | None = None
     """Memory all models together may hold (e.g. 8GiB); a model that would not fit is refused before it loads. None: no limit."""
 
-    @field_validator("models", "fallback", mode="before")
+    @field_validator("models", "fallback", "allowed_hosts", mode="before")
     @classmethod
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value

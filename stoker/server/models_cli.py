@@ -5,7 +5,8 @@ running server through its /admin/models API (docs/models.md).
     stoker models load big /models/qwen-v3.gguf --canary-percent 10
     stoker models promote big
 
-The admin key comes from --api-key or $STOKER_API_KEY (needed once keys exist).
+The admin key comes from $STOKER_API_KEY or --api-key-file PATH (never the command
+line, where ps shows it).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import os
 import sys
 from typing import Any
 
+from stoker.cli_keys import add_key_options, api_key_of
+
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "models", help="list, load, swap, canary and unload models of a running server", description=__doc__
     )
     parser.add_argument("--url", default=os.environ.get("STOKER_URL", "http://127.0.0.1:8000"), help="server URL")
-    parser.add_argument("--api-key", default=os.environ.get("STOKER_API_KEY"), help="admin key (env STOKER_API_KEY)")
+    add_key_options(parser, ("STOKER_API_KEY",))
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for a load (default 900)")
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer")
     actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
@@ -77,7 +80,12 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     method, path, body = _request(args)
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        api_key = api_key_of(args)
+    except ValueError as exc:
+        print(f"stoker models: {exc}", file=sys.stderr)
+        return 2
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         response = httpx.request(method, args.url.rstrip("/") + path, json=body, headers=headers, timeout=args.timeout)
     except httpx.HTTPError as exc:
