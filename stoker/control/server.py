@@ -35,7 +35,8 @@ from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
 from stoker.errors import APIError
 from stoker.observe.cost import CostMeter
-from stoker.observe.logs import RequestLogRecord, assign_request_id, with_request_id
+from stoker.observe.logs import RequestLogRecord, assign_request_id, echoed_request_id, with_request_id
+from stoker.server.state import OUTSIDE_ENGINE
 
 log = logging.getLogger("stoker.control")
 
@@ -75,7 +76,8 @@ class ControlMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = assign_request_id(scope)
+        request_id = assign_request_id(scope)  # the server's own; the client's X-Request-Id is only echoed and logged
+        echoed = echoed_request_id(scope)
         state = scope["state"]
         state["arrival"] = time.time()
         status = {"code": 500}
@@ -83,7 +85,7 @@ class ControlMiddleware:
         async def send_wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                headers = with_request_id(message.get("headers", []), request_id)
+                headers = with_request_id(message.get("headers", []), echoed)
                 adm = state.get("admission")
                 if adm is not None:
                     present = {k.lower() for k, _ in headers}
@@ -125,7 +127,7 @@ async def _operator(request: Request) -> None:
 
 async def _admit(request: Request, info: Any) -> None:
     plane = get_plane(request)
-    if info.endpoint != "embedding":
+    if info.endpoint not in OUTSIDE_ENGINE:
         plane.track_model(info.model)  # its own queue bound from its first request on, not from the next stats tick
     try:
         adm = await plane.admit_http(
@@ -138,7 +140,7 @@ async def _admit(request: Request, info: Any) -> None:
             priority=info.priority,
             timeout=info.timeout,
             arrival=getattr(request.state, "arrival", None),
-            capacity=info.endpoint != "embedding",
+            capacity=info.endpoint not in OUTSIDE_ENGINE,
         )
     except APIError as exc:
         if exc.status != 400:  # gate.admit logged its own refusals; a bad priority/deadline is left to the middleware
@@ -159,7 +161,7 @@ def _finished(record: Any) -> None:
     plane = get_plane(request)
     reasons = list(record.finish_reasons)
     version = getattr(record, "model_version", None)
-    if version is not None and record.endpoint != "embedding":
+    if version is not None and record.endpoint not in OUTSIDE_ENGINE:
         first = record.times[0] if record.times else None
         plane.metrics.observe_version(
             record.model,
@@ -181,7 +183,7 @@ def _finished(record: Any) -> None:
         stream=record.stream,
         method=request.method,
         path=request.url.path,
-        generation=record.endpoint != "embedding",
+        generation=record.endpoint not in OUTSIDE_ENGINE,
         log_extra={
             "endpoint": record.endpoint,
             "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None,

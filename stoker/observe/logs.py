@@ -1,10 +1,17 @@
 """One JSON line per request, and the request id that ties it to the
-response header, the usage row and the trace.
+response ids, the engine, the usage row and the trace.
+
+Every request gets the server's own id (`req-<32 hex>`): the engine request
+id, the response ids (chatcmpl-, cmpl-, msg_, resp_) and every internal key
+derive from it, so nothing a client chooses can collide with another
+client's work. A client's X-Request-Id is only a correlation field: kept if
+it is short and plain, echoed back in the X-Request-Id response header (the
+server id when the client sent none, as vLLM does) and written in the log
+line as `client_request_id`; anything else is dropped, since it would be
+echoed in a header and written to logs.
 
 The line carries the key's id and name, never the secret (the secret never
-reaches this module). A client-supplied X-Request-Id is kept if it is short
-and plain, so ids can be followed across services; anything else is
-replaced, since the id is echoed in a header and written to logs.
+reaches this module).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import re
 import sys
 import time
 import uuid
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
@@ -24,31 +32,53 @@ REQUEST_ID_HEADER = "x-request-id"
 _SAFE_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 ACCESS_LOGGER = "stoker.requests"
 
+_client_request_id: ContextVar[str | None] = ContextVar("stoker_client_request_id", default=None)
+"""The client's X-Request-Id of the request being served: every log line of a
+request carries it, wherever in the server it is written (admission, auth,
+the gate), without each writer having to pass it along."""
+
 
 def new_request_id() -> str:
+    """A server id: unique, whatever any client sends."""
     return f"req-{uuid.uuid4().hex}"
 
 
-def request_id_from(header_value: str | None) -> str:
-    """The client's X-Request-Id if it is safe to echo, else a fresh one."""
+def client_request_id_from(header_value: str | None) -> str | None:
+    """The client's X-Request-Id if it is safe to echo and log, else None."""
     if header_value and _SAFE_ID.match(header_value):
         return header_value
-    return new_request_id()
+    return None
+
+
+def current_client_request_id() -> str | None:
+    """The client's X-Request-Id of the request this code serves (None: none given)."""
+    return _client_request_id.get()
+
+
+def _remember(state: Any, client_id: str | None) -> str:
+    """Give a request its server id and note the client's; returns the server id."""
+    request_id = new_request_id()
+    if isinstance(state, dict):
+        state["request_id"], state["client_request_id"] = request_id, client_id
+    else:
+        state.request_id, state.client_request_id = request_id, client_id
+    _client_request_id.set(client_id)
+    return request_id
 
 
 def request_id_of(request: Any) -> str:
-    """A request's id: the one RequestIdMiddleware set on request.state, else
-    the client's X-Request-Id if safe, else a new one (remembered on the request)."""
+    """A request's server id: the one RequestIdMiddleware set on request.state,
+    else a new one (remembered on the request with the client's X-Request-Id)."""
     rid = getattr(request.state, "request_id", None)
     if rid is None:
-        rid = request_id_from(request.headers.get(REQUEST_ID_HEADER))
-        request.state.request_id = rid
+        rid = _remember(request.state, client_request_id_from(request.headers.get(REQUEST_ID_HEADER)))
     return str(rid)
 
 
 @dataclass
 class RequestLogRecord:
     request_id: str
+    """The server's id for the request."""
     status: int
     model: str | None = None
     key_id: str | None = None
@@ -112,18 +142,28 @@ class RequestLogger:
             # pipelines see one schema; optional context only when set.
             if v is not None or k in _ALWAYS:
                 line[k] = round(v, 6) if isinstance(v, float) else v
+        client_id = current_client_request_id()
+        if client_id is not None:
+            line["client_request_id"] = client_id
         line.update(extra)
         self.logger.info(json.dumps(line, separators=(",", ":"), default=str))
         return line
 
 
 def assign_request_id(scope: Scope) -> str:
-    """The client's X-Request-Id (sanitised) or a new id, stored as
-    scope["state"]["request_id"] (request.state.request_id in FastAPI)."""
+    """A new server id for the request, stored as scope["state"]["request_id"]
+    (request.state.request_id in FastAPI), with the client's X-Request-Id
+    (sanitised, or None) as scope["state"]["client_request_id"]; returns the
+    server id."""
     incoming = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k == b"x-request-id"), None)
-    request_id = request_id_from(incoming)
-    scope.setdefault("state", {})["request_id"] = request_id
-    return request_id
+    return _remember(scope.setdefault("state", {}), client_request_id_from(incoming))
+
+
+def echoed_request_id(scope: Scope) -> str:
+    """What the X-Request-Id response header carries: the client's own id if it
+    sent a usable one (so its logs line up), else the server id."""
+    state = scope["state"]
+    return str(state.get("client_request_id") or state["request_id"])
 
 
 def with_request_id(headers: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[bytes, bytes]]:
@@ -144,11 +184,12 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = assign_request_id(scope)
+        assign_request_id(scope)
+        echoed = echoed_request_id(scope)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                message = {**message, "headers": with_request_id(message.get("headers", []), request_id)}
+                message = {**message, "headers": with_request_id(message.get("headers", []), echoed)}
             await send(message)
 
         await self.app(scope, receive, send_with_id)

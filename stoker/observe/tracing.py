@@ -25,6 +25,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from stoker.engine.params import RequestTimes
+from stoker.observe.logs import current_client_request_id
 
 _propagator = TraceContextTextMapPropagator()
 
@@ -82,6 +83,9 @@ class RequestTracer:
         carrier = {k.lower(): v for k, v in (headers or {}).items()}
         parent = _propagator.extract(carrier) if "traceparent" in carrier else None
         attrs = {"stoker.request_id": request_id, **{k: v for k, v in (attributes or {}).items() if v is not None}}
+        client_id = current_client_request_id()  # the caller's X-Request-Id, to find its span by
+        if client_id is not None:
+            attrs["stoker.client_request_id"] = client_id
         root = self.tracer.start_span(
             name, context=parent, kind=SpanKind.SERVER, start_time=_ns(start), attributes=attrs
         )

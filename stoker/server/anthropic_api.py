@@ -18,6 +18,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.json_types import Boolean, Integer
+from stoker.server.bounds import MAX_CONTENT_PARTS, MAX_MESSAGES
 from stoker.server.protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
@@ -55,7 +56,7 @@ class ToolResultBlock(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["tool_result"]
     tool_use_id: str
-    content: str | list[TextBlock] = ""
+    content: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)] = ""
     is_error: Boolean | None = None
 
 
@@ -65,7 +66,7 @@ ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[list[ContentBlock], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class Tool(BaseModel):
@@ -96,13 +97,24 @@ class OutputConfig(BaseModel):
     """Accepted and ignored: it steers extended thinking, which this server does not do."""
 
 
+ANTHROPIC_USER_ID_CHARS = 256
+"""Anthropic's limit on metadata.user_id."""
+
+
+class Metadata(BaseModel):
+    """Anthropic's metadata: only user_id (passed on as chat's `user`); other keys are refused, as Anthropic does."""
+
+    model_config = ConfigDict(extra="forbid")
+    user_id: Annotated[str, Field(max_length=ANTHROPIC_USER_ID_CHARS)] | None = None
+
+
 class MessagesRequest(RequestBody):
     _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers", "container")
 
     model: ModelName | None = None
     max_tokens: MaxTokens
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     stop_sequences: Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     temperature: Temperature | None = None
     top_p: UnitOpen | None = None
@@ -110,7 +122,7 @@ class MessagesRequest(RequestBody):
     stream: Boolean = False
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     output_config: OutputConfig | None = None
 
 
@@ -120,8 +132,8 @@ class CountTokensRequest(RequestBody):
     _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers")
 
     model: ModelName | None = None
-    messages: Annotated[list[Message], Field(min_length=1)]
-    system: str | list[TextBlock] | None = None
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
 
@@ -171,8 +183,8 @@ def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletio
                 chat[name] = getattr(body, name)
         if body.stop_sequences:
             chat["stop"] = body.stop_sequences
-        if body.metadata and isinstance(body.metadata.get("user_id"), str):
-            chat["user"] = body.metadata["user_id"]
+        if body.metadata is not None and body.metadata.user_id is not None:
+            chat["user"] = body.metadata.user_id
         if body.output_config is not None and body.output_config.format is not None:
             schema = body.output_config.format.schema_
             chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}

@@ -42,11 +42,13 @@ EXTENSIONS = ["stoker.control.server"]
 
 
 class BodyLimitMiddleware:
-    """413 for bodies over the limit, by Content-Length or by counting a chunked body."""
+    """413 for bodies over the limit, by Content-Length or by counting a chunked body,
+    before any of it is parsed; 408 for a body not all sent within timeout seconds."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float = 60.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,10 +57,21 @@ class BodyLimitMiddleware:
             if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 return await _too_large(self.max_bytes)(scope, receive, send)
         seen = 0
+        complete = False
+        deadline = asyncio.get_running_loop().time() + self.timeout
 
         async def limited() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, complete
+            if complete:  # later calls wait for the client's disconnect: no deadline on those
+                return await receive()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
+                raise HTTPException(
+                    408, f"request body not received within {self.timeout:g} s (--body-read-timeout)"
+                ) from None
+            complete = message["type"] != "http.request" or not message.get("more_body", False)
             seen += len(message.get("body", b""))
             if seen > self.max_bytes:  # FastAPI passes HTTPException through as is
                 raise HTTPException(413, f"request body exceeds {self.max_bytes} bytes")
@@ -262,6 +275,7 @@ async def drain(state: ServerState, timeout: float) -> None:
     """Refuse new work at once; let in-flight requests finish for up to
     timeout seconds; then abort the rest (they end with finish_reason "abort")."""
     state.draining = True
+    state.fleet.abort_loads("the server is shutting down")  # a model load would hold the shutdown up
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while state.num_in_flight and loop.time() < deadline:
@@ -294,6 +308,9 @@ def create_app(
         ),
         max_memory=config.max_model_memory,
         drain_timeout=config.shutdown_timeout,
+        model_roots=config.model_root,
+        max_models=config.max_models,
+        check_timeout=config.model_check_timeout,
     )
     responses_store = ResponseStore(
         config.responses_store_size, config.responses_store_per_key, config.responses_store_entry_bytes
@@ -337,7 +354,7 @@ def create_app(
                 continue
             raise
         module.install(app, state)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_read_timeout)
     if config.allowed_hosts:
         app.add_middleware(HostGuardMiddleware, allowed=config.allowed_hosts)  # outermost: before any other work
     openapi.install(app, state)

@@ -68,7 +68,15 @@ class ServerConfig(BaseModel):
     responses_store_entry_bytes: int = Field(256 * 1024, ge=1024)
     """Largest stored response (the response and its conversation, as JSON); a bigger one is answered with "store": false and not kept (400 if the request said "store": true and its input alone is over). The store holds at most responses-store-size times this."""
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
-    """Largest accepted request body; bigger ones get 413."""
+    """Largest accepted request body (the issue's --max-request-bytes); bigger ones get 413 before they are parsed."""
+    body_read_timeout: float = Field(60.0, gt=0)
+    """Seconds a client may take to send a request body once its headers are in; past it 408 and the connection closes."""
+    header_read_timeout: float = Field(10.0, gt=0)
+    """Seconds a client may take to send a request's headers (from its first byte, or from connecting); past it 408 and the connection closes (slow-header clients)."""
+    max_header_bytes: int = Field(64 * 1024, ge=1024)
+    """Largest request line plus headers; bigger ones get 431 and the connection closes."""
+    max_connections: int | None = Field(None, ge=1)
+    """Connections and requests the HTTP server holds at once; past it new requests get 503. None: the admission queue bound (max-queued-requests) + max-num-seqs per model + 64 for probes and admin."""
     max_grammar_bytes: int = Field(256 * 1024, ge=1024)
     """Largest output constraint (JSON schema, regex, grammar, tool schemas) as a compiled-grammar string; bigger ones get 400."""
     grammar_compile_timeout: float = Field(10.0, gt=0)
@@ -97,8 +105,14 @@ class ServerConfig(BaseModel):
     """Fallback chains MODEL=NEXT[,NEXT...]: who answers when MODEL is down, restarting or overloaded (repeat --fallback; a YAML list; env: separated by spaces)."""
     max_model_memory: ByteSize | None = None
     """Memory all models together may hold (e.g. 8GiB); a model that would not fit is refused before it loads. None: no limit."""
+    max_models: int = Field(8, ge=1, le=1024)
+    """Models (names) the server may hold at once when --max-model-memory is not set; POST /admin/models of one more is refused (409). Each has its own engine process."""
+    model_root: list[str] = Field(default_factory=list)
+    """Folders POST /admin/models may load from (repeat --model-root; a YAML list; env: separated by spaces); symlinks are resolved first, and only regular files and folders load. Empty: the folders holding the models given at start."""
+    model_check_timeout: float = Field(900.0, gt=0)
+    """Seconds reading a model's files before it loads (their size, and the sha256 digest, which reads every byte: ~1 s per 1.5 GB) may take; past it the load is refused."""
 
-    @field_validator("models", "fallback", "allowed_hosts", mode="before")
+    @field_validator("models", "fallback", "allowed_hosts", "model_root", mode="before")
     @classmethod
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value
@@ -172,12 +186,16 @@ def add_model_options(
             continue
         flag = "--" + name.replace("_", "-")
         kind, nullable = _base_type(info.annotation)
-        default = info.default
+        default = info.get_default(call_default_factory=True)
         help_text = f"{docs.get(name, '')} (default: {default}; env STOKER_{name.upper()})"
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
+        elif typing.get_origin(kind) is list:  # repeat the flag for each value
+            group.add_argument(
+                flag, action="append", default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
         else:
             convert = kind if kind in (int, float) else str
             group.add_argument(

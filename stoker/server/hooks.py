@@ -74,8 +74,8 @@ class FinishedRecord:
     """Speculative draft tokens verified for the request's samples (0: none)."""
     accepted_draft_tokens: int = 0
     engine_request_id: str | None = None
-    """The engine's id for the request: request_id, suffixed if a client reused
-    an id still in flight; "-<i>" is appended per prompt when there are several."""
+    """The engine's id for the request: request_id (the server's own id), suffixed
+    only if that id is still in flight; "-<i>" is appended per prompt when there are several."""
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from stoker.json_types import Boolean, Integer
+from stoker.server.bounds import MAX_CONTENT_PARTS, MAX_INCLUDE, MAX_MESSAGES
 from stoker.server.protocol import (
     ChatCompletionRequest,
     FunctionDefinition,
@@ -37,7 +38,7 @@ class InputMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     type: Literal["message"] | None = None
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputText]
+    content: str | Annotated[list[InputText], Field(max_length=MAX_CONTENT_PARTS)]
 
 
 class FunctionCallItem(BaseModel):
@@ -95,6 +96,28 @@ class TextOptions(BaseModel):
     format: TextFormat | None = None
 
 
+METADATA_PAIRS = 16
+METADATA_KEY_CHARS = 64
+METADATA_VALUE_CHARS = 512
+"""OpenAI's limits on a response's metadata: it is stored and given back, so it is bounded."""
+
+
+def check_metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
+    """metadata within OpenAI's limits, else ValueError naming the limit (400 on metadata)."""
+    if metadata is None:
+        return None
+    if len(metadata) > METADATA_PAIRS:
+        raise ValueError(f"at most {METADATA_PAIRS} key-value pairs, got {len(metadata)}")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise ValueError(f"keys are at most {METADATA_KEY_CHARS} characters, got one of {len(key)}")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise ValueError(
+                f"values are at most {METADATA_VALUE_CHARS} characters, got one of {len(value)} (key {key!r})"
+            )
+    return metadata
+
+
 class ResponsesRequest(SamplingFields):
     _unsupported: ClassVar[tuple[str, ...]] = (
         # no background runs, no conversation objects
@@ -105,7 +128,9 @@ class ResponsesRequest(SamplingFields):
         "max_tool_calls",
     )
 
-    input: Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1)]
+    input: (
+        Annotated[str, Field(min_length=1)] | Annotated[list[InputItem], Field(min_length=1, max_length=MAX_MESSAGES)]
+    )
     previous_response_id: str | None = None
     """A stored response this one continues: its input and output come before this input."""
     instructions: str | None = None
@@ -118,16 +143,21 @@ class ResponsesRequest(SamplingFields):
     store: Boolean | None = None
     """Keep the response for previous_response_id and GET /v1/responses/{id} (default true, as OpenAI)."""
     metadata: dict[str, str] | None = None
-    """Given back on the response."""
+    """Given back on the response (and stored with it): at most 16 pairs, keys up to 64 characters, values up to 512."""
     truncation: Literal["disabled"] | None = None
     """Only "disabled": an input beyond the context is a 400, never cut."""
-    include: list[Literal["message.output_text.logprobs"]] | None = None
+    include: Annotated[list[Literal["message.output_text.logprobs"]], Field(max_length=MAX_INCLUDE)] | None = None
     """Extra output: "message.output_text.logprobs", each output token's logprob (with top_logprobs alternatives)."""
     top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
 
     @property
     def wants_logprobs(self) -> bool:
         return "message.output_text.logprobs" in (self.include or []) or self.top_logprobs is not None
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return check_metadata(value)
 
     @model_validator(mode="after")
     def _check(self) -> ResponsesRequest:

@@ -52,13 +52,14 @@ class Job:
     priority: int = 0
     deadline: float | None = None
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    """The id the client sees (response id, X-Request-Id, log line, usage row)."""
+    """The server's id for the request (response ids, engine ids, log line, usage
+    row); never the client's X-Request-Id, which is only echoed and logged."""
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.time)
     outputs: list[RequestOutput] = field(default_factory=list)
     engine_request_id: str = ""
     """Base of the engine's request ids: request_id, suffixed only if that id is
-    already in flight (a client reusing an X-Request-Id); set by run_job."""
+    already in flight (a request retried on a fallback model); set by run_job."""
     errors: set[str] = field(default_factory=set)
     """Engine errors seen on finished samples (e.g. "deadline")."""
     version: str | None = None
@@ -124,9 +125,11 @@ async def run_job(
     delta into job.outputs. Several prompts run concurrently in the engine.
 
     The engine request id is the job's request id (with -0, -1, ... per prompt
-    when there are several), so logs of both processes line up; in_use holds
-    the ids of jobs in flight, so a client reusing an X-Request-Id still gets
-    distinct engine ids (the engine refuses duplicates)."""
+    when there are several), so logs of both processes line up. It is the
+    server's own id, so no client can aim at another's engine request (abort,
+    deadline, duplicate refusal); in_use holds the ids of jobs in flight all the
+    same, so a job retried under the same id never meets its own earlier try
+    (the engine refuses duplicates)."""
     base = job.request_id
     if base in in_use:
         base = f"{base}.{uuid.uuid4().hex[:8]}"

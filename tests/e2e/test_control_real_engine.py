@@ -6,6 +6,7 @@ max_tokens keep it to seconds of compute."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import signal
 
@@ -147,7 +148,7 @@ async def test_speculation_counters_and_log_line(served) -> None:
     # The engine process logs its start-up choices into the server's log.
     for said in ("quantized matmul:", "attention backend:", "speculative decoding: step ms by rows"):
         assert said in log, said
-    line = next(line for line in log.splitlines() if '"request_id":"spec-1"' in line)
+    line = next(line for line in log.splitlines() if '"client_request_id":"spec-1"' in line)
     assert '"spec_draft_tokens":' in line and '"spec_acceptance":' in line, line
 
 
@@ -167,7 +168,14 @@ def test_usage_rows_after_sigterm(served) -> None:
     assert rest[-1] == "data: [DONE]"
     assert server.proc.wait(60) == 0
     with open_db(db).connect() as conn:
-        rows = {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
+        by_id = {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
+    # Rows are under the server's request ids; the log line pairs each with the X-Request-Id sent.
+    lines = [json.loads(x) for x in server.log().splitlines() if x.startswith('{"ts"')]
+    rows = {
+        x["client_request_id"]: by_id[x["request_id"]]
+        for x in lines
+        if x.get("client_request_id") and x["request_id"] in by_id
+    }
     assert rows["in-flight-at-sigterm"].completion_tokens == 24 and rows["in-flight-at-sigterm"].status == 200
     assert rows["too-late"].status == 504 and rows["too-late"].prompt_tokens == 0
     assert {"blocker", "batch-0", "interactive-1"} <= set(rows)

@@ -336,14 +336,17 @@ async def test_metrics_logs_traces_and_ledger(setup, tmp_path):
         (401, "missing_api_key"),
     ]
     first = lines[0]
-    assert first["request_id"] == "req-abc" and first["key_name"] == "obs" and first["completion_tokens"] == 3
+    # The request's own id is the server's; the client's X-Request-Id is logged beside it.
+    assert first["client_request_id"] == "req-abc" and first["request_id"].startswith("req-")
+    assert first["request_id"] != "req-abc" and first["key_name"] == "obs" and first["completion_tokens"] == 3
     assert (
         first["cached_tokens"] == 1 and "ttft" in first and "queue_time" in first and first["finish_reason"] == "stop"
     )
     assert secret not in stream.getvalue()
 
     roots = [s for s in exporter.get_finished_spans() if s.name == "stoker.request"]
-    ok = next(s for s in roots if s.attributes["stoker.request_id"] == "req-abc")
+    ok = next(s for s in roots if s.attributes.get("stoker.client_request_id") == "req-abc")
+    assert ok.attributes["stoker.request_id"] == first["request_id"]
     assert format(ok.context.trace_id, "032x") == trace_id
     children = {s.name for s in exporter.get_finished_spans() if s.parent and s.parent.span_id == ok.context.span_id}
     assert children == {"admission", "queue", "prefill", "decode"}

@@ -120,7 +120,9 @@ def test_control_plane_in_the_real_server(served) -> None:
 
     assert server.stop() == 0
     lines = [json.loads(x) for x in server.log().splitlines() if x.startswith('{"ts"')]
-    first = next(x for x in lines if x["request_id"] == "trace-me-1")
+    # Each line under the server's own request id, the client's X-Request-Id beside it.
+    first = next(x for x in lines if x.get("client_request_id") == "trace-me-1")
+    assert first["request_id"].startswith("req-")
     assert first["key_name"] == "user" and first["status"] == 200 and first["completion_tokens"] == 3
     assert (
         first["finish_reason"] == "length"
@@ -129,7 +131,7 @@ def test_control_plane_in_the_real_server(served) -> None:
         and first["model"] == "fake-model"
     )
     assert not any(s in server.log() for s in secrets.values())
-    by_id = {x["request_id"]: x for x in lines}
+    by_id = {x.get("client_request_id"): x for x in lines}
     assert by_id["no-model"]["status"] == 404 and by_id["no-model"]["key_name"] == "root"
     assert by_id["bad-dl"]["status"] == 400
     # one line per request, refusals included (two from test_anthropic_clients_key_in_x_api_key)

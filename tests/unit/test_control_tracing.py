@@ -83,7 +83,7 @@ def test_request_span_with_phase_children_and_incoming_traceparent(receiver: Rec
     roots = [
         s
         for s in by_name["stoker.request"]
-        if any(a.key == "stoker.request_id" and a.value.string_value == "traced-1" for a in s.attributes)
+        if any(a.key == "stoker.client_request_id" and a.value.string_value == "traced-1" for a in s.attributes)
     ]
     assert len(roots) == 1
     root = roots[0]

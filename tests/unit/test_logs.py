@@ -1,4 +1,4 @@
-"""One JSON line per request; request ids accepted or generated."""
+"""One JSON line per request; the server's request ids, and the client's X-Request-Id echoed and logged."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stoker.observe.logs import (
     RequestIdMiddleware,
     RequestLogger,
     RequestLogRecord,
-    request_id_from,
+    client_request_id_from,
 )
 
 
@@ -65,24 +65,35 @@ def test_default_logger_writes_raw_json_to_its_stream():
     logging.getLogger("stoker.requests").handlers.clear()
 
 
-def test_request_id_accepted_when_safe():
-    assert request_id_from("abc-123.x:y") == "abc-123.x:y"
-    assert request_id_from(None).startswith("req-")
-    assert request_id_from("bad id\nwith newline").startswith("req-")
-    assert request_id_from("x" * 200).startswith("req-")
+def test_client_request_id_kept_when_safe():
+    assert client_request_id_from("abc-123.x:y") == "abc-123.x:y"
+    assert client_request_id_from(None) is None
+    assert client_request_id_from("bad id\nwith newline") is None
+    assert client_request_id_from("x" * 200) is None
 
 
-def test_middleware_returns_the_id_and_exposes_it():
+def test_middleware_gives_the_server_id_and_echoes_the_clients():
     app = FastAPI()
+    stream = io.StringIO()
+    logger = logging.getLogger("test.requests.middleware")
+    logger.addHandler(logging.StreamHandler(stream))
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
 
     @app.get("/x")
     async def x(request: __import__("fastapi").Request) -> dict:
-        return {"rid": request.state.request_id}
+        RequestLogger(logger=logger).log(RequestLogRecord(request_id=request.state.request_id, status=200))
+        return {"rid": request.state.request_id, "client": request.state.client_request_id}
 
     app.add_middleware(RequestIdMiddleware)
     client = TestClient(app)
     r = client.get("/x", headers={"X-Request-Id": "mine-1"})
-    assert r.headers["x-request-id"] == "mine-1" and r.json()["rid"] == "mine-1"
+    # The client's id is echoed and logged, never the request's own id.
+    assert r.headers["x-request-id"] == "mine-1" and r.json()["client"] == "mine-1"
+    assert r.json()["rid"].startswith("req-") and r.json()["rid"] != "mine-1"
+    line = json.loads(stream.getvalue().splitlines()[-1])
+    assert line["request_id"] == r.json()["rid"] and line["client_request_id"] == "mine-1"
     r = client.get("/x")
     assert r.headers["x-request-id"] == r.json()["rid"] and r.json()["rid"].startswith("req-")
+    assert r.json()["client"] is None and "client_request_id" not in json.loads(stream.getvalue().splitlines()[-1])
     assert client.get("/missing").headers["x-request-id"].startswith("req-")

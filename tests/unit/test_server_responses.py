@@ -189,6 +189,26 @@ def test_store_keeps_the_newest_and_each_keys_own() -> None:
     assert not off.enabled and len(off) == 0
 
 
+def test_store_bounds_evict_by_owner_first() -> None:
+    def entry(n: int, owner: str | None, text: str = "") -> StoredResponse:
+        return StoredResponse({"id": f"resp_{n}"}, [{"role": "user", "content": text}], owner)
+
+    # The same id under two owners: two entries, neither overwrites the other.
+    store = ResponseStore(capacity=4, per_key=3, max_entry_bytes=1024)
+    assert store.put(entry(0, "a", "mine")) and store.put(entry(0, "b", "theirs"))
+    assert store.get("resp_0", "a").conversation[0]["content"] == "mine"
+    assert store.delete("resp_0", "b") and store.get("resp_0", "a") is not None
+    # Over its own bound, a key loses its own oldest.
+    for n in range(1, 5):
+        store.put(entry(n, "b"))
+    assert store.held_by("b") == 3 and store.get("resp_1", "b") is None and store.held_by("a") == 1
+    # The whole store full: the key holding the most gives one up, not the one holding least.
+    assert len(store) == 4 and store.put(entry(5, "a"))
+    assert store.held_by("a") == 2 and store.held_by("b") == 2 and store.get("resp_2", "b") is None
+    # An entry over max_entry_bytes is not kept, and evicts nothing.
+    assert not store.put(entry(6, "a", "x" * 1024)) and len(store) == 4 and store.get("resp_6", "a") is None
+
+
 def test_output_items_become_the_assistant_turn() -> None:
     call = {
         "type": "function_call",

@@ -1,6 +1,10 @@
 """POST /v1/responses: OpenAI's Responses API, served as a chat request
 (stoker/server/responses_api.py translates both ways); GET and DELETE
-/v1/responses/{id} for the stored ones (stoker/server/responses_store.py)."""
+/v1/responses/{id} for the stored ones (stoker/server/responses_store.py).
+
+A response's id is `resp_` + the server's own request id, and a stored one is
+its caller's key's alone: another key's id reads as an unknown one everywhere
+(previous_response_id, GET, DELETE)."""
 
 from __future__ import annotations
 
@@ -48,9 +52,32 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                 code="previous_response_not_found",
             )
         earlier = previous.conversation
+    held = [*earlier, *input_messages(body)]
+    store = state.responses.enabled and body.store is not False and fits_store(body, held, state)
     return await serve_from_chain(
-        state, body.model, lambda version: response_attempt(body, earlier, request, state, version)
+        state, body.model, lambda version: response_attempt(body, earlier, held, store, request, state, version)
     )
+
+
+def fits_store(body: ResponsesRequest, held: list[dict[str, Any]], state: ServerState) -> bool:
+    """Whether a response to body can be stored, as far as its input tells: an
+    input (with what it continues) already over the entry bound is answered
+    unstored ("store": false), or refused if the client asked for store: true,
+    since that cannot be done. The output may still push it over (then it is
+    answered with "store": false at the end)."""
+    snapshot = response_object(body, "resp_", 0, body.model or "", [], "in_progress", stored=True)
+    if state.responses.fits(snapshot, held):
+        return True
+    if body.store is True:
+        limit = state.responses.max_entry_bytes
+        raise bad_request(
+            f"store: this response cannot be stored: its input (with the conversation it continues) is over "
+            f"{limit} bytes, the most a stored response may hold (--responses-store-entry-bytes); "
+            "send store: false to have it answered unstored.",
+            param="store",
+            code="response_too_large_to_store",
+        )
+    return False
 
 
 @router.get("/v1/responses/{response_id}")
@@ -103,28 +130,36 @@ def reply_output(
 
 
 async def response_attempt(
-    body: ResponsesRequest, earlier: list[dict[str, Any]], request: Request, state: ServerState, version: ModelVersion
+    body: ResponsesRequest,
+    earlier: list[dict[str, Any]],
+    held: list[dict[str, Any]],
+    store: bool,
+    request: Request,
+    state: ServerState,
+    version: ModelVersion,
 ) -> Response:
+    """held: earlier and this input as chat messages; store: whether to keep the
+    response (the request allows it and its input fits)."""
     job, plan = await chat_job(as_chat_request(body, earlier), version, "responses")
-    store = state.responses.enabled and body.store is not False
     message_id = new_item_id("msg")
     sequence = itertools.count()
     started = False  # response.created sent
     streaming_text = False  # the message item is open and its text goes out as it comes
 
     def response_id() -> str:
-        return f"resp_{job.request_id}"
+        return f"resp_{job.request_id}"  # the server's id (run() sets it), never the client's X-Request-Id
 
     def finished(sample: CompletionOutput) -> dict[str, Any]:
-        """The response once its sample is done, stored unless the request said not to."""
+        """The response once its sample is done, stored unless the request said
+        not to or it is over the entry bound ("store" says which)."""
         status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
         output = reply_output(sample, plan, message_id, version)
         response = response_object(
             body, response_id(), job.created, job.model, output, status, incomplete, job.usage(), stored=store
         )
         if store:
-            conversation = [*earlier, *input_messages(body), *output_messages(output)]
-            state.responses.put(StoredResponse(response, conversation, key_id(request)))
+            kept = StoredResponse(response, [*held, *output_messages(output)], key_id(request))
+            response["store"] = state.responses.put(kept)
         return response
 
     def render_final(job: Job) -> dict[str, Any]:
