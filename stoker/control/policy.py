@@ -12,19 +12,29 @@ and server clocks need not agree) or the body's `timeout` (seconds); the
 earlier wins, and the server's maximum queue wait caps it. The engine drops a
 request still waiting at its deadline (answered 504 `timeout`) and aborts one
 that is generating (finish_reason "abort", metered for what it used).
+
+A deadline shorter than MIN_DEADLINE_S cannot be met at all (reading the body
+and one engine step take longer), so it is refused with a 400 naming the
+minimum instead of being admitted only to end as a 504: the 504 stays the
+answer to a deadline that was plausible but passed while the request waited.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from typing import TYPE_CHECKING
 
-from stoker.control.keys import ApiKey
 from stoker.errors import APIError
+
+if TYPE_CHECKING:  # annotations only: stoker.server.protocol imports the minimum without the key store
+    from stoker.control.keys import ApiKey
 
 PRIORITY_VALUES: dict[str, int] = {"interactive": 0, "batch": 1}
 MAX_PRIORITY_VALUE = 100
 DEADLINE_HEADER = "x-stoker-deadline-ms"
+MIN_DEADLINE_S = 0.001
+"""The shortest deadline accepted (1 ms, as x-stoker-deadline-ms: 1)."""
 
 
 def _bad(param: str, message: str) -> APIError:
@@ -73,17 +83,25 @@ def resolve_deadline(
             raise _bad(
                 DEADLINE_HEADER, f"{DEADLINE_HEADER} must be a number of milliseconds, got {header_ms!r}"
             ) from None
-        if not math.isfinite(ms) or ms <= 0:
-            raise _bad(DEADLINE_HEADER, f"{DEADLINE_HEADER} must be positive, got {header_ms!r}")
+        if not math.isfinite(ms) or ms < MIN_DEADLINE_S * 1000.0:
+            raise _bad(
+                DEADLINE_HEADER,
+                f"{DEADLINE_HEADER} must be at least {MIN_DEADLINE_S * 1000.0:g} (milliseconds), got {header_ms!r}; "
+                "a shorter deadline cannot be met",
+            )
         budgets.append(ms / 1000.0)
     if timeout is not None:
         if (
             isinstance(timeout, bool)
             or not isinstance(timeout, (int, float))
             or not math.isfinite(timeout)
-            or timeout <= 0
+            or timeout < MIN_DEADLINE_S
         ):
-            raise _bad("timeout", f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise _bad(
+                "timeout",
+                f"timeout must be at least {MIN_DEADLINE_S:g} (seconds), got {timeout!r}; "
+                "a shorter deadline cannot be met",
+            )
         budgets.append(float(timeout))
     if not budgets:
         return None

@@ -11,6 +11,7 @@ a schema cannot state, such as a prompt plus max_tokens beyond the context).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI
@@ -75,6 +76,15 @@ ERRORS = {
 }
 
 
+# Answers only some routes give, by path prefix.
+ROUTE_ERRORS = {
+    "/admin/models": {
+        "409": "The call conflicts with what is loaded: another load in progress, no canary to promote, roll "
+        "back or resize, the last model served, or not enough memory."
+    },
+}
+
+
 def document_errors(schema: dict[str, Any]) -> None:
     """Give every operation the error answers above, in place, in place of
     FastAPI's 422 (which this server never sends)."""
@@ -83,14 +93,74 @@ def document_errors(schema: dict[str, Any]) -> None:
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
     reference = {"$ref": "#/components/schemas/ErrorResponse"}
-    for operations in schema.get("paths", {}).values():
+    for path, operations in schema.get("paths", {}).items():
+        errors = dict(ERRORS)
+        for prefix, extra in ROUTE_ERRORS.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                errors.update(extra)
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            for status, description in ERRORS.items():
+            for status, description in sorted(errors.items()):
                 responses.setdefault(
                     status, {"description": description, "content": {"application/json": {"schema": reference}}}
                 )
+
+
+@dataclass(frozen=True)
+class Link:
+    """An operation a created thing's answer leads to (an OpenAPI 3 link):
+    path parameters and body fields taken from that answer by runtime
+    expressions. A stateful fuzzer (schemathesis) follows them, so reading,
+    changing and deleting what a POST made is tested, not only the POST."""
+
+    method: str
+    path: str
+    parameters: dict[str, str] = field(default_factory=dict)
+    body: dict[str, Any] | None = None
+
+
+# (method, path, status) of an answer that creates something -> link name -> where it leads.
+LINKS: dict[tuple[str, str, str], dict[str, Link]] = {
+    ("post", "/admin/keys", "201"): {
+        "ShowKey": Link("get", "/admin/keys/{key_id}", {"key_id": "$response.body#/id"}),
+        "RevokeKey": Link("delete", "/admin/keys/{key_id}", {"key_id": "$response.body#/id"}),
+    },
+    ("post", "/v1/responses", "200"): {
+        "RetrieveResponse": Link("get", "/v1/responses/{response_id}", {"response_id": "$response.body#/id"}),
+        "DeleteResponse": Link("delete", "/v1/responses/{response_id}", {"response_id": "$response.body#/id"}),
+        "ContinueResponse": Link("post", "/v1/responses", body={"previous_response_id": "$response.body#/id"}),
+    },
+    ("post", "/admin/models", "200"): {
+        "ListModels": Link("get", "/admin/models"),
+        "RetrieveModel": Link("get", "/v1/models/{model_id}", {"model_id": "$response.body#/name"}),
+        "PromoteCanary": Link("post", "/admin/models/{name}/promote", {"name": "$response.body#/name"}),
+        "RollBackCanary": Link("post", "/admin/models/{name}/rollback", {"name": "$response.body#/name"}),
+        "SetCanaryShare": Link("put", "/admin/models/{name}/canary", {"name": "$response.body#/name"}),
+        "UnloadModel": Link("delete", "/admin/models/{name}", {"name": "$response.body#/name"}),
+    },
+}
+
+
+def declare_links(schema: dict[str, Any], links: dict[tuple[str, str, str], dict[str, Link]] = LINKS) -> None:
+    """Add the links above to the answers they start from, in place. A link
+    whose source or target is not served (a route this server does not
+    mount) is left out, so every declared link can be followed."""
+    paths = schema.get("paths", {})
+    for (method, path, status), targets in links.items():
+        answer = paths.get(path, {}).get(method, {}).get("responses", {}).get(status)
+        if answer is None:
+            continue
+        for name, link in targets.items():
+            target = paths.get(link.path, {}).get(link.method)
+            if target is None or "operationId" not in target:
+                continue
+            declared: dict[str, Any] = {"operationId": target["operationId"]}
+            if link.parameters:
+                declared["parameters"] = dict(link.parameters)
+            if link.body is not None:
+                declared["requestBody"] = dict(link.body)
+            answer.setdefault("links", {})[name] = declared
 
 
 def install(app: FastAPI, state: ServerState) -> None:
@@ -101,6 +171,7 @@ def install(app: FastAPI, state: ServerState) -> None:
         schema = generate()
         if "ErrorResponse" not in schema.get("components", {}).get("schemas", {}):
             document_errors(schema)
+            declare_links(schema)
         names = state.fleet.names() if state.loaded else []
         infos = [m.stable.engine.info for m in state.fleet.models.values()]
         if names and names != refined_for and all(infos):  # again after a model is loaded or unloaded

@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from stoker.control.policy import MIN_DEADLINE_S
 from stoker.errors import APIError
 from stoker.json_types import Boolean, Integer, Number
 from stoker.models.tokenizer import TemplateVariableError
@@ -172,8 +173,9 @@ class SamplingFields(RequestBody):
         None
     )
     """Lower is served first (0 interactive, 1 batch); a key's class caps how high a request may go."""
-    timeout: Annotated[Number, Field(gt=0.0, le=MAX_TIMEOUT_S, allow_inf_nan=False)] | None = None
-    """Seconds the request may take; the engine drops or aborts it after that (504 if nothing was sent)."""
+    timeout: Annotated[Number, Field(ge=MIN_DEADLINE_S, le=MAX_TIMEOUT_S, allow_inf_nan=False)] | None = None
+    """Seconds the request may take; the engine drops or aborts it after that (504 if nothing was sent).
+    At least 0.001: a shorter deadline cannot be met at all."""
 
 
 class StreamOptions(BaseModel):

@@ -11,11 +11,15 @@ Each takes an operator (an admin key once keys exist, as /admin/keys). A
 call that fails changes nothing that serves; the load itself runs as long
 as the engine takes to start (seconds for small models), and the call
 answers when the new version serves.
+
+A path loads only from under a --model-root (by default the folders of the
+models given at start), symlinks resolved, and only a regular file or a
+folder; outside the roots the refusal (403) reads the same whether the path
+exists or not. docs/models.md has the bounds.
 """
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Request
@@ -23,20 +27,25 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.errors import APIError
 from stoker.json_types import Number
-from stoker.server.fleet import FleetError, checked_spec
+from stoker.server.fleet import NAME_PATTERN, FleetError
 from stoker.server.state import ServerState, get_state
 
 router = APIRouter(prefix="/admin/models", tags=["admin"])
 
 
 class LoadModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # The name's pattern is stated in the schema and checked by the fleet (the
+    # one check for --model, MODEL and this API), so its refusal keeps the
+    # fleet's message; the digest's form is checked here.
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"name": "smollm2", "path": "/models/smollm2.gguf"}]}
+    )
 
-    name: str = Field(min_length=1, max_length=128)
+    name: str = Field(min_length=1, max_length=128, json_schema_extra={"pattern": NAME_PATTERN.pattern})
     """The name clients send; an existing name gets a new version (a swap, or a canary)."""
-    path: str = Field(min_length=1)
-    """GGUF file or Hugging Face folder, as the server's machine sees it."""
-    digest: str | None = None
+    path: str = Field(min_length=1, max_length=4096)
+    """GGUF file or Hugging Face folder, as the server's machine sees it, under a --model-root."""
+    digest: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
     """sha256:<hex> the files must have; the load is refused otherwise."""
     canary_percent: Number | None = Field(None, ge=0, le=100)
     """Load beside the stable version and give it this share of new requests."""
@@ -80,7 +89,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
-        spec = await asyncio.to_thread(checked_spec, body.name, body.path, body.digest)
+        spec = await state.fleet.admit(body.name, body.path, body.digest)
         version = await state.fleet.load(spec, body.canary_percent)
     except FleetError as exc:
         raise _bad(exc) from None
@@ -98,19 +107,20 @@ async def _end_canary(name: str, action: Literal["promote", "rollback"], request
 
 # Two routes, not one POST /{name}/{action}: that one also caught POST
 # /{name}/canary (a 400 for the action) where the path serves PUT only (a 405).
-@router.post("/{name}/promote")
+# {name:path}: a model name may hold "/" (org/model), as /v1/models/{model_id} takes it.
+@router.post("/{name:path}/promote")
 async def promote(name: str, request: Request) -> dict[str, Any]:
     """The canary becomes the stable version."""
     return await _end_canary(name, "promote", request)
 
 
-@router.post("/{name}/rollback")
+@router.post("/{name:path}/rollback")
 async def rollback(name: str, request: Request) -> dict[str, Any]:
     """The canary is dropped."""
     return await _end_canary(name, "rollback", request)
 
 
-@router.put("/{name}/canary")
+@router.put("/{name:path}/canary")
 async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
@@ -120,7 +130,7 @@ async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[s
     return _listing(state)
 
 
-@router.delete("/{name}")
+@router.delete("/{name:path}")
 async def unload(name: str, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
