@@ -30,7 +30,7 @@ def served(tmp_path_factory):
     store = KeyStore(open_db(db))
     keys = {name: store.create(name) for name in ("alice", "bob", "carol", "dave", "erin")}
     server = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "8192"],
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "8192", "--num-kv-blocks", "1024"],
         str(tmp),
         env={
             "STOKER_DB": db,
@@ -193,6 +193,11 @@ def test_entry_size_bound(served) -> None:
         r = create(http, bob, input=near, max_output_tokens=300)
         assert r.status_code == 200 and r.json()["store"] is False
         assert http.get(f"/v1/responses/{r.json()['id']}", headers=auth(bob)).status_code == 404
+        body = {"model": "fake-model", "input": near, "max_output_tokens": 300, "stream": True}
+        with http.stream("POST", "/v1/responses", json=body, headers=auth(bob)) as streamed:
+            events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert events[0]["response"]["store"] is True and events[-1]["response"]["store"] is False
+        assert http.get(f"/v1/responses/{events[-1]['response']['id']}", headers=auth(bob)).status_code == 404
         small = create(http, bob, input=near, max_output_tokens=1)
         assert small.json()["store"] is True
         assert http.get(f"/v1/responses/{small.json()['id']}", headers=auth(bob)).status_code == 200

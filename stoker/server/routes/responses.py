@@ -16,6 +16,7 @@ from fastapi.responses import Response
 
 from stoker.engine.params import CompletionOutput, EngineCoreOutput, TokenLogprob
 from stoker.errors import APIError
+from stoker.server.bounds import offload
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.protocol import bad_request
@@ -53,7 +54,8 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             )
         earlier = previous.conversation
     held = [*earlier, *input_messages(body)]
-    store = state.responses.enabled and body.store is not False and fits_store(body, held, state)
+    # Measuring grows with the body: off the event loop, like tokenizing.
+    store = state.responses.enabled and body.store is not False and await offload(fits_store, body, held, state)
     return await serve_from_chain(
         state, body.model, lambda version: response_attempt(body, earlier, held, store, request, state, version)
     )
