@@ -143,15 +143,22 @@ class EngineConfig(BaseModel):
     arithmetic, and rejected guesses cost about what they weigh)."""
     kv_events_endpoint: str | None = None
     """Publish KV cache events (blocks stored in and removed from the prefix cache) on this ZeroMQ address,
-    as vLLM's --kv-events-config does: tcp://*:PORT binds every interface. For routers that send a request
-    to the replica holding its prefix (vllm-router --policy kv_aware; docs/routers.md). One model per
-    server when set. Off (None): nothing is recorded."""
-    kv_events_topic: str = ""
+    as vLLM's --kv-events-config does. A port alone (5557, tcp://:5557) binds 127.0.0.1; tcp://HOST:PORT binds
+    that address, tcp://*:PORT every interface. The events carry every prompt's token ids and nothing
+    authenticates a subscriber: keep the port on a private network. For routers that send a request to the
+    replica holding its prefix (vllm-router --policy kv_aware; docs/routers.md). One model per server when
+    set. Off (None): nothing is recorded."""
+    kv_events_topic: str = Field("", max_length=256)
     """Topic frame of every KV event message (subscribers filter on it); vLLM's default is empty."""
+    kv_events_include_token_ids: bool = True
+    """Send each stored block's token ids (the prompt's text, tokenized). vllm-router's kv_aware policy needs
+    them (it matches requests by token ids); without them BlockStored events carry block hashes only, for
+    subscribers that track blocks by hash."""
     kv_events_replay_endpoint: str | None = None
-    """ZeroMQ address (tcp://*:PORT) of a ROUTER socket where a subscriber that missed batches asks for them
-    again, as vLLM's replay_endpoint: it sends the first missing sequence number (8 bytes, big-endian) and gets
-    every batch still held from there as [sequence, payload], then [-1, empty]. Needs kv_events_endpoint."""
+    """ZeroMQ address (a port alone binds 127.0.0.1, as for kv_events_endpoint) of a ROUTER socket where a
+    subscriber that missed batches asks for them again, as vLLM's replay_endpoint: it sends the first missing
+    sequence number (8 bytes, big-endian) and gets every batch still held from there as [sequence, payload],
+    then [-1, empty]. Needs kv_events_endpoint."""
     kv_events_buffer_steps: int = Field(10_000, ge=1, le=1_000_000)
     """Latest KV event batches held for replay (vLLM's buffer_steps)."""
 

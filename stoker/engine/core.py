@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from stoker.config import EngineConfig, ModelConfig
-from stoker.engine.detokenizer import IncrementalDetokenizer
-from stoker.engine.grammar_compiler import GrammarCompiler, GrammarError
+from stoker.engine.detokenizer import IncrementalDetokenizer, stop_matcher, stop_matcher_ready
+from stoker.engine.grammar_compiler import GrammarCompiler
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
@@ -28,11 +32,12 @@ from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
+    FinishReason,
     SamplingParams,
 )
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
-from stoker.engine.sampler import SampleRow
+from stoker.engine.sampler import SampleRow, prepare
 from stoker.engine.scheduler import Scheduler
 from stoker.engine.spec import Proposer
 from stoker.engine.spec.draft import DraftProposer
@@ -50,6 +55,21 @@ log = logging.getLogger("stoker.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+PREPARE_POLL_S = 0.01
+"""How long an otherwise idle step waits for the worker preparing requests."""
+
+
+@dataclass
+class _Preparing:
+    """A request whose grammar or stop list the worker is building."""
+
+    request: EngineCoreRequest
+    prompt: list[int]
+    max_tokens: int
+    seeds: list[int]
+    ready: Future[llguidance.LLMatcher | None]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,7 +159,7 @@ class EngineCore:
         num_blocks = kv_size.num_blocks
         kv_log: KVEventLog | None = None
         if self.kv_events is not None:
-            kv_log = KVEventLog(block_size)
+            kv_log = KVEventLog(block_size, config.kv_events_include_token_ids)
             kv_log.cleared()  # a new engine starts empty: subscribers drop what a previous one held
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, kv_log)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
@@ -164,7 +184,13 @@ class EngineCore:
         self.busy_seconds = 0.0
         self.last_step_tokens = 0
         self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
         self.num_constrained_requests = 0
+        self._preparing: dict[str, _Preparing] = {}
+        """Requests waiting for the worker (a grammar to compile, a long stop
+        list), in arrival order; not in the scheduler yet."""
+        self._workers: ThreadPoolExecutor | None = None
+        self._rejections: list[tuple[str, str]] = []
         self.load_seconds = time.perf_counter() - started
         log.info(
             "engine ready: %s (%s, %s) on %s, KV cache %s %d blocks x %d tokens = %d tokens (%.1f MiB, by %s), "
@@ -238,11 +264,12 @@ class EngineCore:
     def grammars(self) -> GrammarCompiler:
         """Built on the first constrained request (wrapping the tokenizer takes
         ~0.4 s, which servers that never constrain should not pay at start)."""
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(
-                self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids) or None
-            )
-        return self._grammars
+        with self._grammars_lock:  # the worker thread builds it; stats() only reads it
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(
+                    self.tokenizer.hf, self.model_config.vocab_size, sorted(self.eos_token_ids) or None
+                )
+            return self._grammars
 
     # ----------------------------------------------------------- requests
 
@@ -250,7 +277,7 @@ class EngineCore:
         """Validate and enqueue. Raises ValueError (naming the field) and changes nothing if invalid."""
         params = req.sampling_params
         params.validate()
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.request_id in self._preparing:
             raise ValueError(f"request_id {req.request_id!r} is already in use")
         prompt = list(req.prompt_token_ids)
         if not prompt:
@@ -280,20 +307,48 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
-        if params.grammar is not None:
-            try:
-                self.grammars.compile(params.grammar)
-            except GrammarError as exc:
-                raise ValueError(f"grammar: {exc}") from None
-            self.num_constrained_requests += 1
+        # Each sample samples from its own generator, so its tokens never depend on
+        # the batch: seeded by the request's seed (+ index), else by the next draw
+        # of a stream started from EngineConfig.seed (--seed), so the same requests
+        # in the same order on a server with the same --seed give the same text.
+        # Drawn now, in arrival order, even for a request that waits for its grammar.
+        seeds = [
+            params.seed + index if params.seed is not None else self.seed_stream.getrandbits(63)
+            for index in range(params.n)
+        ]
+        grammar = self._grammars.cached(params.grammar) if params.grammar and self._grammars else None
+        if (params.grammar is None or grammar is not None) and stop_matcher_ready(params.stop):
+            self._admit(req, prompt, max_tokens, seeds, grammar)
+            return
+        # A grammar to compile or a long stop list to build: in the worker, never on the
+        # step loop; the request waits (outside the scheduler) until it is ready.
+        if self._workers is None:
+            self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-prepare")
+        ready = self._workers.submit(self._build, params)
+        self._preparing[req.request_id] = _Preparing(req, prompt, max_tokens, seeds, ready)
+
+    def _build(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """In the worker thread: what a request needs that takes long to build."""
+        if params.stop:
+            stop_matcher(tuple(params.stop))
+        if params.grammar is None:
+            return None
+        return self.grammars.compile(params.grammar)  # drops the GIL while it compiles
+
+    def _admit(
+        self,
+        req: EngineCoreRequest,
+        prompt: list[int],
+        max_tokens: int,
+        seeds: list[int],
+        grammar: llguidance.LLMatcher | None,
+    ) -> None:
+        """Samples into the scheduler, with everything each step needs built now."""
+        params = req.sampling_params
+        vocab = self.model_config.vocab_size
+        prepared = prepare(params, self.eos_token_ids, self.device)
         samples = []
-        for index in range(params.n):
-            # Each sample samples from its own generator, so its tokens never depend on
-            # the batch: seeded by the request's seed (+ index), else by the next draw
-            # of a stream started from EngineConfig.seed (--seed), so the same requests
-            # in the same order on a server with the same --seed give the same text.
-            seed = params.seed + index if params.seed is not None else self.seed_stream.getrandbits(63)
-            generator = torch.Generator().manual_seed(seed)
+        for index, seed in enumerate(seeds):
             r = Request(
                 req.request_id,
                 index,
@@ -303,19 +358,55 @@ class EngineCore:
                 req.priority,
                 req.deadline,
                 max_tokens,
-                generator,
+                torch.Generator().manual_seed(seed),
+                prepared,
             )
             r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
-            if params.grammar is not None:
-                r.grammar = SequenceGrammar(self.grammars.matcher(params.grammar), vocab, self.tokenizer.eos_token_id)
+            if grammar is not None:
+                r.grammar = SequenceGrammar(grammar.deep_copy(), vocab, self.tokenizer.eos_token_id)
             samples.append(r)
+        if grammar is not None:
+            self.num_constrained_requests += 1
         self.requests[req.request_id] = samples
         for r in samples:
             self.scheduler.add(r)
 
+    def _admit_prepared(self) -> None:
+        """Requests whose grammar (or stop list) the worker has finished: into the
+        scheduler, in arrival order; a grammar that failed is a rejection."""
+        for request_id, waiting in list(self._preparing.items()):
+            if not waiting.ready.done():
+                continue
+            del self._preparing[request_id]
+            try:
+                grammar = waiting.ready.result()
+            except ValueError as exc:  # GrammarError: what add_request used to raise
+                self._rejections.append((request_id, f"grammar: {exc}"))
+                continue
+            self._admit(waiting.request, waiting.prompt, waiting.max_tokens, waiting.seeds, grammar)
+
+    def take_rejections(self) -> list[tuple[str, str]]:
+        """(request_id, message) of requests refused after add_request returned
+        (their grammar failed to compile in the worker); each is reported once."""
+        rejected, self._rejections = self._rejections, []
+        return rejected
+
+    def _abort_preparing(self, request_id: str, error: str | None) -> list[EngineCoreOutput]:
+        waiting = self._preparing.pop(request_id, None)
+        if waiting is None:
+            return []
+        req = waiting.request
+        outputs = []
+        for index in range(req.sampling_params.n):
+            r = Request(req.request_id, index, waiting.prompt, req.sampling_params, req.arrival_time)
+            r.finish(FinishReason.ABORT, error=error)
+            outputs.append(r.take_delta())
+        return outputs
+
     def abort_requests(self, request_ids: list[str], error: str | None = None) -> list[EngineCoreOutput]:
         outputs = []
         for request_id in request_ids:
+            outputs.extend(self._abort_preparing(request_id, error))
             for r in self.requests.get(request_id, []):
                 if not r.is_finished:
                     outputs.append(self.scheduler.abort(r, error))
@@ -323,15 +414,21 @@ class EngineCore:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._preparing)
 
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[EngineCoreOutput]:
         outputs = self._expire_deadlines()
+        if self._preparing:
+            self._admit_prepared()
         scheduled = self.scheduler.schedule()
         self.last_step_tokens = scheduled.num_tokens
         if not scheduled.scheduled:
+            if self._preparing:
+                # Nothing else to run: wait a little for the worker rather than spin
+                # (the process loop comes back to read its input between waits).
+                wait([w.ready for w in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
             return outputs
         self.num_steps += 1
         started = time.perf_counter()
@@ -348,6 +445,10 @@ class EngineCore:
     def _expire_deadlines(self) -> list[EngineCoreOutput]:
         now = time.time()
         outputs = []
+        for request_id, waiting in list(self._preparing.items()):
+            deadline = waiting.request.deadline
+            if deadline is not None and now > deadline:
+                outputs.extend(self._abort_preparing(request_id, "deadline"))
         for samples in list(self.requests.values()):
             for r in samples:
                 if r.deadline is not None and now > r.deadline and not r.is_finished:
@@ -365,7 +466,7 @@ class EngineCore:
         spec = self.speculator
         return EngineStats(
             num_running=len(self.scheduler.running),
-            num_waiting=len(waiting),
+            num_waiting=len(waiting) + sum(w.request.sampling_params.n for w in self._preparing.values()),
             num_waiting_tokens=sum(r.num_tokens - r.num_computed_tokens for r in waiting),
             kv_blocks_total=self.kv.num_blocks,
             kv_blocks_used=self.kv.num_used_blocks,

@@ -28,6 +28,16 @@ big-endian, and gets back each batch still held from there on as
 --kv-events-buffer-steps batches are held, dropped ones included (a replay
 is how a slow subscriber gets them after all).
 
+Exposure: the events carry every prompt's token ids (the text, tokenized),
+and ZeroMQ authenticates nobody: whoever reaches the port reads them. So an
+endpoint given as a port alone binds 127.0.0.1, a wider bind is the
+operator's explicit choice (tcp://HOST:PORT, tcp://*:PORT; logged as a
+warning), and --no-kv-events-include-token-ids publishes block hashes only
+(vllm-router's kv_aware needs the token ids, other subscribers may not).
+Both sockets take input (subscriptions on the publisher, requests on the
+replay socket): an inbound message over MAX_INBOUND_BYTES disconnects its
+sender inside ZeroMQ, before anything here reads or allocates it.
+
 Cost: nothing when --kv-events-endpoint is unset (the block pool holds None
 and checks it where a key is set or dropped). When set: a few list appends
 per cached block, one encode and one non-blocking send per engine step that
@@ -56,18 +66,39 @@ is reported as vLLM's primary one."""
 SEND_HWM = 10_000
 """Batches ZeroMQ may queue per subscriber before a send would block; beyond it, batches are dropped."""
 
+MAX_INBOUND_BYTES = 4096
+"""Largest message either socket accepts from a peer (ZeroMQ's MAXMSGSIZE): a
+subscription is 1 byte and a topic prefix (topics are at most 256 bytes), a
+replay request 8 bytes. A bigger one disconnects its sender."""
+
+LOOPBACK = "127.0.0.1"
+
+_PORT_ONLY = re.compile(r"^(tcp://:?)?(\d{1,5})$")
 _ENDPOINT = re.compile(r"^(tcp://(\*|[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):(\d{1,5})|ipc://.+|inproc://.+)$")
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]"}
 
 
 def check_endpoint(endpoint: str) -> str:
-    """ValueError (one line) unless endpoint is a ZeroMQ address a PUB socket can bind:
-    tcp://HOST:PORT (HOST * for every interface), ipc://PATH or inproc://NAME."""
+    """The ZeroMQ address to bind, or ValueError (one line) unless endpoint is one:
+    a port alone (PORT, tcp://:PORT), bound on 127.0.0.1; tcp://HOST:PORT (HOST *
+    for every interface), ipc://PATH or inproc://NAME."""
+    port_only = _PORT_ONLY.match(endpoint)
+    if port_only is not None:
+        endpoint = f"tcp://{LOOPBACK}:{port_only.group(2)}"
     match = _ENDPOINT.match(endpoint)
     if match is None:
-        raise ValueError("must be a ZeroMQ address to bind, tcp://*:PORT (or tcp://HOST:PORT, ipc://PATH)")
+        raise ValueError(
+            "must be a ZeroMQ address to bind: PORT (on 127.0.0.1), tcp://HOST:PORT, tcp://*:PORT or ipc://PATH"
+        )
     if match.group(3) is not None and not 1 <= int(match.group(3)) <= 65535:
         raise ValueError("the port must be between 1 and 65535")
     return endpoint
+
+
+def is_local(endpoint: str) -> bool:
+    """Whether only this machine can reach endpoint (loopback TCP, ipc, inproc)."""
+    match = _ENDPOINT.match(endpoint)
+    return match is None or match.group(2) is None or match.group(2) in _LOOPBACK_HOSTS
 
 
 class KVCacheEvent(msgspec.Struct, tag=True, gc=False):
@@ -116,8 +147,10 @@ class KVEventLog:
     a block stored right after its parent extends the same BlockStored event,
     consecutive removals share one BlockRemoved."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, include_token_ids: bool = True) -> None:
         self.block_size = block_size
+        self.include_token_ids = include_token_ids
+        """False: BlockStored events carry an empty token_ids (the field stays: subscribers require it)."""
         self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
     def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
@@ -126,9 +159,11 @@ class KVEventLog:
         last = self.events[-1] if self.events else None
         if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
             last.block_hashes.append(key)
-            last.token_ids.extend(token_ids)
+            if self.include_token_ids:
+                last.token_ids.extend(token_ids)
         else:
-            self.events.append(BlockStored([key], parent, list(token_ids), self.block_size))
+            tokens = list(token_ids) if self.include_token_ids else []
+            self.events.append(BlockStored([key], parent, tokens, self.block_size))
 
     def removed(self, block_hash: bytes) -> None:
         last = self.events[-1] if self.events else None
@@ -173,10 +208,12 @@ class KVEventPublisher:
         self._socket.setsockopt(zmq.SNDHWM, SEND_HWM)
         self._socket.setsockopt(zmq.XPUB_NODROP, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
         self._bind(self._socket, endpoint, "--kv-events-endpoint")
         if replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
+            replay.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
             self._bind(replay, replay_endpoint, "--kv-events-replay-endpoint")
             # The thread owns the ROUTER socket from here on (ZeroMQ sockets are not thread-safe).
             self._replay_thread = threading.Thread(
@@ -194,6 +231,13 @@ class KVEventPublisher:
             self.close()
             # ValueError: the engine process reports it as the one line it fails with.
             raise ValueError(f"{flag} {endpoint}: cannot bind: {exc}") from None
+        if not is_local(endpoint):
+            log.warning(
+                "%s %s: reachable beyond this machine, with no authentication; KV events carry prompt token "
+                "ids: keep this port on a private network (docs/routers.md)",
+                flag,
+                endpoint,
+            )
 
     def publish(self, events: list[BlockStored | BlockRemoved | AllBlocksCleared]) -> bool:
         """Send one batch; False (and counted) if ZeroMQ would have had to block."""

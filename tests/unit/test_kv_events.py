@@ -256,7 +256,7 @@ def test_replay_needs_the_publisher_and_its_own_address() -> None:
     with pytest.raises(ValidationError, match="must differ"):
         EngineConfig.model_validate({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "tcp://*:5557"})
     with pytest.raises(ValidationError, match="ZeroMQ address"):
-        EngineConfig.model_validate({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "5558"})
+        EngineConfig.model_validate({"kv_events_endpoint": "tcp://*:5557", "kv_events_replay_endpoint": "udp://h:5558"})
 
 
 def test_disabled_records_nothing(tiny: Path) -> None:
@@ -274,7 +274,7 @@ def test_endpoints_accepted(endpoint: str) -> None:
     assert check_endpoint(endpoint) == endpoint
 
 
-@pytest.mark.parametrize("endpoint", ["5557", "tcp://*", "tcp://*:0", "tcp://*:70000", "http://h:1", "tcp://a b:1"])
+@pytest.mark.parametrize("endpoint", ["tcp://*", "tcp://*:0", "tcp://*:70000", "http://h:1", "tcp://a b:1", "0"])
 def test_bad_endpoint_is_refused_naming_the_setting(endpoint: str) -> None:
     with pytest.raises(ValidationError, match="kv_events_endpoint"):
         EngineConfig.model_validate({"kv_events_endpoint": endpoint})
