@@ -44,6 +44,12 @@ class CreateKey(BaseModel):
         None, gt=0, le=1e11, allow_inf_nan=False, description="Unix time (seconds) after which the key stops working."
     )
     admin: Boolean = False
+    scopes: list[Literal["inference", "router", "metrics", "admin"]] | None = Field(
+        None,
+        max_length=4,
+        description="What the key may call: inference (default), router (/get_load, /server_info, /model_info, "
+        "/flush_cache), metrics (/metrics), admin (everything; the same as admin: true).",
+    )
 
 
 async def _existing_key(plane: ControlPlane, key_id: str) -> ApiKey:

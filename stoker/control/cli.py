@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from stoker.control.keys import KeyStore
 
 from stoker.control.db import default_db_url
+from stoker.control.keys import SCOPES
 
 
 def parse_expiry(text: str, now: float | None = None) -> float:
@@ -86,6 +87,7 @@ def cmd_create(args: argparse.Namespace) -> int:
             models=models,
             expires_at=args.expires,
             admin=args.admin,
+            scopes=args.scope,
         )
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -94,6 +96,7 @@ def cmd_create(args: argparse.Namespace) -> int:
         print(json.dumps({**key.public(), "secret": secret}, indent=2))
     else:
         print(f"created key {key.id} ({key.name}){' [admin]' if key.is_admin else ''}")
+        print(f"  scopes:  {', '.join(key.scopes)}")
         print(f"  limits:  {_limits(key.public())}")
         print(f"  expires: {_when(key.expires_at)}")
         print("\nsecret (shown once; store it now, it cannot be recovered):\n")
@@ -107,13 +110,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(json.dumps(keys, indent=2))
         return 0
     if not keys:
-        print("no keys (the server runs open until one exists)")
+        print("no keys (a server on this database runs open, inference only, until one is created)")
         return 0
-    print(f"{'ID':<13} {'NAME':<20} {'STATUS':<8} {'PRIORITY':<11} {'ADMIN':<5} {'EXPIRES':<21} LIMITS")
+    print(f"{'ID':<13} {'NAME':<20} {'STATUS':<8} {'PRIORITY':<11} {'SCOPES':<27} {'EXPIRES':<21} LIMITS")
     for k in keys:
         print(
             f"{k['id']:<13} {k['name'][:20]:<20} {k['status']:<8} {k['priority']:<11} "
-            f"{'yes' if 'admin' in k['scopes'] else 'no':<5} {_when(k['expires_at']):<21} {_limits(k)}"
+            f"{','.join(k['scopes']):<27} {_when(k['expires_at']):<21} {_limits(k)}"
         )
     return 0
 
@@ -146,6 +149,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         return 0
     print(f"key {key.id}: {key.name} [{info['status']}]{' [admin]' if key.is_admin else ''}")
     print(f"  prefix:   {key.prefix}...")
+    print(f"  scopes:   {', '.join(key.scopes)}")
     print(f"  priority: {key.priority}")
     print(f"  models:   {', '.join(key.models) if key.models else 'all'}")
     print(f"  limits:   {_limits(info)}")
@@ -187,7 +191,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument(
         "--expires", type=parse_expiry, help="YYYY-MM-DD (valid through that day, UTC), ISO datetime, or 30d/12h"
     )
-    create.add_argument("--admin", action="store_true", help="may use the /admin API")
+    create.add_argument(
+        "--admin",
+        action="store_true",
+        help="may use the /admin API, load models, and everything the other scopes allow",
+    )
+    create.add_argument(
+        "--scope",
+        action="append",
+        choices=SCOPES,
+        help="what the key may call (repeat for several; default inference): inference (/v1, tokenizer routes), "
+        "router (/get_load, /server_info, /model_info, /flush_cache: for sglang-router/vllm-router), "
+        "metrics (/metrics: for Prometheus), admin (everything)",
+    )
     create.set_defaults(func=cmd_create)
 
     lst = sub.add_parser("list", help="list keys")

@@ -97,6 +97,19 @@ budget_reservations = Table(
     Index("ix_stoker_budget_reservations_replica", "replica"),
 )
 
+# Facts about the database itself, one row each. "auth_latch": written in the
+# transaction that creates the first key and never removed by stoker, so a
+# database that has held a key keeps its server authenticated after every key
+# is revoked or expires, across restarts (ControlPlane.open reads it).
+flags = Table(
+    "stoker_flags",
+    metadata,
+    Column("name", String(64), primary_key=True),
+    Column("value", Text, nullable=False),
+    Column("set_at", Float, nullable=False),
+)
+AUTH_LATCH = "auth_latch"
+
 schema_table = Table(
     "stoker_schema",
     metadata,
@@ -104,16 +117,29 @@ schema_table = Table(
     Column("applied_at", Float, nullable=False),
 )
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def _add_budget_reservations(conn: Connection) -> None:
     budget_reservations.create(conn)
 
 
+def _add_flags(conn: Connection) -> None:
+    """The flags table; a database that already holds keys is latched at once
+    (its server was authenticated by them and must stay so)."""
+    import time
+
+    flags.create(conn, checkfirst=True)
+    first = conn.execute(select(api_keys.c.id).order_by(api_keys.c.created_at).limit(1)).first()
+    if first is not None:
+        conn.execute(
+            flags.insert().values(name=AUTH_LATCH, value=f"key {first[0]} (schema upgrade)", set_at=time.time())
+        )
+
+
 # version -> step that upgrades a database from version-1 to version. Add a
 # step here (and bump SCHEMA_VERSION) whenever a table above changes.
-MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _add_budget_reservations}
+MIGRATIONS: dict[int, Callable[[Connection], None]] = {2: _add_budget_reservations, 3: _add_flags}
 
 # Key of the PostgreSQL advisory lock that serializes migrations: several
 # replicas starting at once on a fresh database must not all create the tables.

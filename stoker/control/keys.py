@@ -26,10 +26,10 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Literal, cast
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Connection, Engine, func, select
 from sqlalchemy.exc import DBAPIError
 
-from stoker.control.db import api_keys
+from stoker.control.db import AUTH_LATCH, api_keys, flags
 from stoker.errors import APIError
 
 SECRET_PREFIX = "sk-stoker-"
@@ -41,6 +41,13 @@ PRIORITY_CLASSES: tuple[str, ...] = ("interactive", "batch")
 BUDGET_PERIODS: tuple[str, ...] = ("day", "month")
 SCOPE_INFERENCE = "inference"
 SCOPE_ADMIN = "admin"
+# What a router in front of replicas calls besides inference: GET /get_load,
+# /server_info, /model_info (and their /get_* aliases), POST /flush_cache.
+SCOPE_ROUTER = "router"
+# GET /metrics, for a Prometheus scrape.
+SCOPE_METRICS = "metrics"
+# Everything a key may be given; an admin key holds them all.
+SCOPES: tuple[str, ...] = (SCOPE_INFERENCE, SCOPE_ROUTER, SCOPE_METRICS, SCOPE_ADMIN)
 
 
 def hash_secret(secret: str) -> str:
@@ -93,7 +100,7 @@ class ApiKey:
         return self.models is None or model in self.models
 
     def has_scope(self, scope: str) -> bool:
-        # Admin keys may do everything an inference key may.
+        # An admin key may do everything any other key may.
         return scope in self.scopes or self.is_admin
 
     def public(self) -> dict:
@@ -134,6 +141,33 @@ def _row_to_key(row: Any) -> ApiKey:
         revoked_at=m["revoked_at"],
         secret_hash=m["secret_hash"],
     )
+
+
+def normalize_scopes(scopes: list[str] | tuple[str, ...] | None, admin: bool = False) -> tuple[str, ...]:
+    """The scopes a new key gets, in SCOPES order: inference unless others are named;
+    ValueError naming an unknown one."""
+    wanted = set(scopes) if scopes else {SCOPE_INFERENCE}
+    unknown = sorted(wanted - set(SCOPES))
+    if unknown:
+        raise ValueError(f"unknown scope(s) {', '.join(map(repr, unknown))}; scopes are {', '.join(SCOPES)}")
+    if admin:
+        wanted |= {SCOPE_INFERENCE, SCOPE_ADMIN}
+    return tuple(s for s in SCOPES if s in wanted)
+
+
+def _set_latch(conn: Connection, value: str) -> None:
+    """Insert the auth latch unless it is there (two creators at once: the first wins, neither fails)."""
+    values = {"name": AUTH_LATCH, "value": value, "set_at": time.time()}
+    dialect = conn.dialect.name
+    if dialect in ("sqlite", "postgresql"):
+        if dialect == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            from sqlalchemy.dialects.postgresql import insert  # type: ignore[assignment]
+        conn.execute(insert(flags).values(**values).on_conflict_do_nothing(index_elements=["name"]))
+        return
+    if conn.execute(select(flags.c.name).where(flags.c.name == AUTH_LATCH)).first() is None:
+        conn.execute(flags.insert().values(**values))
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -180,8 +214,11 @@ class KeyStore:
         models: list[str] | tuple[str, ...] | None = None,
         expires_at: float | None = None,
         admin: bool = False,
+        scopes: list[str] | tuple[str, ...] | None = None,
     ) -> tuple[ApiKey, str]:
-        """Create a key; returns it and its secret, which is never stored or shown again."""
+        """Create a key; returns it and its secret, which is never stored or shown again.
+        scopes: what it may call (SCOPES; default inference only); admin=True adds "admin".
+        The first key ever created latches the database into authenticated mode."""
         if not name or len(name) > 200:
             raise ValueError("name must be 1-200 characters")
         for label, value in (
@@ -199,14 +236,14 @@ class KeyStore:
             models = tuple(m.strip() for m in models if m.strip())
             if not models:
                 raise ValueError("models must name at least one model (omit it to allow all)")
+        granted = normalize_scopes(scopes, admin)
         key_id = secrets.token_hex(ID_HEX_CHARS // 2)
         secret = f"{SECRET_PREFIX}{key_id}-{secrets.token_urlsafe(32)}"
-        scopes = (SCOPE_INFERENCE, SCOPE_ADMIN) if admin else (SCOPE_INFERENCE,)
         key = ApiKey(
             id=key_id,
             name=name,
             prefix=secret[: len(SECRET_PREFIX) + ID_HEX_CHARS],
-            scopes=scopes,
+            scopes=granted,
             models=models,
             rpm=rpm,
             tpm=tpm,
@@ -219,10 +256,12 @@ class KeyStore:
             secret_hash=hash_secret(secret),
         )
         row = asdict(key)
-        row["scopes"] = json.dumps(list(scopes))
+        row["scopes"] = json.dumps(list(granted))
         row["models"] = json.dumps(list(models)) if models is not None else None
         with self.engine.begin() as conn:
             conn.execute(api_keys.insert().values(**row))
+            # In the same transaction: no key can exist without the latch.
+            _set_latch(conn, f"key {key_id} ({name})")
         with self._lock:
             self._unknown.pop(key_id, None)
         return key, secret
@@ -249,6 +288,22 @@ class KeyStore:
             )
         self.invalidate(key_id)
         return result.rowcount > 0
+
+    def latch(self) -> str | None:
+        """Why this database is authenticated for good ("key <id> (<name>)", set when
+        its first key was created), or None while no key has ever existed in it."""
+        with self.engine.connect() as conn:
+            row = conn.execute(select(flags.c.value).where(flags.c.name == AUTH_LATCH)).first()
+            if row is not None:
+                return str(row[0])
+            # A key row without the latch (inserted by hand, or by a stoker older than
+            # the latch that shares this database): it latches all the same.
+            key = conn.execute(select(api_keys.c.id).limit(1)).first()
+        if key is None:
+            return None
+        with self.engine.begin() as conn:
+            _set_latch(conn, f"key {key[0]}")
+        return f"key {key[0]}"
 
     def count_active(self, now: float | None = None) -> int:
         now = now if now is not None else time.time()

@@ -6,11 +6,15 @@ settings object, with the lifecycle the server's lifespan needs.
     ...
     plane.close()                      # at shutdown: flushes the usage ledger
 
-Open mode: when the database holds no active key (and --require-auth is not
-given) the server accepts unauthenticated requests and says so loudly. The
-first key created (CLI or admin API) switches authentication on within
-`key_cache_ttl` seconds, without a restart; revoking every key later never
-switches it off again.
+Open mode: while no key has ever been created in the database (and
+--require-auth is not given) the server accepts unauthenticated inference
+requests (and the read-only router, metrics and docs endpoints), and no
+operator action: the admin API, model loading and /flush_cache need a key. The first key created (CLI or admin
+API) writes a latch into the database (stoker_flags) and switches
+authentication on within `key_cache_ttl` seconds, without a restart; from then
+on the server is authenticated for good, across restarts, even when every key
+is revoked or has expired. Open mode on an address other than loopback refuses
+to start unless --allow-open says it is meant.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 
 from stoker.control.admission import AdmissionController
 from stoker.control.budgets import SharedBudgets
-from stoker.control.db import default_db_url, is_shared, open_db, redact_url
+from stoker.control.db import is_shared, open_db, redact_url
 from stoker.control.gate import Admission, RequestGate
 from stoker.control.keys import ApiKey, KeyStore
 from stoker.control.ledger import UsageLedger
@@ -38,11 +42,32 @@ from stoker.observe.tracing import RequestTracer
 
 log = logging.getLogger("stoker.control")
 
-__all__ = ["AuthRequiredButNoKeys", "ControlPlane", "ControlSettings"]
+__all__ = ["AuthRequiredButNoKeys", "ControlPlane", "ControlSettings", "OpenOnPublicAddress"]
 
 
 class AuthRequiredButNoKeys(StartupRefused):
     """--require-auth without an active key: `stoker serve` exits 2 with this message."""
+
+
+class OpenOnPublicAddress(StartupRefused):
+    """Open mode on an address other than loopback without --allow-open: `stoker serve` exits 2."""
+
+
+CREATE_FIRST_KEY = "`stoker keys create --name NAME --admin`"
+
+
+def is_loopback(host: str) -> bool:
+    """True for addresses only this machine can reach: 127.0.0.0/8, ::1, localhost.
+    Anything else (0.0.0.0, ::, a name, an interface's address) may be reached from outside."""
+    import ipaddress
+
+    name = host.strip().strip("[]").lower()
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def open_limiter(settings: ControlSettings, metrics: Metrics | None = None) -> Limiter:
@@ -92,6 +117,8 @@ class ControlPlane:
         self.gate = RequestGate(self.limiter, self.admission, ledger, metrics, request_log, tracer)
         self._auth_on = settings.require_auth
         self._auth_checked = 0.0
+        self.auth_reason = "--require-auth is set" if settings.require_auth else ""
+        """Why the server is in the mode it is in, for the start line and the log."""
         metrics.ledger_pending.set_function(lambda: ledger.pending)
 
     @classmethod
@@ -120,12 +147,19 @@ class ControlPlane:
             request_log or RequestLogger(),
             limiter,
         )
-        active = keys.count_active()
+        where = redact_url(str(engine.url))
+        try:
+            latch = keys.latch()
+            active = keys.count_active()
+        except DBAPIError as exc:
+            engine.dispose()
+            reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+            raise StartupRefused(f"--db {where}: cannot read the keys ({reason})") from None
         if settings.require_auth and active == 0:
             engine.dispose()
             raise AuthRequiredButNoKeys(
-                f"--require-auth is set but the key database ({settings.db or default_db_url()}) has no active key; "
-                "create one with `stoker keys create --name NAME`"
+                f"--require-auth is set but the key database ({where}) has no active key; "
+                f"create one with {CREATE_FIRST_KEY}"
             )
         if is_shared(engine):
             # Replicas share this database: budget reservations live there too.
@@ -138,12 +172,23 @@ class ControlPlane:
                 redact_url(str(engine.url)),
                 settings.on_store_failure,
             )
-        plane._auth_on = settings.require_auth or active > 0
+        plane._auth_on = settings.require_auth or latch is not None
         plane._auth_checked = time.monotonic()
-        if not plane._auth_on:
+        if latch is not None:
+            plane.auth_reason = f"the key database {where} has held a key since {latch}; {active} active"
+        elif settings.require_auth:
+            plane.auth_reason = f"--require-auth is set; {active} active key(s) in {where}"
+        else:
+            plane.auth_reason = f"no key has ever been created in {where}"
+        if plane._auth_on:
+            log.info("authenticated: %s", plane.auth_reason)
+        else:
             log.warning("=" * 72)
-            log.warning("NO API KEYS: stoker is running OPEN; anyone who can reach it can use it.")
-            log.warning("Create a key with `stoker keys create --name NAME` (auth switches on by itself)")
+            log.warning("open: %s.", plane.auth_reason)
+            log.warning("stoker is running OPEN: anyone who can reach it can use it for inference.")
+            log.warning("Inference needs no key; the admin API, model loading and /flush_cache are")
+            log.warning("shut until a key exists. Create the first admin key with")
+            log.warning("%s (authentication switches on by itself, for good),", CREATE_FIRST_KEY)
             log.warning("or start with --require-auth to refuse to run without keys.")
             log.warning("=" * 72)
         ledger.start()
@@ -152,25 +197,44 @@ class ControlPlane:
     # -- auth mode ------------------------------------------------------------------
 
     def auth_enabled(self) -> bool:
-        """True once any key exists (a one-way latch); re-checked at most every key_cache_ttl."""
+        """True once the database has held a key (a persisted one-way latch); while it
+        has not, re-checked at most every key_cache_ttl."""
         if self._auth_on:
             return True
         now = time.monotonic()
         if now - self._auth_checked >= self.settings.key_cache_ttl:
             self._auth_checked = now
             try:
-                active = self.keys.count_active()
+                latch = self.keys.latch()
             except DBAPIError as exc:
                 # The database is away: keep the last answer (no key yet) rather than fail the
                 # request with a 500; the next check after key_cache_ttl asks again.
                 if self.keys.count_failure is not None:
                     self.keys.count_failure("key_lookup")
-                log.warning("could not count API keys (%s); authentication stays off until the database answers", exc)
+                log.warning(
+                    "could not read the auth latch (%s); authentication stays off until the database answers", exc
+                )
                 return self._auth_on
-            if active > 0:
+            if latch is not None:
                 self._auth_on = True
-                log.warning("an API key now exists: authentication is on")
+                self.auth_reason = (
+                    f"the key database {redact_url(str(self.keys.engine.url))} has held a key since {latch}"
+                )
+                log.warning("authenticated: %s", self.auth_reason)
         return self._auth_on
+
+    def check_exposure(self, host: str, allow_open: bool) -> None:
+        """Refuse open mode on an address other than loopback unless allow_open
+        (--allow-open) says it is meant: OpenOnPublicAddress, which `stoker serve`
+        turns into exit 2."""
+        if self.auth_enabled() or allow_open or is_loopback(host):
+            return
+        raise OpenOnPublicAddress(
+            f"--host {host}: refusing to serve open (no API key) on an address other than loopback: "
+            f"{self.auth_reason}. Create the first admin key with {CREATE_FIRST_KEY} "
+            "(and start with --require-auth), bind 127.0.0.1, or pass --allow-open to serve inference "
+            "to anyone who can reach this address on purpose"
+        )
 
     # -- request path ---------------------------------------------------------------
 
@@ -183,6 +247,7 @@ class ControlPlane:
         prompt_tokens: int,
         max_tokens: int,
         n: int = 1,
+        prompts: int = 1,
         priority: int | str | None = None,
         timeout: float | None = None,
         arrival: float | None = None,
@@ -198,6 +263,7 @@ class ControlPlane:
             prompt_tokens=prompt_tokens,
             max_tokens=max_tokens,
             n=n,
+            prompts=prompts,
             priority=resolve_priority(key, priority),
             deadline=resolve_deadline(request.headers.get(DEADLINE_HEADER), timeout, self.settings.max_queue_wait),
             arrival=arrival,

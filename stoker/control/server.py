@@ -25,12 +25,20 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.control.admin import router as admin_router
-from stoker.control.auth import authenticate, get_plane, require_metrics_access, require_operator
+from stoker.control.auth import (
+    authenticate,
+    get_plane,
+    optional_key,
+    require_metrics_access,
+    require_operator,
+    require_scope,
+)
 from stoker.control.errors import install_error_handler
+from stoker.control.keys import SCOPE_ROUTER
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
 from stoker.errors import APIError
@@ -47,6 +55,52 @@ LOGGED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/flush_cache"
 # The engine pushes a snapshot at most ~0.2 s after the fact; requests admitted
 # within this margin before we saw it may not be in it yet.
 STATS_LAG = 0.25
+
+
+# Who may call what besides the /v1 API (which the before hook guards) and
+# /admin (admin keys): path -> scope, None meaning any valid key. Open in open
+# mode, except the operator actions of OPERATOR_PATHS, shut there. Exact paths,
+# as the router matches them (a trailing slash only earns a redirect to these).
+SCOPED_PATHS: dict[str, str | None] = {
+    "/get_load": SCOPE_ROUTER,
+    "/server_info": SCOPE_ROUTER,
+    "/get_server_info": SCOPE_ROUTER,
+    "/model_info": SCOPE_ROUTER,
+    "/get_model_info": SCOPE_ROUTER,
+    "/docs": None,
+    "/docs/oauth2-redirect": None,
+    "/redoc": None,
+    "/openapi.json": None,
+}
+# Operator actions a router fans out to every replica: the router scope, never open.
+OPERATOR_PATHS: dict[str, str] = {"/flush_cache": SCOPE_ROUTER}
+# Answered to everyone, in more detail to a key holder (or in open mode): the
+# route reads request.state.detailed.
+DETAILED_PATHS = frozenset({"/ready"})
+
+
+class AccessMiddleware:
+    """Guards the endpoints of SCOPED_PATHS, OPERATOR_PATHS and DETAILED_PATHS
+    before they run: the routes themselves know nothing of keys."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path in SCOPED_PATHS or path in OPERATOR_PATHS or path in DETAILED_PATHS:
+            request = Request(scope)
+            try:
+                if path in OPERATOR_PATHS:
+                    await require_operator(request, OPERATOR_PATHS[path])
+                elif path in SCOPED_PATHS:
+                    await require_scope(request, SCOPED_PATHS[path])
+                else:
+                    request.state.detailed, _ = await optional_key(request)
+            except APIError as exc:
+                await JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def settings_from(state: Any) -> ControlSettings:
@@ -137,6 +191,7 @@ async def _admit(request: Request, info: Any) -> None:
             prompt_tokens=info.prompt_tokens,
             max_tokens=info.max_tokens,
             n=info.n,
+            prompts=info.prompts,
             priority=info.priority,
             timeout=info.timeout,
             arrival=getattr(request.state, "arrival", None),
@@ -266,7 +321,8 @@ def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts:
                 v.name,
                 v.label,
                 v.digest or "",
-                os.path.abspath(v.spec.path),
+                # The file's name, not its absolute path: a metrics key is not an admin key.
+                os.path.basename(os.path.normpath(v.spec.path)),
                 v.status,
                 v.engine.info.quantized_matmul if v.engine.info else "",
             )
@@ -290,6 +346,12 @@ def _fallback(plane: ControlPlane, event: Any) -> None:
 def install(app: FastAPI, state: Any) -> ControlPlane:
     settings = settings_from(state)
     plane = ControlPlane.open(settings)
+    host = getattr(getattr(state, "config", None), "host", "127.0.0.1")
+    try:
+        plane.check_exposure(host, settings.allow_open)
+    except Exception:
+        plane.close()
+        raise
     app.state.control = plane
     state.extras["control"] = plane
     install_error_handler(app)
@@ -297,6 +359,7 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     app.add_api_route(
         "/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)], include_in_schema=False
     )
+    app.add_middleware(AccessMiddleware)  # inside ControlMiddleware: a refusal has its request id and log line
     app.add_middleware(ControlMiddleware)
     state.hooks.before.append(_before)
     state.hooks.admit.append(_admit)

@@ -25,9 +25,11 @@ class ControlSettings(BaseModel):
     redis_lease_ttl: float = Field(30.0, ge=1)
     """Seconds a request's concurrency slot lives in Redis unless renewed (every third of it while the request runs): a dead replica's slots free themselves within it."""
     require_auth: bool = False
-    """Refuse to start unless the database holds an active API key (otherwise the server runs open while none exists)."""
+    """Refuse to start unless the database holds an active API key (otherwise the server runs open, inference only, while no key has ever existed)."""
+    allow_open: bool = False
+    """Serve open (no key ever created) on an address other than loopback; without it such a start is refused (exit 2). Open mode serves inference only."""
     metrics_require_auth: bool = False
-    """Require an API key for GET /metrics."""
+    """In open mode, require a key for GET /metrics too (with keys it always takes a key with the metrics scope)."""
     max_queued_requests: int = Field(256, ge=1)
     """Admission bound on waiting requests (engine queue + admitted in transit); beyond it 503 overloaded."""
     max_queued_tokens: int = Field(65_536, ge=1)

@@ -313,7 +313,7 @@ async def test_priority_and_deadline_reach_the_engine(setup):
 async def test_metrics_logs_traces_and_ledger(setup, tmp_path):
     build, exporter, stream = setup
     plane, client = build(metrics_require_auth=True)
-    _, secret = plane.keys.create("obs", rpm=1)
+    _, secret = plane.keys.create("obs", rpm=1, scopes=["inference", "metrics"])
     trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
     r = await client.post(
         "/v1/completions",

@@ -1,7 +1,7 @@
 """Several replicas on one real PostgreSQL (started by the test, tests/postgres_server.py):
 migrations safe when replicas start at once on a fresh database, budget
-reservations shared so a key's spend stays below budget + one request's
-estimate however many replicas serve it, keys made by `stoker keys --db`
+reservations shared so a key's spend never passes its budget however
+many replicas serve it, keys made by `stoker keys --db`
 seen by two real `stoker serve` replicas writing one ledger, the database
 stopped mid-test (503 for budget checks, usage rows buffered and written when
 it is back), and a bad --db refused at start in one line."""
@@ -9,7 +9,6 @@ it is back), and a bad --db refused at start in one line."""
 from __future__ import annotations
 
 import asyncio
-import math
 import os
 import subprocess
 import sys
@@ -89,18 +88,18 @@ def test_version_1_database_gains_the_reservations_table(pg) -> None:
     with engine.begin() as conn:
         metadata.create_all(conn, tables=[t for t in metadata.sorted_tables if t is not budget_reservations])
         conn.execute(schema_table.insert().values(version=1, applied_at=time.time()))
-    assert migrate(engine) == 2
+    assert migrate(engine) == SCHEMA_VERSION
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(budget_reservations)).scalar_one() == 0
         versions = conn.execute(select(schema_table.c.version).order_by(schema_table.c.version)).scalars().all()
-    assert versions == [1, 2]
+    assert versions == list(range(1, SCHEMA_VERSION + 1))  # every later step, in order
     engine.dispose()
 
 
 # -- reservations, two "replicas" in this process -------------------------------------
 
 
-def test_concurrent_reservations_from_two_replicas_admit_budget_plus_one_estimate(pg) -> None:
+def test_concurrent_reservations_from_two_replicas_never_pass_the_budget(pg) -> None:
     url = fresh_db(pg)
     keys = KeyStore(open_db(url))
     key, _ = keys.create("b", budget_tokens=1000)
@@ -122,9 +121,9 @@ def test_concurrent_reservations_from_two_replicas_admit_budget_plus_one_estimat
         t.start()
     for t in threads:
         t.join(30)
-    # Admitted while used + reserved < 1000: ceil(1000 / 150) = 7, spending 1050 < 1000 + 150.
-    assert len(admitted) == math.ceil(1000 / estimate) == 7 and len(refused) == 9
-    assert all(r.reserved >= 1000 for r in refused)
+    # Admitted while used + reserved + estimate <= 1000: 1000 // 150 = 6, spending 900.
+    assert len(admitted) == 1000 // estimate == 6 and len(refused) == 10
+    assert all(r.used + r.reserved + estimate > 1000 for r in refused)
 
 
 def test_ledger_row_settles_its_reservation_and_dead_replica_rows_lapse(pg) -> None:
@@ -134,35 +133,37 @@ def test_ledger_row_settles_its_reservation_and_dead_replica_rows_lapse(pg) -> N
     live = SharedBudgets(engine, ttl=30)
     rid, used = live.reserve(key.id, 500, "day", 400)
     assert used == 0
-    overshoot, _ = live.reserve(key.id, 500, "day", 200)  # 400 < 500: admitted, the one-estimate overshoot
     with pytest.raises(BudgetExceeded):
-        live.reserve(key.id, 500, "day", 10)  # 600 >= 500
-    live.release(overshoot)
+        live.reserve(key.id, 500, "day", 200)  # 400 + 200 > 500: it could settle past the budget
+    last, _ = live.reserve(key.id, 500, "day", 100)  # 400 + 100 = 500: admitted, no overshoot possible
+    with pytest.raises(BudgetExceeded):
+        live.reserve(key.id, 500, "day", 1)
+    live.release(last)
     ledger = UsageLedger(engine)
     ledger.record(UsageRecord("r1", key.id, "m", 100, 0, 50, 200, reservation_id=rid))
     ledger.flush()
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(budget_reservations)).scalar_one() == 0
     # 150 used, nothing reserved: admitted again.
-    rid2, used = live.reserve(key.id, 500, "day", 400)
+    rid2, used = live.reserve(key.id, 500, "day", 350)
     assert used == 150
     # A replica that dies holding reservations: after its TTL they no longer count.
     dead = SharedBudgets(engine, ttl=0.5)
     live.release(rid2)
-    dead.reserve(key.id, 500, "day", 400)
+    dead.reserve(key.id, 500, "day", 300)
     with pytest.raises(BudgetExceeded):
-        live.reserve(key.id, 500, "day", 10)
+        live.reserve(key.id, 500, "day", 100)
     time.sleep(0.6)
     kept, _ = live.reserve(key.id, 500, "day", 10)
     # A live replica's renewal keeps its rows counting past the TTL they were made with.
     live.release(kept)
     renewing = SharedBudgets(engine, ttl=0.5)
-    renewing.reserve(key.id, 500, "day", 400)
+    renewing.reserve(key.id, 500, "day", 300)
     for _ in range(3):
         time.sleep(0.25)
         renewing.renew()
     with pytest.raises(BudgetExceeded):
-        live.reserve(key.id, 500, "day", 10)
+        live.reserve(key.id, 500, "day", 100)
 
 
 async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_open(pg) -> None:
@@ -255,9 +256,9 @@ async def test_budget_holds_across_two_replicas(replicas) -> None:
     used = [r.json()["usage"]["total_tokens"] for r in responses if r.status_code == 200]
     cost = used[0]  # each request costs its estimate, fully used (the fake core generates max_tokens)
     assert set(used) == {cost}
-    # One budget for both replicas: admitted while used + reserved < 1000, so the spend is
-    # below budget + one estimate. Two unshared replicas would each admit this many.
-    assert len(used) == math.ceil(1000 / cost), (len(used), cost)
+    # One budget for both replicas: admitted while used + reserved + estimate <= 1000, so the
+    # spend never passes the budget. Two unshared replicas would each admit this many.
+    assert len(used) == 1000 // cost, (len(used), cost)
     assert all(r.json()["error"]["code"] == "insufficient_quota" for r in responses if r.status_code == 429)
     # Both replicas wrote the ledger; no reservation is left once the rows are written.
     engine = make_engine(url)
@@ -269,7 +270,7 @@ async def test_budget_holds_across_two_replicas(replicas) -> None:
         if report["total_tokens"] == cost * len(used) and left == 0:
             break
         time.sleep(0.2)
-    assert report["total_tokens"] == cost * len(used) < 1000 + cost and left == 0, (report, left)
+    assert report["total_tokens"] == cost * len(used) <= 1000 and left == 0, (report, left)
     engine.dispose()
 
 

@@ -1,4 +1,7 @@
-"""Liveness, readiness and version: cheap, never behind the engine or auth."""
+"""Liveness, readiness and version: cheap, never behind the engine. /health and
+/version answer anyone; /ready answers anyone its status code and whether the
+server is ready, and its details (engine, pid, load) to a key holder only (or
+to anyone in open mode): the control plane sets request.state.detailed."""
 
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ async def health() -> dict[str, str]:
 @router.get("/ready")
 async def ready(request: Request) -> StrictJSONResponse:
     """Ready: model loaded, warm-up done, engine alive, not draining. 503 otherwise.
-    The body tells why, with the engine's latest load snapshot."""
+    The body tells why, with the engine's latest load snapshot, to a caller that
+    may see it; a probe without a key gets only {"ready": ...}."""
     state = get_state(request)
+    if not getattr(request.state, "detailed", True):
+        return StrictJSONResponse({"ready": state.ready}, status_code=200 if state.ready else 503)
     engine = state.engine
     body: dict[str, Any] = {
         "ready": state.ready,

@@ -7,6 +7,11 @@ GET  /get_load                       tokens held or queued, in the shape --get-l
 GET  /model_info, /get_model_info    model_path, tokenizer_path, served_model_name, ...
 GET  /server_info, /get_server_info  the same identity plus the engine's settings
 POST /flush_cache                    drop the prefix cache's unused blocks (an operator action)
+
+Who may call them is the control plane's business (stoker.control.server:
+the router scope once keys exist; /flush_cache never in open mode). Absolute
+paths are shown only to an admin key, and in open mode (sglang-router loads
+its tokenizer from model_path); any other key sees the served model's name.
 """
 
 from __future__ import annotations
@@ -51,7 +56,25 @@ async def get_load(request: Request) -> Any:
     ]
 
 
-async def _identity(state: ServerState) -> dict[str, Any]:
+def shows_paths(request: Request) -> bool:
+    """Whether this caller may see the server's absolute paths: an admin key, or
+    no key at all (open mode, or no control plane)."""
+    key = getattr(request.state, "api_key", None)
+    return key is None or bool(getattr(key, "is_admin", False))
+
+
+def _without_paths(value: Any) -> Any:
+    """The value with every absolute path in it replaced by None."""
+    if isinstance(value, dict):
+        return {k: _without_paths(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_without_paths(v) for v in value]
+    if isinstance(value, str) and (os.path.isabs(value) or value.startswith("~")):
+        return None
+    return value
+
+
+async def _identity(state: ServerState, paths: bool = True) -> dict[str, Any]:
     """Who this replica is. sglang-router labels the worker with these fields
     when it registers it: served_model_name becomes the model it routes by, and
     it loads its own tokenizer from model_path (a local path it can read never
@@ -67,10 +90,14 @@ async def _identity(state: ServerState) -> dict[str, Any]:
     except OSError as exc:  # no such model: startup fails (or failed) with the same error
         raise unavailable(f"the model cannot be loaded: {exc}") from None
     info = state.engine.info
+    served = state.served_model_name or name
+    if not paths:
+        # The name stands in for the path: a router reading model_path gets something it may look up.
+        model_path, tokenizer_path = served or "", None
     return {
         "model_path": model_path,
         "tokenizer_path": tokenizer_path,
-        "served_model_name": state.served_model_name or name,
+        "served_model_name": served,
         "is_generation": True,
         "architectures": [info.model_config.architecture] if info else None,
         "max_model_len": info.max_model_len if info else None,
@@ -82,14 +109,15 @@ async def _identity(state: ServerState) -> dict[str, Any]:
 @router.get("/model_info")
 @router.get("/get_model_info", include_in_schema=False)
 async def model_info(request: Request) -> dict[str, Any]:
-    return await _identity(get_state(request))
+    return await _identity(get_state(request), shows_paths(request))
 
 
 @router.get("/server_info")
 @router.get("/get_server_info", include_in_schema=False)
 async def server_info(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    body = await _identity(state)
+    paths = shows_paths(request)
+    body = await _identity(state, paths)
     engine = state.engine.config
     info = state.engine.info
     body.update(
@@ -98,7 +126,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         max_running_requests=engine.max_num_seqs,
         page_size=engine.block_size,
         get_load_format=state.config.get_load_format,
-        engine_config=engine.model_dump(mode="json"),
+        engine_config=engine.model_dump(mode="json") if paths else _without_paths(engine.model_dump(mode="json")),
     )
     return body
 
@@ -107,9 +135,8 @@ async def server_info(request: Request) -> dict[str, Any]:
 async def flush_cache(request: Request) -> dict[str, Any]:
     """Forget every prefix-cache block no request is using (the engine does it
     between two steps). Running requests keep theirs, so it is safe under load.
-    Once API keys exist it takes an admin key."""
+    A key with the router scope (or an admin key); refused in open mode."""
     state = get_state(request)
-    await state.hooks.run_operator(request)
     try:  # every model's engine: a router flushes a replica, whatever it serves
         flushed = await asyncio.gather(*(e.reset_prefix_cache() for e in state.engines() if e.ready))
     except EngineUnavailableError as exc:
