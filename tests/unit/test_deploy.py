@@ -393,6 +393,45 @@ def test_router_flags_exist_in_the_pinned_router(manifests: list[Manifest]) -> N
     assert used - offered == set()
 
 
+def dockerfile_serve_args() -> list[str]:
+    """The stoker image's CMD, after `stoker` (its ENTRYPOINT)."""
+    text = (DEPLOY / "docker" / "Dockerfile").read_text()
+    stage = text[text.index("AS stoker") :]
+    assert re.search(r'^ENTRYPOINT \["stoker"\]$', stage, re.M)
+    match = re.search(r"^CMD (\[.*\])$", stage, re.M)
+    assert match, "the stoker image has a CMD"
+    command = json.loads(match.group(1))
+    assert command[0] == "serve"
+    return list(command[1:])
+
+
+def test_every_deployed_server_runs_authenticated(manifests: list[Manifest]) -> None:
+    """Each way deploy/ starts `stoker serve` binds every interface and so runs with
+    --require-auth (keys from the database its secret or env names), never --allow-open."""
+    starts = {
+        "Dockerfile": dockerfile_serve_args(),
+        "k8s Deployment": list(stoker_container(manifests)["args"][1:]),
+        "systemd unit": read_unit()["Service"]["ExecStart"].split()[2:],
+    }
+    for where, args in starts.items():
+        parsed = parse_serve(args)
+        assert option_value(parsed, "require_auth", ControlSettings) is True, f"{where}: {args}"
+        assert option_value(parsed, "allow_open", ControlSettings) is False, f"{where}: {args}"
+        assert option_value(parsed, "host", ServerConfig) == "0.0.0.0", f"{where}: {args}"
+
+
+def test_prometheus_scrapes_with_a_metrics_key_from_a_secret(manifests: list[Manifest]) -> None:
+    """/metrics takes a key with the metrics scope: the ServiceMonitor sends one as a
+    bearer token, from a Secret the manifests define (a placeholder to replace)."""
+    monitor = one(manifests, "ServiceMonitor", "stoker")
+    for endpoint in monitor["spec"]["endpoints"]:
+        authorization = endpoint["authorization"]
+        assert authorization.get("type", "Bearer") == "Bearer"
+        ref = authorization["credentials"]
+        secret = one(manifests, "Secret", ref["name"])
+        assert "CHANGE-ME" in secret["stringData"][ref["key"]]
+
+
 def test_router_image_is_the_version_stoker_is_tested_behind() -> None:
     # A regex, not tomllib: stoker still runs on Python 3.10.
     match = re.search(r'"(vllm-router==[^"]+)"', (Path(REPO) / "pyproject.toml").read_text())
