@@ -6,13 +6,17 @@ Admission of a request on a key with a budget is one transaction:
     lock the key's row (SELECT ... FOR UPDATE: replicas admit a key's requests one at a time)
     used     = the key's usage rows this period
     reserved = the key's live reservations (every replica's requests in flight or not yet written)
-    used + reserved >= budget  ->  refuse (429)
-    else insert a reservation of the request's estimate (prompt + max_tokens x n)
+    used + reserved + estimate > budget  ->  refuse (429)
+    else insert a reservation of the request's estimate (control/cost.py:
+    prompt tokens + prompts x n x max_tokens, the most it can be billed)
 
 The ledger deletes a reservation in the transaction that writes its usage row
 (UsageLedger.flush), so a request is always counted once, as an estimate or as
-what it used. Hence the bound: a key's spend in a period stays below its budget
-plus one request's estimate, however many replicas serve it.
+what it used, and what it used is never more than its estimate. Hence the
+bound: a key's spend in a period never passes its budget, however many
+replicas serve it; only a replica that dies with unwritten usage (its rows
+lapse after the TTL, its usage is lost with it) or --on-store-failure open
+(admitted unmetered while the database is down) escape it.
 
 Each replica renews its rows' expiry every third of the TTL; the rows of a
 replica that died (with its unwritten usage) lapse after the TTL.
@@ -73,7 +77,8 @@ class SharedBudgets:
         self, key_id: str, budget: int, period: str, estimate: int, now: float | None = None
     ) -> tuple[str, int]:
         """Reserve `estimate` tokens of the key's budget: (reservation id, tokens used
-        this period). Raises BudgetExceeded or DatabaseUnavailable. Blocking: call off the loop."""
+        this period), only if used + reserved + estimate <= budget. Raises BudgetExceeded or
+        DatabaseUnavailable. Blocking: call off the loop."""
         now = now if now is not None else time.time()
         start = period_start(period, now)
         rid = uuid.uuid4().hex
@@ -91,7 +96,7 @@ class SharedBudgets:
                     )
                 ).scalar_one()
                 self._answered()
-                if int(used) + int(reserved) >= budget:
+                if int(used) + int(reserved) + estimate > budget:
                     raise BudgetExceeded(int(used), int(reserved))
                 conn.execute(
                     budget_reservations.insert().values(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from stoker.control.admission import AdmissionController, QueueView, Ticket
 from stoker.control.budgets import STORE_RETRY_AFTER, BudgetExceeded, DatabaseUnavailable, SharedBudgets
+from stoker.control.cost import RequestCost
 from stoker.control.keys import ApiKey
 from stoker.control.ledger import UsageLedger, UsageRecord, period_end
 from stoker.control.limits import Lease, Limiter
@@ -46,6 +47,8 @@ class Admission:
     done: bool = False
     reservation: str | None = None
     """Its budget reservation in the shared database (settled by its ledger row)."""
+    reserved_here: bool = False
+    """Its estimate is reserved of its key's budget in this process (_reserved) until it finishes."""
 
     @property
     def headers(self) -> dict[str, str]:
@@ -104,18 +107,23 @@ class RequestGate:
         priority: int = 0,
         deadline: float | None = None,
         n: int = 1,
+        prompts: int = 1,
         arrival: float | None = None,
         headers: Mapping[str, str] | None = None,
         capacity: bool = True,
     ) -> Admission:
         """Admit or raise APIError (403/429/503); a refusal is counted,
         logged and traced here. priority/deadline come from stoker.control.policy.
+        The request's whole cost (RequestCost: its prompts, n samples each, up to
+        max_tokens per sample) is what the budget, the rate limits and the queue see.
         capacity=False skips the engine-queue check (work that never enters the
         engine's queue, such as embeddings) but keeps the key's quotas."""
         arrival = arrival if arrival is not None else time.time()
         trace_headers = {k: v for k, v in (headers or {}).items() if k.lower() in ("traceparent", "tracestate")}
-        estimate = prompt_tokens + max_tokens * max(1, n)
+        cost = RequestCost(prompt_tokens, max_tokens, n, prompts)
+        estimate = cost.tokens
         reservation: str | None = None
+        local = False
         try:
             if key is not None:
                 if not key.allows_model(model):
@@ -127,18 +135,20 @@ class RequestGate:
                         param="model",
                         reason="model",
                     )
-                reservation = await self._check_budget(key, arrival, estimate)
+                reservation, local = await self._check_budget(key, arrival, estimate)
             try:
                 lease = await self.limiter.acquire(key, estimate)
                 try:
                     queue = self.admission_for(model)
-                    ticket = queue.admit(prompt_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
+                    ticket = queue.admit(cost.queued_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)
                 except APIError:
                     self.limiter.release(lease, None)
                     raise
             except APIError:
                 if reservation is not None and self.budgets is not None:
                     await asyncio.to_thread(self.budgets.release, reservation)
+                if local and key is not None:
+                    self._unreserve(key.id, estimate)
                 raise
         except APIError as exc:
             self._count_refusal(exc)
@@ -153,8 +163,6 @@ class RequestGate:
                 priority=priority,
             )
             raise
-        if key is not None and self.budgets is None:
-            self._reserved[key.id] = self._reserved.get(key.id, 0) + estimate
         self.in_flight += 1
         if self.metrics:
             self.metrics.in_flight.set(self.in_flight)
@@ -175,25 +183,38 @@ class RequestGate:
             ticket,
             trace_headers,
             reservation=reservation,
+            reserved_here=local,
         )
 
-    async def _check_budget(self, key: ApiKey, now: float, estimate: int) -> str | None:
-        """Refuse (429) a key over its budget; returns the shared reservation made, if any."""
+    async def _check_budget(self, key: ApiKey, now: float, estimate: int) -> tuple[str | None, bool]:
+        """Reserve the request's estimate of the key's budget or refuse (429):
+        (the shared reservation made, if any; whether it was reserved in this process).
+        Admitted only if used + reserved + estimate <= budget, so settlement (at most
+        the estimate) can never take a key past its budget."""
         if key.budget_tokens is None or self.ledger is None:
-            return None
+            return None, False
         if self.budgets is not None:
-            return await self._reserve_shared(key, now, estimate)
+            return await self._reserve_shared(key, now, estimate), False
         used = self.ledger.used_cached(key.id, key.budget_period, now)
         if used is None:
             # First check this period: one query, off the event loop.
             used = await asyncio.to_thread(self.ledger.used, key.id, key.budget_period, now)
+        # From here to the reservation nothing awaits: two requests of one key
+        # cannot both pass the check on the same remainder.
         reserved = self._reserved.get(key.id, 0)
-        remaining = key.budget_tokens - used
         if self.metrics:
-            self.metrics.set_budget_remaining(key.id, key.name, max(0, remaining))
-        if used + reserved >= key.budget_tokens:
-            raise self._over_budget(key, now, used, reserved)
-        return None
+            self.metrics.set_budget_remaining(key.id, key.name, max(0, key.budget_tokens - used))
+        if used + reserved + estimate > key.budget_tokens:
+            raise self._over_budget(key, now, used, reserved, estimate)
+        self._reserved[key.id] = reserved + estimate
+        return None, True
+
+    def _unreserve(self, key_id: str, estimate: int) -> None:
+        left = self._reserved.get(key_id, 0) - estimate
+        if left > 0:
+            self._reserved[key_id] = left
+        else:
+            self._reserved.pop(key_id, None)
 
     async def _reserve_shared(self, key: ApiKey, now: float, estimate: int) -> str | None:
         assert self.budgets is not None and key.budget_tokens is not None
@@ -204,7 +225,7 @@ class RequestGate:
         except BudgetExceeded as exc:
             if self.metrics:
                 self.metrics.set_budget_remaining(key.id, key.name, max(0, key.budget_tokens - exc.used))
-            raise self._over_budget(key, now, exc.used, exc.reserved) from None
+            raise self._over_budget(key, now, exc.used, exc.reserved, estimate) from None
         except DatabaseUnavailable:
             if self.on_store_failure == "open":
                 return None  # admitted unmetered against the budget; the outage is logged once
@@ -220,20 +241,40 @@ class RequestGate:
             self.metrics.set_budget_remaining(key.id, key.name, max(0, key.budget_tokens - used))
         return reservation
 
-    def _over_budget(self, key: ApiKey, now: float, used: int, reserved: int) -> APIError:
-        assert key.budget_tokens is not None
+    def _over_budget(self, key: ApiKey, now: float, used: int, reserved: int, estimate: int) -> APIError:
+        budget = key.budget_tokens
+        assert budget is not None
         end = period_end(key.budget_period, now)
-        self._exhausted[key.id] = end
-        self._update_exhausted(now)
+        state = f"({used} used, {reserved} reserved by requests in flight)"
+        if estimate > budget:
+            # No period could ever admit it: no Retry-After, only what to change.
+            return APIError(
+                429,
+                f"Request too large for this key's budget of {budget} tokens per {key.budget_period}: "
+                f"Limit {budget}, Requested {estimate} (its prompt tokens plus prompts x n x max_tokens). "
+                "Lower max_tokens, n or the number of prompts.",
+                "insufficient_quota",
+                code="insufficient_quota",
+                reason="budget",
+            )
+        if used >= budget:
+            self._exhausted[key.id] = end
+            self._update_exhausted(now)
+            message = f"This key has used its budget of {budget} tokens for the {key.budget_period} {state}."
+        else:
+            message = (
+                f"This request may use up to {estimate} tokens (its prompt tokens plus prompts x n x max_tokens), "
+                f"more than is left of this key's budget of {budget} tokens for the {key.budget_period} {state}."
+            )
         return APIError(
             429,
-            f"This key has used its budget of {key.budget_tokens} tokens for the {key.budget_period} "
-            f"({used} used, {reserved} reserved by requests in flight).",
+            message,
             "insufficient_quota",
             code="insufficient_quota",
             reason="budget",
-            # Waiting for in-flight requests may free reserved tokens; otherwise the period must end.
-            retry_after=(1 if used < key.budget_tokens else end - now),
+            # Only if it fits once the requests in flight settle (at most their estimate) may
+            # waiting for them help; otherwise the period must end.
+            retry_after=(1 if used + estimate <= budget else end - now),
         )
 
     def _update_exhausted(self, now: float) -> None:
@@ -299,16 +340,15 @@ class RequestGate:
         self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
         if adm.reservation is not None and self.ledger is None and self.budgets is not None:
             self.budgets.release(adm.reservation)
-        if adm.key is not None and self.budgets is None:
-            left = self._reserved.get(adm.key.id, 0) - adm.estimated_tokens
-            if left > 0:
-                self._reserved[adm.key.id] = left
-            else:
-                self._reserved.pop(adm.key.id, None)
+        if adm.reserved_here and adm.key is not None:
+            # The ledger's running total holds its usage from the record() below on;
+            # nothing awaits in between, so no admission sees it counted twice or not at all.
+            self._unreserve(adm.key.id, adm.estimated_tokens)
         queue = self.admission_for(adm.model)
         queue.mark_visible(adm.ticket)
         if ran and generation:
-            queue.record_finished(prompt, now)
+            # In the queue's unit (each sample's prompt), as the ticket counted it.
+            queue.record_finished(adm.ticket.prompt_tokens, now)
         self.in_flight -= 1
         if self.ledger is not None:
             self.ledger.record(

@@ -38,7 +38,7 @@ local function fmt(x) return string.format('%.17g', x) end
 
 # KEYS: requests bucket, tokens bucket, leases
 # ARGV: now ('' = Redis TIME), rpm, tpm, max concurrent (0 = none), cost, lease id, lease ttl, sig, period
-# Returns {outcome, wait, in flight, then per bucket: capacity, tokens, seconds to full ('' without it)}.
+# Returns {outcome ('ok', 'too_large', 'concurrency', 'requests', 'tokens'), wait, in flight, then per bucket: capacity, tokens, seconds to full ('' without it)}.
 ACQUIRE = (
     _PRELUDE
     + """
@@ -49,14 +49,16 @@ local tok = load(KEYS[2], tonumber(ARGV[3]), sig, now, period)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(now))
 local in_flight = redis.call('ZCARD', KEYS[3])
 local outcome, wait = 'ok', 0
-if maxc > 0 and in_flight >= maxc then
+if tok and cost > tok.cap then
+  -- No wait would admit it (the bucket never goes into debt at admission).
+  outcome = 'too_large'
+elseif maxc > 0 and in_flight >= maxc then
   outcome = 'concurrency'
 else
-  -- Debt allowed: a cost above the capacity only needs a full bucket.
   for _, w in ipairs({{req, 1, 'requests'}, {tok, cost, 'tokens'}}) do
     local b = w[1]
     if b then
-      local missing = math.min(w[2], b.cap) - b.tokens
+      local missing = w[2] - b.tokens
       if missing > 1e-9 and missing / b.rate > wait then outcome, wait = w[3], missing / b.rate end
     end
   end

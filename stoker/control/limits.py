@@ -1,12 +1,14 @@
 """Per-key rate limits: requests/min and tokens/min token buckets, plus a cap
 on concurrent requests.
 
-A request's token cost is not known until it ends, so admission takes an
-estimate (prompt tokens + max_tokens) and the lease reconciles it with the
-real count at the end, refunding what was not used. A bucket may go into
-debt: a request bigger than what is left is admitted when the bucket is full
-(or holds at least its cost), and the debt delays the next ones. Without that
-a request larger than the per-minute limit could never run at all.
+A request's token cost is not known until it ends, so admission takes its
+estimate (control/cost.py: prompt tokens + prompts x n x max_tokens, the most
+it can be billed) and the lease reconciles it with the real count at the
+end, refunding what was not used. A request is admitted only when the bucket
+holds its whole estimate, so the bucket never goes into debt at admission;
+one whose estimate is above the per-minute limit itself could never be
+admitted and is refused as too large (429, no Retry-After, as OpenAI's
+"Request too large for tokens per min"), naming the limit and the estimate.
 
 Two limiters keep these semantics behind one protocol (`Limiter`), chosen at
 start: `RateLimiter` here keeps its state in the server process, touched only
@@ -58,6 +60,20 @@ def rate_exceeded(
     )
 
 
+def too_large(limit: int, estimated_tokens: int, headers: dict[str, str]) -> APIError:
+    """The 429 for a request whose estimate is above the key's tokens-per-minute limit:
+    no wait would admit it, so it carries no Retry-After."""
+    return APIError(
+        429,
+        f"Request too large for tokens per minute (tpm): Limit {limit}, Requested {estimated_tokens} "
+        "(its prompt tokens plus prompts x n x max_tokens). Lower max_tokens, n or the number of prompts.",
+        "rate_limit_exceeded",
+        code="rate_limit_exceeded",
+        reason="tokens",
+        headers=headers,
+    )
+
+
 class TokenBucket:
     """capacity tokens, refilled continuously at capacity per `period` seconds."""
 
@@ -72,19 +88,17 @@ class TokenBucket:
             self.tokens = min(self.capacity, self.tokens + (now - self.updated) * self.rate)
             self.updated = now
 
-    def needed(self, cost: float) -> float:
-        # Debt allowed: asking for more than the capacity only needs a full bucket.
-        return min(cost, self.capacity)
-
     def wait_time(self, cost: float, now: float) -> float:
-        """Seconds until take(cost) would succeed (0 if now)."""
+        """Seconds until take(cost) would succeed (0 if now; never for a cost above the capacity)."""
         self.refill(now)
-        missing = self.needed(cost) - self.tokens
+        if cost > self.capacity:
+            return math.inf
+        missing = cost - self.tokens
         return max(0.0, missing / self.rate)
 
     def take(self, cost: float, now: float) -> bool:
         self.refill(now)
-        if self.tokens + 1e-9 < self.needed(cost):
+        if self.tokens + 1e-9 < cost:
             return False
         self.tokens -= cost
         return True
@@ -191,11 +205,13 @@ class RateLimiter:
 
     def acquire_now(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
         """Take one request and estimated_tokens from the key's buckets, or
-        raise APIError(429) saying how long to wait."""
+        raise APIError(429) saying how long to wait (or that no wait would do)."""
         if key is None:
             return Lease(None, estimated_tokens)
         now = self._clock()
         state = self._get(key, now)
+        if key.tpm and estimated_tokens > key.tpm:
+            raise too_large(key.tpm, estimated_tokens, self.headers(key, now))
         if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
             raise concurrency_exceeded(key, self.headers(key, now))
         waits = []

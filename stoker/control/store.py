@@ -45,7 +45,7 @@ from redis.retry import Retry
 
 from stoker.control.keys import ApiKey
 from stoker.control.limit_scripts import ACQUIRE, RELEASE, RENEW
-from stoker.control.limits import Lease, concurrency_exceeded, format_duration, rate_exceeded
+from stoker.control.limits import Lease, concurrency_exceeded, format_duration, rate_exceeded, too_large
 from stoker.errors import APIError, StartupRefused
 from stoker.redact import redact_url
 
@@ -161,6 +161,8 @@ class RedisRateLimiter:
         self._store_answered()
         outcome, wait, _in_flight, *buckets = (v.decode() if isinstance(v, bytes) else str(v) for v in raw)
         headers = _headers(buckets)
+        if outcome == "too_large":
+            raise too_large(tpm, estimated_tokens, headers)
         if outcome == "concurrency":
             raise concurrency_exceeded(key, headers)
         if outcome != "ok":

@@ -77,6 +77,12 @@ class ServerConfig(BaseModel):
     """Largest request line plus headers; bigger ones get 431 and the connection closes."""
     max_connections: int | None = Field(None, ge=1)
     """Connections and requests the HTTP server holds at once; past it new requests get 503. None: the admission queue bound (max-queued-requests) + max-num-seqs per model + 64 for probes and admin."""
+    max_prompts_per_request: int = Field(64, ge=1, le=2048)
+    """Prompts one /v1/completions request may carry (OpenAI takes up to 2048); more get 400. Each is an engine request of n samples."""
+    max_n: int = Field(64, ge=1, le=64)
+    """Samples per prompt (n, best_of) one request may ask for; more get 400."""
+    max_request_kv_share: float = Field(1.0, gt=0, le=64)
+    """Most of the engine's KV cache one request may need, as a share of its capacity: every sample's prompt plus max_tokens, summed; more gets 400 naming the capacity. Above 1 admits requests whose samples can only run in turns."""
     max_grammar_bytes: int = Field(256 * 1024, ge=1024)
     """Largest output constraint (JSON schema, regex, grammar, tool schemas) as a compiled-grammar string; bigger ones get 400."""
     grammar_compile_timeout: float = Field(10.0, gt=0)

@@ -25,6 +25,7 @@ from typing import Any
 
 from fastapi import Request
 
+from stoker.control.cost import RequestCost
 from stoker.engine.params import RequestTimes
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,13 @@ class AdmissionInfo:
     """The body's `priority` as given (validated by the request model); None if absent."""
     timeout: float | None = None
     """The body's `timeout` in seconds; None if absent."""
+    prompts: int = 1
+    """Prompts in the request (a completion may carry several), each sampled n times."""
+
+    @property
+    def cost(self) -> RequestCost:
+        """The request's whole cost: what admission, rate limits and budgets see."""
+        return RequestCost(self.prompt_tokens, self.max_tokens, self.n, self.prompts)
 
 
 @dataclass

@@ -29,11 +29,28 @@ def test_bucket_refills_continuously():
     assert b.reset_time(1.0) == pytest.approx(60.0)
 
 
-def test_bucket_allows_debt_for_requests_larger_than_capacity():
+def test_bucket_admits_only_what_it_holds_and_never_more_than_its_capacity():
     b = TokenBucket(100, now=0.0)
-    assert b.take(250, 0.0)  # full bucket admits an oversized request
-    assert b.tokens == -150
-    assert b.wait_time(10, 0.0) == pytest.approx(160 / (100 / 60))
+    assert not b.take(250, 0.0)  # no debt at admission: an oversized cost is never taken
+    assert b.wait_time(250, 0.0) == float("inf")
+    assert b.take(100, 0.0) and b.tokens == 0
+    assert b.wait_time(10, 0.0) == pytest.approx(10 / (100 / 60))
+
+
+def test_request_larger_than_tpm_is_refused_as_too_large_without_retry_after():
+    clock = Clock()
+    lim = RateLimiter(clock)
+    k = key(tpm=1000, rpm=10)
+    with pytest.raises(ControlError) as err:
+        lim.acquire_now(k, 1001)
+    e = err.value
+    assert e.status == 429 and e.code == "rate_limit_exceeded" and e.reason == "tokens"
+    assert "Limit 1000, Requested 1001" in e.message and "Retry-After" not in e.headers
+    # Nothing was taken: the whole bucket and the request are still there.
+    assert lim.headers(k)["x-ratelimit-remaining-tokens"] == "1000"
+    assert lim.headers(k)["x-ratelimit-remaining-requests"] == "10"
+    assert lim.in_flight("k1") == 0
+    lim.acquire_now(k, 1000)
 
 
 def test_rpm_limit_429_with_retry_after_and_headers():

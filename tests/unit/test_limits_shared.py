@@ -97,17 +97,22 @@ async def test_tpm_limit_and_reconcile_refunds_unused(make):
     assert lease2.headers["x-ratelimit-remaining-tokens"] == str(1000 - 150 - 200)
 
 
-async def test_tpm_debt_admits_an_oversized_request_then_delays_the_next(make):
+async def test_request_larger_than_tpm_is_refused_without_taking_anything(make):
     clock = Clock()
     lim = make(clock)
-    k = key(tpm=100)
-    big = await lim.acquire(k, 250)  # a full bucket admits it: 150 in debt
-    assert big.headers["x-ratelimit-remaining-tokens"] == "0"
+    k = key(tpm=100, rpm=5)
+    with pytest.raises(ControlError) as err:
+        await lim.acquire(k, 250)  # no wait would admit it: no debt, no Retry-After
+    e = err.value
+    assert e.status == 429 and e.code == "rate_limit_exceeded" and e.reason == "tokens"
+    assert "Limit 100, Requested 250" in e.message and "Retry-After" not in e.headers
+    assert e.headers["x-ratelimit-remaining-tokens"] == "100"
+    lease = await lim.acquire(k, 100)  # the whole bucket and the request were left alone
+    assert lease.headers["x-ratelimit-remaining-requests"] == "4"
     with pytest.raises(ControlError) as err:
         await lim.acquire(k, 10)
-    assert err.value.reason == "tokens"
-    assert err.value.headers["Retry-After"] == "96"  # 160 missing at 100/60 per s
-    clock.t += 96
+    assert err.value.headers["Retry-After"] == "6"  # 10 missing at 100/60 per s: an honest wait
+    clock.t += 6
     await lim.acquire(k, 10)
 
 
@@ -115,7 +120,9 @@ async def test_a_debt_of_years_is_kept(make):
     clock = Clock()
     lim = make(clock)
     k = key(tpm=1)
-    await lim.acquire(k, 2**40)  # a bucket that takes ~2 million years to refill
+    # Settled far above its estimate (only usage beyond an estimate can put a bucket in debt):
+    # a bucket that takes ~2 million years to refill.
+    await release(lim, await lim.acquire(k, 1), 2**40)
     with pytest.raises(ControlError) as err:
         await lim.acquire(k, 1)
     assert int(err.value.headers["Retry-After"]) == 60 * 2**40
@@ -206,16 +213,19 @@ async def test_concurrency_cap_holds_across_two_replicas(redis_server):
     await b.aclose()
 
 
-async def test_tpm_debt_is_shared_across_replicas(redis_server):
+async def test_tpm_is_shared_across_replicas(redis_server):
     clock = Clock()
     a = redis_limiter(redis_server, clock=clock)
     b = redis_limiter(redis_server, clock=clock, prefix=a.prefix)
     k = key(tpm=600)
-    lease = await a.acquire(k, 900)  # full bucket: admitted, 300 in debt
+    lease = await a.acquire(k, 500)
     with pytest.raises(ControlError) as err:
-        await b.acquire(k, 10)
-    assert err.value.headers["Retry-After"] == "31"  # 310 missing at 10 per s
-    a.release(lease, 300)  # it used 300: 600 refunded on replica a
+        await b.acquire(k, 200)
+    assert err.value.headers["Retry-After"] == "10"  # 100 missing at 10 per s
+    with pytest.raises(ControlError) as err:
+        await b.acquire(k, 601)  # above the limit itself, on the other replica too
+    assert "Requested 601" in err.value.message and "Retry-After" not in err.value.headers
+    a.release(lease, 300)  # it used 300: 200 refunded on replica a
     await a.settle()
     assert (await b.acquire(k, 10)).headers["x-ratelimit-remaining-tokens"] == "290"
     await a.aclose()

@@ -214,7 +214,7 @@ def replicas(pg, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pg-replicas")
     url = fresh_db(pg)
     secrets = {}
-    for name, extra in (("budget", ["--budget-tokens", "1000"]), ("plain", [])):
+    for name, extra in (("budget", ["--budget-tokens", "1000"]), ("plain", []), ("metrics", ["--scope", "metrics"])):
         out = subprocess.run(
             [sys.executable, "-m", "stoker.cli", "keys", "create", "--db", url, "--name", name, *extra],
             capture_output=True,
@@ -233,6 +233,7 @@ def replicas(pg, tmp_path_factory):
     try:
         for _ in range(2):
             servers.append(start_server(args, str(tmp), env=env))
+            servers[-1].key = secrets["metrics"]  # /metrics takes a metrics-scope key
         yield servers, url, secrets
     finally:
         for server in servers:

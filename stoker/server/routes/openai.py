@@ -19,6 +19,7 @@ from stoker.engine.params import (
 )
 from stoker.errors import APIError
 from stoker.models.tokenizer import TEMPLATE_ERRORS, Tokenizer
+from stoker.server.caps import check_cost, check_prompts
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo
@@ -164,19 +165,20 @@ async def run(
     unless done_marker is false)."""
     job.request_id = request_id_for(request) or job.request_id
     job.version = version.label
-    await state.hooks.run_admit(
-        request,
-        AdmissionInfo(
-            job.endpoint,
-            job.model,
-            sum(map(len, job.prompts)),
-            job.params.max_tokens or 0,
-            job.params.n,
-            stream,
-            priority=fields.priority,
-            timeout=fields.timeout,
-        ),
+    info = AdmissionInfo(
+        job.endpoint,
+        job.model,
+        sum(map(len, job.prompts)),
+        job.params.max_tokens or 0,
+        job.params.n,
+        stream,
+        priority=fields.priority,
+        timeout=fields.timeout,
+        prompts=len(job.prompts),
     )
+    engine_info = version.engine.info
+    check_cost(state.config, info.cost, engine_info.kv_capacity_tokens if engine_info else None)
+    await state.hooks.run_admit(request, info)
     job.priority = getattr(request.state, "priority", job.priority)
     job.deadline = getattr(request.state, "deadline", job.deadline)
     events = run_job(version.engine, job, state.engine_ids_in_use)
@@ -567,6 +569,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     if body.max_tokens == 0 and not body.echo:
         raise bad_request("max_tokens 0 needs echo: true (the answer is then the prompt alone)", param="max_tokens")
+    check_prompts(state.config, len(flatten_prompts(body.prompt)))  # before any of them is tokenized
     return await serve_from_chain(state, body.model, lambda version: completion_attempt(body, request, state, version))
 
 
