@@ -59,6 +59,14 @@ class GrammarCompiler:
         self.compile_seconds: deque[float] = deque(maxlen=256)
         """Durations of the latest compiles (num_compiled counts them all)."""
 
+    def cached(self, grammar: str) -> llguidance.LLMatcher | None:
+        """The compiled matcher if this grammar is in the cache, without compiling."""
+        with self._lock:
+            matcher = self._cache.get(grammar)
+            if matcher is not None:
+                self._cache.move_to_end(grammar)
+            return matcher
+
     def compile(self, grammar: str) -> llguidance.LLMatcher:
         """A compiled matcher in its initial state (the cached one: copy before use).
         Raises GrammarError naming the problem."""

@@ -77,7 +77,11 @@ class LLM:
         bar = tqdm(total=remaining, desc="generating", unit="req", disable=not show_progress)
         try:
             while remaining:
-                for delta in self.engine.step():
+                deltas = self.engine.step()
+                for request_id, message in self.engine.take_rejections():
+                    if request_id in results:  # a grammar that failed to compile, as add_request would
+                        raise ValueError(message)
+                for delta in deltas:
                     out = results.get(delta.request_id)
                     if out is None:
                         continue

@@ -232,6 +232,7 @@ def _loop(
     has finished starting, whose work on the other core would skew it."""
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
+    take_rejections: Callable[[], list[tuple[str, str]]] | None = getattr(core, "take_rejections", None)
     last_stats = 0.0
     while True:
         busy = core.has_unfinished_requests()
@@ -275,6 +276,10 @@ def _loop(
             outputs = core.step()
             if outputs:
                 out.send_multipart([OUTPUTS, encoder.encode(outputs)])
+            if take_rejections is not None:
+                # Refused after add_request returned: a grammar the worker failed to compile.
+                for request_id, message in take_rejections():
+                    out.send_multipart([REJECT, encoder.encode(Rejection(request_id, message))])
             if not core.has_unfinished_requests():
                 stats_due = True  # went idle: the front end should see the freed blocks now
         now = time.monotonic()

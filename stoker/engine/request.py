@@ -15,6 +15,7 @@ from stoker.engine.params import (
     SamplingParams,
     TokenLogprob,
 )
+from stoker.engine.sampler import PreparedParams, prepare
 
 if TYPE_CHECKING:
     from stoker.engine.detokenizer import IncrementalDetokenizer
@@ -43,11 +44,16 @@ class Request:
         deadline: float | None = None,
         max_tokens: int = 16,
         generator: torch.Generator | None = None,
+        prepared: PreparedParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
         self.params = params
+        self.prepared = prepared
+        """params' lists as sets and tensors (stoker/engine/sampler.py): built once
+        per request by EngineCore.add_request and shared by its samples (or by
+        Scheduler.add), so checking a token costs the same whatever the lists' lengths."""
         self.priority = priority
         self.deadline = deadline
         self.max_tokens = max_tokens
@@ -128,9 +134,11 @@ class Request:
         token id, a stop string, max_tokens or the context length."""
         token = self.output_token_ids[-1]
         params = self.params
+        if self.prepared is None:  # a Request used outside the scheduler
+            self.prepared = prepare(params, eos_token_ids)
         reason: FinishReason | None = None
         stop_reason: int | str | None = None
-        if self.num_output_tokens >= params.min_tokens and token in params.stop_token_ids:
+        if self.num_output_tokens >= params.min_tokens and token in self.prepared.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
         elif (self.num_output_tokens >= params.min_tokens and not params.ignore_eos and token in eos_token_ids) or (
             self.grammar is not None and self.grammar.done  # the grammar is complete

@@ -17,6 +17,8 @@ Cost notes (2-core CPU, 32 x 49152): every full-vocab op is ~0.3-1 ms, a
 full sort is ~4 ms per row and exponential noise for a whole batch ~30 ms,
 so nothing here sorts or draws noise over the vocabulary:
 - penalties touch only the (row, token) pairs concerned (scatter/gather);
+- a request's logit_bias and min_tokens ids are tensors built once when it
+  is added (prepare()), so no step walks a client's list in Python;
 - top-p finds its nucleus among the tokens within a factor of the best one
   and only widens that net for rows whose candidates hold too little mass;
 - sampling draws one uniform per row (a seeded row from its own generator,
@@ -27,6 +29,7 @@ so nothing here sorts or draws noise over the vocabulary:
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +50,41 @@ _LOGIT_BOUND = 1e30
 _CDF_BLOCK = 256
 
 
+@dataclass(frozen=True)
+class PreparedParams:
+    """A request's lists turned into what each step needs, once, when the
+    request is added (prepare()): a step's work then grows with the batch,
+    never with how long one client made its stop_token_ids or logit_bias.
+    Shared by the request's n samples."""
+
+    stop_token_ids: frozenset[int]
+    """What check_stop looks a sampled token up in (a set: O(1) per token)."""
+    bias_ids: torch.Tensor | None
+    """logit_bias's token ids (int64), or None without a bias."""
+    bias_values: torch.Tensor | None
+    """Its biases (float32, as the logits), in bias_ids' order."""
+    suppress_ids: torch.Tensor
+    """Masked while output is shorter than min_tokens: the stop ids, and eos
+    unless ignore_eos (eos then does not end the sequence, so there is
+    nothing to hold back). int64, distinct."""
+
+
+def prepare(
+    params: SamplingParams, eos_token_ids: Iterable[int] = (), device: torch.device | None = None
+) -> PreparedParams:
+    """The tensors and sets for params, built once per request (on device,
+    where the logits will be)."""
+    bias_ids = bias_values = None
+    if params.logit_bias:
+        bias_ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.long, device=device)
+        bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32, device=device)
+    stop_ids = frozenset(params.stop_token_ids)
+    suppress = stop_ids if params.ignore_eos else stop_ids | frozenset(eos_token_ids)
+    return PreparedParams(
+        stop_ids, bias_ids, bias_values, torch.tensor(sorted(suppress), dtype=torch.long, device=device)
+    )
+
+
 @dataclass
 class SampleRow:
     """One sequence in this step's batch."""
@@ -59,11 +97,23 @@ class SampleRow:
     """Per-request, seeded from params.seed; None uses the global RNG."""
     eos_token_ids: list[int]
     """Suppressed with params.stop_token_ids while output is shorter than
-    min_tokens; not when params.ignore_eos (eos then does not end the
-    sequence, so there is nothing to hold back)."""
+    min_tokens, unless params.ignore_eos."""
     token_bitmask: torch.Tensor | None = None
     """For a grammar-constrained sequence: the tokens it may sample, as int32
     words (stoker/engine/structured.py); every other token is set to -inf."""
+    prepared: PreparedParams | None = None
+    """params (with eos_token_ids) as prepare() turns them; the engine passes
+    the request's own, built once when it was added. None: built here, for
+    callers that make a row once (tests, one-off rows)."""
+
+    def __post_init__(self) -> None:
+        if self.prepared is None:
+            self.prepared = prepare(self.params, self.eos_token_ids)
+
+    @property
+    def arrays(self) -> PreparedParams:
+        assert self.prepared is not None  # set by __post_init__
+        return self.prepared
 
 
 @dataclass
@@ -73,16 +123,13 @@ class SampledToken:
     """Set when params.logprobs is not None."""
 
 
-def _suppressed_ids(row: SampleRow) -> list[int]:
+def _suppressed_ids(row: SampleRow) -> torch.Tensor | None:
     """Token ids to mask this step because min_tokens is not yet reached."""
-    p = row.params
-    if len(row.output_token_ids) >= p.min_tokens or row.token_bitmask is not None:
+    if len(row.output_token_ids) >= row.params.min_tokens or row.token_bitmask is not None:
         # A grammar decides when its output may end; min_tokens does not hold it open.
-        return []
-    ids = list(p.stop_token_ids)
-    if not p.ignore_eos:
-        ids.extend(row.eos_token_ids)
-    return ids
+        return None
+    ids = row.arrays.suppress_ids
+    return ids if ids.numel() else None
 
 
 def is_greedy(p: SamplingParams) -> bool:
@@ -106,14 +153,15 @@ class Sampler:
             or r.params.presence_penalty != 0.0
             or r.params.frequency_penalty != 0.0
         ]
-        biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
+        biased = [i for i, r in enumerate(rows) if r.arrays.bias_ids is not None]
         constrained = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         want_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         greedy = [i for i, r in enumerate(rows) if is_greedy(r.params)]
-        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or any(suppress) or constrained):
+        suppressing = any(ids is not None for ids in suppress)
+        if len(greedy) == len(rows) and not (penalised or biased or want_logprobs or suppressing or constrained):
             return [SampledToken(t, None) for t in _argmax(x).tolist()]
 
-        if penalised or biased or any(suppress) or constrained:
+        if penalised or biased or suppressing or constrained:
             # Never modify the caller's tensor (the runner may reuse it).
             x = x.clone() if x.data_ptr() == logits.data_ptr() else x
             if constrained:
@@ -122,7 +170,8 @@ class Sampler:
                 _apply_logit_bias(x, rows, biased)
             if penalised:
                 _apply_penalties(x, rows, penalised)
-            _apply_suppression(x, suppress)
+            if suppressing:
+                _apply_suppression(x, suppress)
 
         token_ids = [0] * len(rows)
         if greedy:
@@ -199,10 +248,13 @@ def _apply_penalties(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
-    pairs = [(i, t, b) for i in which for t, b in (rows[i].params.logit_bias or {}).items()]
-    ri = _index([i for i, _, _ in pairs], x)
-    ti = _index([t for _, t, _ in pairs], x)
-    x.index_put_((ri, ti), torch.tensor([b for _, _, b in pairs], device=x.device), accumulate=True)
+    """Each biased row's prepared (ids, values) added at once: tensors built
+    when the request was added, only concatenated here."""
+    ids = [rows[i].arrays.bias_ids for i in which]
+    values = [rows[i].arrays.bias_values for i in which]
+    ti = torch.cat([t for t in ids if t is not None]).to(x.device)
+    ri = torch.repeat_interleave(_index(which, x), _index([t.numel() for t in ids if t is not None], x))
+    x.index_put_((ri, ti), torch.cat([v for v in values if v is not None]).to(x.device), accumulate=True)
 
 
 def _apply_grammar(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> None:
@@ -219,11 +271,11 @@ def _apply_grammar(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> 
     x[idx] = x[idx].masked_fill_(banned, -math.inf)
 
 
-def _apply_suppression(x: torch.Tensor, suppress: list[list[int]]) -> None:
-    row_idx = [i for i, ids in enumerate(suppress) for _ in ids]
-    if row_idx:
-        tok_idx = [t for ids in suppress for t in ids]
-        x[_index(row_idx, x), _index(tok_idx, x)] = -math.inf
+def _apply_suppression(x: torch.Tensor, suppress: list[torch.Tensor | None]) -> None:
+    rows = [i for i, ids in enumerate(suppress) if ids is not None]
+    ids = [t for t in suppress if t is not None]
+    ri = torch.repeat_interleave(_index(rows, x), _index([t.numel() for t in ids], x))
+    x[ri, torch.cat(ids).to(x.device)] = -math.inf
 
 
 def _sample_random(x: torch.Tensor, rows: list[SampleRow], which: list[int]) -> list[int]:

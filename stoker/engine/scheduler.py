@@ -24,7 +24,7 @@ from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledReques
 from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
-from stoker.engine.sampler import SampleRow
+from stoker.engine.sampler import SampleRow, prepare
 from stoker.engine.spec.speculator import Speculator
 
 RECENT_STEPS = 256
@@ -68,6 +68,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.arrival_seq = next(self._arrivals)
+        if request.prepared is None:
+            request.prepared = prepare(request.params, self._eos_list)
         request.status = RequestStatus.WAITING
         self.requests[request.key] = request
         self.waiting.add(request)
@@ -140,6 +142,7 @@ class Scheduler:
                 request.generator,
                 self._eos_list,
                 bitmask,
+                request.prepared,
             )
         targets: list[int] = []
         if request.needs_prompt_logprobs:
