@@ -175,7 +175,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of text; special tokens (e.g. BOS) only where the model's tokenizer adds them."""
         if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+            # encode_batch releases the GIL while it works, encode does not: a long text
+            # tokenized in a worker thread must not stall the server's event loop.
+            return list(self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

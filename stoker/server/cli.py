@@ -185,6 +185,17 @@ def check_tls(config: ServerConfig) -> None:
             raise ValueError(f"--ssl-ca-certs: cannot load {config.ssl_ca_certs}: {exc}") from None
 
 
+def connection_limit(server_config: ServerConfig, engine_config: EngineConfig, app: Any) -> int:
+    """uvicorn's limit_concurrency: --max-connections, else what admission can hold
+    (its queue bound plus every model's running requests) and room for probes and admin calls."""
+    if server_config.max_connections is not None:
+        return server_config.max_connections
+    control = getattr(app.state, "control", None)
+    queued = control.settings.max_queued_requests if control is not None else 256
+    models = max(1, len(app.state.stoker.fleet.initial))
+    return queued + engine_config.max_num_seqs * models + 64
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict[str, Any] | None = None) -> int:
     import uvicorn
 
@@ -235,7 +246,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig, extras: dict
         host=server_config.host,
         port=server_config.port,
         loop="uvloop",
-        http=HTTP1Protocol,  # httptools, with a quiet refusal of HTTP/2 (routers probe for gRPC)
+        # httptools, with a quiet refusal of HTTP/2 (routers probe for gRPC) and bounded headers
+        http=HTTP1Protocol.configured(server_config.header_read_timeout, server_config.max_header_bytes),
+        limit_concurrency=connection_limit(server_config, engine_config, app),
         log_level=server_config.log_level,
         access_log=False,
         timeout_graceful_shutdown=5,

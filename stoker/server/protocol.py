@@ -9,12 +9,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from stoker.control.policy import MIN_DEADLINE_S
 from stoker.errors import APIError
 from stoker.json_types import Boolean, Integer, Number
 from stoker.models.tokenizer import TemplateVariableError
+from stoker.server.bounds import (
+    MAX_CHOICES,
+    MAX_CONTENT_PARTS,
+    MAX_EMBEDDING_INPUTS,
+    MAX_EXTRA_FIELDS,
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_NAME_CHARS,
+    MAX_PROMPTS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TEMPLATE_KWARGS,
+    MAX_TOKEN_IDS,
+    MAX_TOOLS,
+    MAX_TOP_LOGPROBS,
+)
 
 INT32 = 2**31 - 1
 # The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
@@ -25,7 +42,9 @@ NonNegInt = Annotated[Integer, Field(ge=0, le=INT32)]
 # Tagged fields get the served model's limits in /openapi.json (server/openapi.py).
 TokenId = Annotated[Integer, Field(ge=0, le=INT32, json_schema_extra={"x-stoker": "token_id"})]
 MaxTokens = Annotated[Integer, Field(ge=1, le=INT32, json_schema_extra={"x-stoker": "max_tokens"})]
-ModelName = Annotated[str, Field(json_schema_extra={"x-stoker": "model"})]
+ModelName = Annotated[str, Field(max_length=MAX_NAME_CHARS, json_schema_extra={"x-stoker": "model"})]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+TokenIds = Annotated[list[TokenId], Field(max_length=MAX_TOKEN_IDS)]
 Float = Annotated[Number, Field(allow_inf_nan=False)]
 
 
@@ -52,6 +71,26 @@ def deadline_exceeded(request_id: str) -> APIError:
     )
 
 
+def check_extra(model: BaseModel) -> None:
+    """Unknown fields are ignored, but only so many of them (MAX_EXTRA_FIELDS)."""
+    extra = model.model_extra or {}
+    if len(extra) > MAX_EXTRA_FIELDS:
+        raise ValueError(
+            f"{len(extra)} fields this server does not know; at most {MAX_EXTRA_FIELDS} are accepted (and ignored)"
+        )
+
+
+class OpenObject(BaseModel):
+    """A nested object that keeps unknown fields (chat templates may read them), a bounded number of them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _bound_extra(self) -> OpenObject:
+        check_extra(self)
+        return self
+
+
 class RequestBody(BaseModel):
     """A request body: unknown fields ignored, the known-unsupported ones (_unsupported) a 400 naming them."""
 
@@ -62,6 +101,7 @@ class RequestBody(BaseModel):
 
     @model_validator(mode="after")
     def _reject_unsupported(self) -> RequestBody:
+        check_extra(self)
         extra = self.model_extra or {}
         for name in self._unsupported:
             value = extra.get(name)
@@ -76,9 +116,9 @@ UnitOpen = Annotated[Number, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
 Unit = Annotated[Number, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 Penalty = Annotated[Number, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[Number, Field(gt=0.0, le=100.0, allow_inf_nan=False)]
-StopString = Annotated[str, Field(min_length=1)]
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]{1,10}$")]
-MAX_STOP_STRINGS = 64
+Choices = Annotated[list[str], Field(max_length=MAX_CHOICES)]
 MAX_PRIORITY = 100
 MAX_TIMEOUT_S = 86400.0
 
@@ -115,7 +155,7 @@ class StructuredOutputs(BaseModel):
     model_config = ConfigDict(extra="forbid")
     json_: dict[str, Any] | str | None = Field(None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: Choices | None = None
     grammar: str | None = None
     json_object: Boolean | None = None
 
@@ -140,14 +180,14 @@ class SamplingFields(RequestBody):
     logit_bias: (
         Annotated[
             dict[TokenIdKey, Annotated[Number, Field(ge=-100.0, le=100.0, allow_inf_nan=False)]],
-            Field(json_schema_extra={"additionalProperties": False}),
+            Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False}),
         ]
         | None
     ) = None
     """Token id (as a string, as JSON keys are) to a bias added to its logit."""
     stream: Boolean = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
     # vLLM extras
     top_k: Annotated[Integer, Field(ge=-1, le=INT32)] | None = None
     """-1 or 0 disables top-k."""
@@ -157,14 +197,14 @@ class SamplingFields(RequestBody):
     ignore_eos: Boolean = False
     num_speculative_tokens: Annotated[Integer, Field(ge=0, le=16)] | None = None
     """stoker: most draft tokens per step for this request (0: no speculation; None: the server's setting)."""
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     skip_special_tokens: Boolean = True
     # structured output: OpenAI's response_format, vLLM's guided_* and structured_outputs
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
     """A JSON schema (object or string) the output must satisfy."""
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: Choices | None = None
     guided_grammar: str | None = None
     """A Lark grammar (llguidance's dialect) or a GBNF grammar (llama.cpp's, with `root ::=`)."""
     structured_outputs: StructuredOutputs | None = None
@@ -182,17 +222,17 @@ class StreamOptions(BaseModel):
     include_usage: Boolean = False
 
 
-class TextPart(BaseModel):
+class TextPart(OpenObject):
     """Only text content parts are supported (no images or audio)."""
 
-    model_config = ConfigDict(extra="allow")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenObject):
     # Content may be absent only on an assistant turn (one that carries tool
     # calls): checked here for every route that takes messages, and stated in the schema.
+    # Unknown keys (tool_calls, tool_call_id, ...) reach the chat template.
     model_config = ConfigDict(
         extra="allow",
         json_schema_extra={
@@ -201,8 +241,8 @@ class ChatMessage(BaseModel):
         },
     )
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    name: Name | None = None
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
@@ -225,7 +265,7 @@ class Tool(BaseModel):
 
 
 class NamedFunction(BaseModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(BaseModel):
@@ -236,12 +276,12 @@ class NamedToolChoice(BaseModel):
 class ChatTemplateFields(RequestBody):
     """Messages and how the model's chat template renders them (vLLM's names)."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     add_generation_prompt: Boolean = True
     """End the prompt with the opening of an assistant turn, as the template writes it."""
     continue_final_message: Boolean = False
     """Leave the last message open so the reply continues it (a prefilled answer); needs add_generation_prompt false."""
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_TEMPLATE_KWARGS)] | None = None
     """Extra variables for the chat template, e.g. {"enable_thinking": false} for Qwen3's."""
 
     @model_validator(mode="after")
@@ -278,8 +318,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: MaxTokens | None = None
     """Newer OpenAI name for max_tokens; wins when both are given."""
     logprobs: Boolean = False
-    top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    top_logprobs: Annotated[Integer, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     """Default: "auto" with tools, "none" without (as OpenAI)."""
     parallel_tool_calls: Boolean | None = None
@@ -294,17 +334,37 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
 Prompt = (
     Annotated[str, Field(min_length=1)]
-    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)]
-    | Annotated[list[TokenId], Field(min_length=1)]
-    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+    | Annotated[
+        list[Annotated[list[TokenId], Field(min_length=1, max_length=MAX_TOKEN_IDS)]],
+        Field(min_length=1, max_length=MAX_PROMPTS),
+    ]
 )
 # The embedding model has a vocabulary of its own: its ids are not tagged.
 EmbeddingInput = (
     str
-    | Annotated[list[str], Field(min_length=1)]
-    | Annotated[list[NonNegInt], Field(min_length=1)]
-    | Annotated[list[Annotated[list[NonNegInt], Field(min_length=1)]], Field(min_length=1)]
+    | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    | Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_TOKEN_IDS)]
+    | Annotated[
+        list[Annotated[list[NonNegInt], Field(min_length=1, max_length=MAX_TOKEN_IDS)]],
+        Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS),
+    ]
 )
+
+
+def check_prompt_lengths(value: Any, field: str, max_items: int) -> Any:
+    """The bound of the shape given (a list of ids or a list of prompts), named
+    before the union's validation, which would name whichever branch it tried first."""
+    if isinstance(value, list) and value:
+        ids = isinstance(value[0], int)
+        limit, what = (MAX_TOKEN_IDS, "token ids") if ids else (max_items, "items")
+        if len(value) > limit:
+            raise ValueError(f"{field} holds {len(value)} {what}; at most {limit} are accepted")
+        for i, item in enumerate(value if not ids else ()):
+            if isinstance(item, list) and len(item) > MAX_TOKEN_IDS:
+                raise ValueError(f"{field}[{i}] holds {len(item)} token ids; at most {MAX_TOKEN_IDS} are accepted")
+    return value
 
 
 def chat_request_from(chat: dict[str, Any], param: str) -> ChatCompletionRequest:
@@ -326,10 +386,15 @@ class CompletionRequest(SamplingFields):
     """0 (with echo) returns the prompt alone, e.g. to score it with logprobs."""
     echo: Boolean = False
     """Prepend the prompt to the text; with logprobs, the prompt tokens' logprobs too."""
-    logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[Integer, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     best_of: Annotated[Integer, Field(ge=1, le=64)] | None = None
-    prompt_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    prompt_logprobs: Annotated[Integer, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     """vLLM extension: each prompt token's logprob, rank and this many top alternatives."""
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_prompt(cls, value: Any) -> Any:
+        return check_prompt_lengths(value, "prompt", MAX_PROMPTS)
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -341,10 +406,15 @@ class CompletionRequest(SamplingFields):
 class EmbeddingRequest(RequestBody):
     _unsupported: ClassVar[tuple[str, ...]] = ("dimensions",)
 
-    model: str | None = None
+    model: Name | None = None
     input: EmbeddingInput
     encoding_format: Literal["float", "base64"] = "float"
-    user: str | None = None
+    user: Name | None = None
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _bounded_input(cls, value: Any) -> Any:
+        return check_prompt_lengths(value, "input", MAX_EMBEDDING_INPUTS)
 
 
 class TokenizeCompletionRequest(RequestBody):
@@ -365,7 +435,7 @@ TokenizeRequest = TokenizeCompletionRequest | TokenizeChatRequest
 
 class DetokenizeRequest(RequestBody):
     model: ModelName | None = None
-    tokens: list[TokenId]
+    tokens: TokenIds
 
 
 def flatten_prompts(prompt: Any) -> list[str | list[int]]:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from stoker.engine.client import AsyncEngineClient
+from stoker.errors import APIError
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, ModelVersion, ServedModel
-from stoker.server.hooks import ServerHooks
+from stoker.server.hooks import AdmissionInfo, FinishedRecord, ServerHooks
 from stoker.server.protocol import unavailable
 from stoker.server.responses_store import ResponseStore
 
@@ -94,3 +97,30 @@ def get_state(request: Request) -> ServerState:
 async def run_before_hooks(request: Request) -> None:
     """FastAPI dependency on every API route: authentication and limits plug in here."""
     await get_state(request).hooks.run_before(request)
+
+
+# Endpoints whose work never enters an engine's queue: admitted against the
+# key's quotas (model allow-list, budget, rate) but not against engine capacity.
+OUTSIDE_ENGINE = frozenset({"embedding", "tokenize", "detokenize", "render", "count_tokens"})
+
+
+@contextlib.asynccontextmanager
+async def admitted(request: Request, endpoint: str, model: str) -> AsyncIterator[None]:
+    """Tokenizer work (/tokenize, /detokenize, render, count_tokens) admitted as
+    generation is, before any of it runs: the key's model allow-list (403), its
+    budget and its request rate (429). Its tokens never reach an engine, so they
+    are not metered (tpm, budget); the finished hook runs however it ends."""
+    state = get_state(request)
+    info = AdmissionInfo(endpoint=endpoint, model=model, prompt_tokens=0, max_tokens=0, n=1, stream=False)
+    await state.hooks.run_admit(request, info)
+    status = 500
+    try:
+        yield
+        status = 200
+    except APIError as exc:
+        status = exc.status
+        raise
+    finally:
+        state.hooks.run_finished(
+            FinishedRecord(request_id="", endpoint=endpoint, model=model, status=status, http_request=request)
+        )

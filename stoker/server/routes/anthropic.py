@@ -18,11 +18,12 @@ from stoker.server.anthropic_api import (
     tool_use_block,
     usage,
 )
+from stoker.server.bounds import offload
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.routes.openai import STREAMED, chat_job, chat_prompt_ids, run
 from stoker.server.serving import Job, sse
-from stoker.server.state import ServerState, get_state, run_before_hooks
+from stoker.server.state import ServerState, admitted, get_state, run_before_hooks
 from stoker.server.tools import parse_reply, plan_tools
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
@@ -38,8 +39,10 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
     """The prompt's tokens as /v1/messages would render it (tools included)."""
     version = get_state(request).version_for(body.model)
-    chat = as_chat_request(body)
-    ids = chat_prompt_ids(chat, version.tokenizer, plan_tools(chat, None, version.tokenizer))
+    async with admitted(request, "count_tokens", version.name):
+        chat = as_chat_request(body)
+        tokenizer = version.tokenizer
+        ids = await offload(lambda: chat_prompt_ids(chat, tokenizer, plan_tools(chat, None, tokenizer)))
     return {"input_tokens": len(ids)}
 
 

@@ -5,11 +5,12 @@ engine's step loop never waits for it."""
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, Request
 
 from stoker.errors import APIError
+from stoker.server.bounds import offload
 from stoker.server.hooks import AdmissionInfo, FinishedRecord
 from stoker.server.protocol import (
     EmbeddingRequest,
@@ -18,6 +19,9 @@ from stoker.server.protocol import (
     unavailable,
 )
 from stoker.server.state import get_state, run_before_hooks
+
+if TYPE_CHECKING:
+    from stoker.models.embedding import EmbeddingBatcher
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 
@@ -41,22 +45,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
             param="model",
             code="model_not_found",
         )
-    model = embedder.model
-    inputs: list[list[int]] = []
-    for i, item in enumerate(flatten_prompts(body.input)):
-        if isinstance(item, str):
-            ids = model.encode_text(item)
-        else:
-            if any(t >= model.config.vocab_size for t in item):
-                raise bad_request(f"input[{i}]: token ids must be in [0, {model.config.vocab_size})", param="input")
-            ids = model.wrap_ids(list(item))
-        if len(ids) > embedder.max_tokens:
-            raise bad_request(
-                f"input[{i}] has {len(ids)} tokens; {embedder.name} accepts at most {embedder.max_tokens}",
-                param="input",
-                code="context_length_exceeded",
-            )
-        inputs.append(ids)
+    inputs = await offload(_encoded, body, embedder)
     tokens = sum(map(len, inputs))
     await state.hooks.run_admit(request, AdmissionInfo("embedding", embedder.name, tokens, 0, 1, False))
     rows = await embedder.embed(inputs)
@@ -82,3 +71,24 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
         "model": embedder.name,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
     }
+
+
+def _encoded(body: EmbeddingRequest, embedder: EmbeddingBatcher) -> list[list[int]]:
+    """Each input as the embedding model's token ids (off the event loop: inputs are up to 2048 texts)."""
+    model = embedder.model
+    inputs: list[list[int]] = []
+    for i, item in enumerate(flatten_prompts(body.input)):
+        if isinstance(item, str):
+            ids = model.encode_text(item)
+        else:
+            if any(t >= model.config.vocab_size for t in item):
+                raise bad_request(f"input[{i}]: token ids must be in [0, {model.config.vocab_size})", param="input")
+            ids = model.wrap_ids(list(item))
+        if len(ids) > embedder.max_tokens:
+            raise bad_request(
+                f"input[{i}] has {len(ids)} tokens; {embedder.name} accepts at most {embedder.max_tokens}",
+                param="input",
+                code="context_length_exceeded",
+            )
+        inputs.append(ids)
+    return inputs

@@ -19,6 +19,7 @@ from stoker.engine.params import (
 )
 from stoker.errors import APIError
 from stoker.models.tokenizer import TEMPLATE_ERRORS, Tokenizer
+from stoker.server.bounds import offload
 from stoker.server.caps import check_cost, check_prompts
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
@@ -43,7 +44,7 @@ from stoker.server.serving import (
     sse,
     until_disconnect,
 )
-from stoker.server.state import ServerState, get_state, run_before_hooks
+from stoker.server.state import ServerState, admitted, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import Constraint, requested_constraint
 from stoker.server.tools import ToolPlan, new_call, parse_reply, plan_tools, prepare_messages
@@ -278,6 +279,14 @@ def chat_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> di
     }
 
 
+def chat_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[ToolPlan, Constraint | None]:
+    """How a chat request's tools are planned and the output constraint it ends up with
+    (grammars built from JSON schemas: run it off the event loop, see bounds.offload)."""
+    constraint = requested_constraint(body)
+    plan = plan_tools(body, constraint, tokenizer)
+    return plan, plan.constraint or constraint
+
+
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
     """The prompt a chat request becomes: its messages (and tools) through the chat template."""
     messages, template_kwargs = prepare_messages(
@@ -326,10 +335,11 @@ async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str
     endpoint). vllm-router's kv_aware policy asks for them and matches them against the KV
     events replicas publish (docs/routers.md)."""
     version = get_state(request).version_for(body.model)
-    plan = plan_tools(body, requested_constraint(body), version.tokenizer)
-    ids = chat_prompt_ids(body, version.tokenizer, plan)
-    # Refused as serving would refuse it: the budget, the token ids, the sampling fields together.
-    sampling_params(body, resolve_max_tokens(version, [ids], chat_max_tokens(body), body), None)
+    async with admitted(request, "render", version.name):
+        plan, _ = await offload(chat_plan, body, version.tokenizer)
+        ids = await offload(chat_prompt_ids, body, version.tokenizer, plan)
+        # Refused as serving would refuse it: the budget, the token ids, the sampling fields together.
+        sampling_params(body, resolve_max_tokens(version, [ids], chat_max_tokens(body), body), None)
     return {"model": version.name, "token_ids": ids}
 
 
@@ -337,8 +347,9 @@ async def render_chat(body: ChatCompletionRequest, request: Request) -> dict[str
 async def render_completion(body: CompletionRequest, request: Request) -> list[dict[str, Any]]:
     """As /v1/chat/completions/render, one entry per prompt (vLLM answers a list here too)."""
     version = get_state(request).version_for(body.model)
-    prompts, _ = completion_prompts(body, version.tokenizer)
-    sampling_params(body, resolve_max_tokens(version, prompts, completion_max_tokens(body), body), None)  # as chat's
+    async with admitted(request, "render", version.name):
+        prompts, _ = await offload(completion_prompts, body, version.tokenizer)
+        sampling_params(body, resolve_max_tokens(version, prompts, completion_max_tokens(body), body), None)  # as chat's
     return [{"model": version.name, "token_ids": ids} for ids in prompts]
 
 
@@ -369,12 +380,10 @@ async def chat_job(body: ChatCompletionRequest, version: ModelVersion, endpoint:
     """The job a chat request becomes (its prompt through the template, its
     budget, sampling and output constraint), and how its tools are planned."""
     tokenizer = version.tokenizer
-    constraint = requested_constraint(body)
-    plan = plan_tools(body, constraint, tokenizer)
-    constraint = plan.constraint or constraint
+    plan, constraint = await offload(chat_plan, body, tokenizer)
     if constraint is not None:
         await version.grammars.check(constraint)
-    ids = chat_prompt_ids(body, tokenizer, plan)
+    ids = await offload(chat_prompt_ids, body, tokenizer, plan)
     max_tokens = resolve_max_tokens(version, [ids], chat_max_tokens(body), body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = sampling_params(body, max_tokens, logprobs, grammar=_grammar(constraint))
@@ -577,14 +586,15 @@ async def completion_attempt(
     body: CompletionRequest, request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
     model = version.name
-    constraint = requested_constraint(body)
+    constraint = await offload(requested_constraint, body)
     if constraint is not None:
         await version.grammars.check(constraint)
     tokenizer = version.tokenizer
-    prompts, texts = completion_prompts(body, tokenizer)
+    prompts, texts = await offload(completion_prompts, body, tokenizer)
     max_tokens = resolve_max_tokens(version, prompts, completion_max_tokens(body), body)
     if body.echo:
-        texts = [t if t is not None else tokenizer.decode(ids) for t, ids in zip(texts, prompts)]
+        given = texts
+        texts = await offload(lambda: [t if t is not None else tokenizer.decode(ids) for t, ids in zip(given, prompts)])
     # echo + logprobs scores the prompt too: the engine's prompt_logprobs, at the larger top-N asked for.
     asked = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
     params = sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None, _grammar(constraint))

@@ -6,8 +6,11 @@ import os
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 
 from stoker.errors import APIError
+from stoker.models.tokenizer import Tokenizer
+from stoker.server.bounds import offload
 from stoker.server.protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
@@ -15,7 +18,8 @@ from stoker.server.protocol import (
     bad_request,
 )
 from stoker.server.routes.openai import template_ids
-from stoker.server.state import get_state, run_before_hooks
+from stoker.server.state import admitted, get_state, run_before_hooks
+from stoker.server.strict_json import StrictJSONResponse, dumps
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 
@@ -25,6 +29,8 @@ async def list_models(request: Request) -> dict[str, Any]:
     """OpenAI's model list, plus vLLM's root/max_model_len and the version in use:
     its digest (the pin operators compare) and, during a canary, the canary's."""
     state = get_state(request)
+    # vLLM's root is the model's path: only an admin key sees it, any other caller the served name.
+    admin = bool(getattr(getattr(request.state, "api_key", None), "is_admin", False))
     data = []
     for model in state.fleet.models.values() if state.loaded else []:
         stable = model.stable
@@ -33,7 +39,7 @@ async def list_models(request: Request) -> dict[str, Any]:
             "object": "model",
             "created": int(stable.ready_at or state.started),
             "owned_by": "stoker",
-            "root": os.path.abspath(stable.spec.path),
+            "root": os.path.abspath(stable.spec.path) if admin else model.name,
             "max_model_len": stable.engine.info.max_model_len if stable.engine.info else None,
             "version": stable.label,
             "digest": stable.digest,
@@ -74,21 +80,37 @@ async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     )
 
 
-@router.post("/tokenize")
-async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    version = get_state(request).version_for(body.model)
-    tokenizer = version.tokenizer
+# Ids rendered as JSON per slice: json.dumps holds the GIL for the whole list,
+# which for a multi-megabyte prompt would stall the event loop from this thread.
+RENDER_SLICE = 16_384
+
+
+def _tokenized(body: TokenizeRequest, tokenizer: Tokenizer, max_model_len: int) -> Response:
     if isinstance(body, TokenizeChatRequest):
         tokens = template_ids(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages], body)
     else:
         tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": version.max_model_len}
+    ids = ",".join(dumps(tokens[i : i + RENDER_SLICE])[1:-1] for i in range(0, len(tokens), RENDER_SLICE))
+    content = f'{{"tokens":[{ids}],"count":{len(tokens)},"max_model_len":{int(max_model_len)}}}'
+    return Response(content, media_type="application/json")
+
+
+# The response classes are given for /openapi.json: the answers are built off the event loop, as responses.
+@router.post("/tokenize", response_class=StrictJSONResponse)
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    version = get_state(request).version_for(body.model)
+    async with admitted(request, "tokenize", version.name):
+        return await offload(_tokenized, body, version.tokenizer, version.max_model_len)
+
+
+def _detokenized(tokens: list[int], tokenizer: Tokenizer, vocab: int) -> dict[str, Any]:
+    if any(t >= vocab for t in tokens):
+        raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": tokenizer.decode(tokens)}
 
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     version = get_state(request).version_for(body.model)
-    vocab = version.vocab_size or 0
-    if any(t >= vocab for t in body.tokens):
-        raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": version.tokenizer.decode(body.tokens)}
+    async with admitted(request, "detokenize", version.name):
+        return await offload(_detokenized, body.tokens, version.tokenizer, version.vocab_size or 0)
