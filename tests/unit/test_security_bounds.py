@@ -13,19 +13,21 @@ server that does not know them (and fails there on the behaviour, not on a flag)
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, ServerProcess, start_server
+from conftest import FAKE_CORE, REPO, ServerProcess, start_server
 
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
-from stoker.server import bounds
 
 pytestmark = pytest.mark.timeout(300)
 CHAT = [{"role": "user", "content": "hi"}]
@@ -77,7 +79,27 @@ def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "hi", "max_tokens": 2, **fields}
 
 
-B = bounds
+# The documented maxima (docs/server.md, "Request bounds"), written out: the test
+# holds the server to the documentation, and test_docs_list_every_bound the
+# documentation to the code.
+B = SimpleNamespace(
+    MAX_MESSAGES=2048,
+    MAX_CONTENT_PARTS=1024,
+    MAX_TOOLS=128,
+    MAX_STOP_STRINGS=64,
+    MAX_STOP_STRING_CHARS=1024,
+    MAX_STOP_TOKEN_IDS=256,
+    MAX_LOGIT_BIAS=300,
+    MAX_TOP_LOGPROBS=20,
+    MAX_CHOICES=1024,
+    MAX_TEMPLATE_KWARGS=64,
+    MAX_PROMPTS=2048,
+    MAX_TOKEN_IDS=262_144,
+    MAX_EMBEDDING_INPUTS=2048,
+    MAX_EXTRA_FIELDS=64,
+    MAX_NAME_CHARS=256,
+    MAX_INCLUDE=16,
+)
 # (path, body, what the message must name, the documented maximum)
 OVER_THE_BOUND: list[tuple[str, dict[str, Any], str, int]] = [
     ("/v1/chat/completions", chat(messages=CHAT * (B.MAX_MESSAGES + 1)), "messages", B.MAX_MESSAGES),
@@ -300,3 +322,19 @@ def test_health_answers_while_a_big_tokenize_runs(real_server: ServerProcess) ->
     assert max(latencies) < 0.2, (
         f"/health took up to {max(latencies):.3f} s ({len(latencies)} polls) during a {done['seconds']:.1f} s /tokenize"
     )
+
+
+def test_docs_list_every_bound() -> None:
+    """docs/server.md's "Request bounds" table names every constant of stoker/server/bounds.py
+    with its value, and the values this test holds the server to are those."""
+    from stoker.server import bounds
+
+    with open(os.path.join(REPO, "docs", "server.md")) as f:
+        docs = f.read()
+    section = docs.split("## Request bounds", 1)[1].split("\n## ", 1)[0]
+    constants = {name: value for name, value in vars(bounds).items() if name.startswith("MAX_")}
+    assert constants == vars(B)
+    for name, value in constants.items():
+        row = re.search(rf"^\|[^\n]*`{name}`[^\n]*$", section, re.MULTILINE)
+        assert row is not None, f"{name} is not in the Request bounds table"
+        assert re.search(rf"\b{value:,}\b|\b{value}\b", row.group(0)), f"{name}: {value} not in {row.group(0)}"
