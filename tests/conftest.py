@@ -38,6 +38,12 @@ class ServerProcess:
     proc: subprocess.Popen
     port: int
     log_path: str
+    key: str | None = None
+    """On a server with keys: the key engine_stats and store_failures read /ready's
+    details and /metrics with (an admin key, or one with the metrics scope)."""
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.key}"} if self.key else {}
 
     @property
     def url(self) -> str:
@@ -133,14 +139,14 @@ def auth(secret: str, **headers: str) -> dict[str, str]:
 
 def engine_stats(server: ServerProcess) -> dict:
     """The engine's latest stats snapshot, as /ready reports it."""
-    return httpx.get(f"{server.url}/ready", timeout=5).json()["engine_stats"]
+    return httpx.get(f"{server.url}/ready", headers=server.headers(), timeout=5).json()["engine_stats"]
 
 
 def store_failures(server: ServerProcess, store: str) -> dict[str, float]:
     """stoker:store_failures_total{store=...} by operation, as the server's /metrics shows it."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    body = httpx.get(f"{server.url}/metrics", timeout=5).text
+    body = httpx.get(f"{server.url}/metrics", headers=server.headers(), timeout=5).text
     return {
         sample.labels["operation"]: sample.value
         for family in text_string_to_metric_families(body)

@@ -28,6 +28,7 @@ def served(tmp_path_factory):
     db = str(tmp / "stoker.db")
     store = KeyStore(open_db(db))
     secrets = {"interactive": store.create("fg")[1], "batch": store.create("bg", priority="batch")[1]}
+    ops = store.create("ops", scopes=["metrics"])[1]  # /ready's details and /metrics need a key here
     server = start_server(
         [
             "--max-model-len",
@@ -43,6 +44,7 @@ def served(tmp_path_factory):
         str(tmp),
         ready_timeout=600,
     )
+    server.key = ops
     try:
         yield server, secrets, db
     finally:
@@ -101,12 +103,12 @@ async def test_metrics_move_with_the_real_engine(served) -> None:
         "vllm:iteration_tokens_total_count",
     ]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-        before = (await http.get("/metrics")).text
+        before = (await http.get("/metrics", headers=server.headers())).text
         for _ in range(2):
             r = await http.post("/v1/completions", json=body(6), headers=auth(secrets["interactive"]))
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
         await asyncio.sleep(0.6)  # engine counters arrive with its next stats push
-        after = (await http.get("/metrics")).text
+        after = (await http.get("/metrics", headers=server.headers())).text
     delta = {n: sample(after, n) - sample(before, n) for n in names}
     assert delta["vllm:time_to_first_token_seconds_count"] == 2, delta
     assert delta["vllm:inter_token_latency_seconds_count"] == 2 * 5, delta
@@ -130,13 +132,13 @@ async def test_speculation_counters_and_log_line(served) -> None:
     names = ["vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total"]
     names += ["vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"]
     async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
-        before = (await http.get("/metrics")).text
+        before = (await http.get("/metrics", headers=server.headers())).text
         r = await http.post(
             "/v1/completions", json=request, headers={**auth(secrets["interactive"]), "X-Request-Id": "spec-1"}
         )
         assert r.status_code == 200, r.text
         await asyncio.sleep(0.6)
-        after = (await http.get("/metrics")).text
+        after = (await http.get("/metrics", headers=server.headers())).text
     delta = {n: sample(after, n) - sample(before, n) for n in names}
     assert delta["vllm:spec_decode_num_drafts_total"] > 0, delta
     assert 0 < delta["vllm:spec_decode_num_accepted_tokens_total"] <= delta["vllm:spec_decode_num_draft_tokens_total"]

@@ -47,6 +47,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
             "smol-only",
             "--models",
             "smol,all-MiniLM-L6-v2",
+            # /metrics below takes the metrics scope
+            "--scope",
+            "inference",
+            "--scope",
+            "metrics",
             "--json",
         ],
         capture_output=True,
@@ -90,7 +95,7 @@ def test_each_model_has_its_own_engine_and_metrics(served: tuple[ServerProcess, 
     open_client = httpx.Client(base_url=server.url, headers=auth(secret), timeout=60)
     body = {"model": "smol", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
     assert open_client.post("/v1/completions", json=body).status_code == 200
-    ready = httpx.get(f"{server.url}/ready").json()
+    ready = httpx.get(f"{server.url}/ready", headers=auth(secret)).json()
     assert set(ready["models"]) == {"smol", "tiny"} and all(m["ready"] for m in ready["models"].values())
     time.sleep(0.6)
     metrics = httpx.get(f"{server.url}/metrics", headers=auth(secret)).text
@@ -111,10 +116,10 @@ def test_a_key_without_the_fallback_model_is_not_served_by_it(served: tuple[Serv
     listing = httpx.get(f"{server.url}/v1/models", headers=auth(secret)).json()["data"]
     assert listing[0]["digest"].startswith("sha256:")
     # The key may use smol only: with smol's engine gone, it gets smol's 503, not tiny's answer.
-    pid = httpx.get(f"{server.url}/ready").json()["engine_pid"]
+    pid = httpx.get(f"{server.url}/ready", headers=auth(secret)).json()["engine_pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10
-    while httpx.get(f"{server.url}/ready").json()["models"]["smol"]["ready"]:
+    while httpx.get(f"{server.url}/ready", headers=auth(secret)).json()["models"]["smol"]["ready"]:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     body = {"model": "smol", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

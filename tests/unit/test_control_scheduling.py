@@ -40,6 +40,7 @@ def served(tmp_path_factory):
         "interactive": store.create("fg", priority="interactive")[1],
         "batch": store.create("bg", priority="batch")[1],
     }
+    ops = store.create("ops", scopes=["metrics"])[1]  # /ready's details and /metrics need a key here
     server = start_server(
         [
             "--engine-core",
@@ -56,6 +57,7 @@ def served(tmp_path_factory):
         str(tmp),
         env={"STOKER_FAKE_STEP_S": str(STEP_S)},
     )
+    server.key = ops
     try:
         yield server, secrets, db
     finally:
@@ -142,7 +144,7 @@ async def test_deadline_drop_is_504_timeout_and_a_late_one_ends_with_abort(serve
             json={"prompt": "q", "max_tokens": 100, "timeout": 0.5},
             headers=auth(key, **{"x-request-id": "dl-running"}),
         )
-        metrics = (await http.get("/metrics")).text
+        metrics = (await http.get("/metrics", headers=server.headers())).text
 
     assert dropped.status_code == 504, dropped.text
     error = dropped.json()["error"]

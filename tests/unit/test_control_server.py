@@ -111,7 +111,8 @@ def test_control_plane_in_the_real_server(served) -> None:
         assert len(keys) == 4
         assert http.get("/admin/keys", headers=bearer(secrets["user"])).status_code == 403
 
-        metrics = http.get("/metrics").text
+        assert http.get("/metrics").status_code == 401  # keys exist: /metrics takes one with the metrics scope
+        metrics = http.get("/metrics", headers=bearer(secrets["admin"])).text
         assert 'vllm:request_success_total{finished_reason="length",model_name="fake-model"}' in metrics
         assert 'stoker:rate_limit_rejections_total{limit="requests"} 1.0' in metrics
         assert (
@@ -134,8 +135,9 @@ def test_control_plane_in_the_real_server(served) -> None:
     by_id = {x.get("client_request_id"): x for x in lines}
     assert by_id["no-model"]["status"] == 404 and by_id["no-model"]["key_name"] == "root"
     assert by_id["bad-dl"]["status"] == 400
-    # one line per request, refusals included (two from test_anthropic_clients_key_in_x_api_key)
-    assert sum(x["status"] == 401 for x in lines) == 4
+    # one line per request, refusals included (two from test_anthropic_clients_key_in_x_api_key,
+    # one from /metrics without a key)
+    assert sum(x["status"] == 401 for x in lines) == 5
     with open_db(db).connect() as conn:
         rows = conn.execute(select(usage)).fetchall()
     assert len(rows) == 6  # every admitted request (3 user, 2 budget, the x-api-key one), written by shutdown

@@ -53,11 +53,12 @@ OTHER_ROUTER_FIELDS = {
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
-    """A replica with API keys (admin and user) answering /get_load in vllm-router's shape."""
+    """A replica with API keys (admin, user, router) answering /get_load in vllm-router's shape."""
     tmp = tmp_path_factory.mktemp("workers-keyed")
     db = str(tmp / "stoker.db")
     store = KeyStore(open_db(db))
     secrets = {name: store.create(name, admin=name == "admin")[1] for name in ("admin", "user")}
+    secrets["router"] = store.create("router", scopes=["router"])[1]
     server = start_server(
         ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--get-load-format", "vllm"],
         str(tmp),
@@ -99,9 +100,10 @@ def test_get_load_in_sglang_shape_follows_the_engine(fake_server) -> None:
             assert http.get("/get_load").json()[0]["num_reqs"] >= 1
 
 
-def test_get_load_in_vllm_shape_needs_no_key(keyed) -> None:
-    server, _ = keyed
-    response = httpx.get(f"{server.url}/get_load", timeout=10)
+def test_get_load_in_vllm_shape_takes_a_router_key(keyed) -> None:
+    server, secrets = keyed
+    assert httpx.get(f"{server.url}/get_load", timeout=10).status_code == 401
+    response = httpx.get(f"{server.url}/get_load", headers=bearer(secrets["router"]), timeout=10)
     assert response.status_code == 200
     assert response.json() == {"load": 0}
 
@@ -146,9 +148,10 @@ def test_render_gives_the_token_ids_a_request_would_be_served_with(fake_server) 
         assert untemplated.status_code == 400, untemplated.text
 
 
-def test_flush_cache_drops_the_unused_prefix_blocks_once(fake_server) -> None:
-    with httpx.Client(base_url=fake_server.url, timeout=30) as http:
-        done = http.post("/v1/completions", json={"prompt": "y" * 40, "max_tokens": 2})
+def test_flush_cache_drops_the_unused_prefix_blocks_once(keyed) -> None:
+    server, secrets = keyed
+    with httpx.Client(base_url=server.url, timeout=30, headers=bearer(secrets["router"])) as http:
+        done = http.post("/v1/completions", json={"prompt": "y" * 40, "max_tokens": 2}, headers=bearer(secrets["user"]))
         assert done.status_code == 200
         first = http.post("/flush_cache")
         assert first.status_code == 200, first.text
@@ -157,16 +160,21 @@ def test_flush_cache_drops_the_unused_prefix_blocks_once(fake_server) -> None:
         assert http.post("/flush_cache").json()["num_blocks"] == 0
 
 
-def test_flush_cache_takes_an_admin_key_once_keys_exist(keyed) -> None:
+def test_flush_cache_takes_a_router_or_admin_key_and_is_shut_in_open_mode(keyed, fake_server) -> None:
     server, secrets = keyed
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.post("/flush_cache").status_code == 401
         refused = http.post("/flush_cache", headers=bearer(secrets["user"]))
         assert refused.status_code == 403
         assert refused.json()["error"]["code"] == "insufficient_permissions"
+        assert http.post("/flush_cache", headers=bearer(secrets["router"])).status_code == 200
         assert http.post("/flush_cache", headers=bearer(secrets["admin"])).status_code == 200
-        # Load and identity stay open, like /health and /ready: routers poll them without keys.
-        assert http.get("/server_info").status_code == 200
+        # Identity takes the router scope too; the probes do not.
+        assert http.get("/server_info").status_code == 401
+        assert http.get("/server_info", headers=bearer(secrets["router"])).status_code == 200
+        assert http.get("/ready").status_code == 200
+    open_mode = httpx.post(f"{fake_server.url}/flush_cache", timeout=30)  # no key exists: no operator action
+    assert open_mode.status_code == 403 and "stoker keys create" in open_mode.text
 
 
 @pytest.mark.parametrize("extra", [SGLANG_ROUTER_CHAT_FIELDS, VLLM_ROUTER_CHAT_FIELDS, OTHER_ROUTER_FIELDS])
@@ -226,6 +234,7 @@ def test_identity_is_answered_while_the_model_loads(tmp_path) -> None:
     """sglang-router registers a worker as soon as /health answers and keeps the
     labels it read then: /server_info must name the model before it is loaded."""
     port = free_port()
+    admin = bearer(KeyStore(open_db(str(tmp_path / "stoker.db"))).create("admin", admin=True)[1])
     env = {
         **os.environ,
         "STOKER_DB": str(tmp_path / "stoker.db"),
@@ -247,15 +256,15 @@ def test_identity_is_answered_while_the_model_loads(tmp_path) -> None:
                 assert time.monotonic() < deadline and proc.poll() is None, server.log()[-2000:]
                 time.sleep(0.1)
         assert ready.status_code == 503  # still loading
-        info = httpx.get(f"{server.url}/server_info", timeout=10)
+        info = httpx.get(f"{server.url}/server_info", headers=admin, timeout=10)
         assert info.status_code == 200, info.text
         assert info.json()["served_model_name"] == "fake-model"
         assert info.json()["loaded"] is False and info.json()["max_model_len"] is None
         assert os.path.isabs(info.json()["model_path"])
-        assert httpx.get(f"{server.url}/get_load", timeout=10).status_code == 200
-        assert httpx.post(f"{server.url}/flush_cache", timeout=10).status_code == 503
+        assert httpx.get(f"{server.url}/get_load", headers=admin, timeout=10).status_code == 200
+        assert httpx.post(f"{server.url}/flush_cache", headers=admin, timeout=10).status_code == 503
         server.wait_ready(60)
-        loaded = httpx.get(f"{server.url}/model_info", timeout=10).json()
+        loaded = httpx.get(f"{server.url}/model_info", headers=admin, timeout=10).json()
         assert loaded["served_model_name"] == "fake-model" and loaded["loaded"] is True
         assert loaded["max_model_len"] == 256
     finally:

@@ -36,6 +36,7 @@ def replicas(tmp_path_factory):
         "concurrent": store.create("concurrent", max_concurrent=2)[1],
         "plain": store.create("plain")[1],
         "tpm": store.create("tpm", tpm=2000)[1],
+        "metrics": store.create("metrics", scopes=["metrics"])[1],
     }
     args = ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--redis-url", redis.url]
     env = {"STOKER_DB": db, "STOKER_FAKE_STEP_S": "0.02"}
@@ -43,6 +44,7 @@ def replicas(tmp_path_factory):
     try:
         for _ in range(2):
             servers.append(start_server(args, str(tmp), env=env))
+            servers[-1].key = secrets["metrics"]  # /metrics takes a metrics-scope key
         yield servers, redis, secrets
     finally:
         for server in servers:
