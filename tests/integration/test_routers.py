@@ -5,6 +5,9 @@ router. Checks that chat, streamed chat and completions succeed, that round
 robin spread them over both replicas, and that the routers' probes left no
 warnings in the replicas' logs; and that vllm-router's kv_aware policy, fed the
 replicas' KV events, sends a request to the replica holding its prefix.
+The replicas run with keys, as deploy/ does: a key with the router scope (and
+inference, since sglang-router sends its one --api-key on every call) for
+sglang-router, and the client's own key passed through vllm-router.
 Skipped only when a router binary cannot run here."""
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, engine_stats, free_port, start_server
+from conftest import ServerProcess, auth, engine_stats, free_port, start_server
+
+from stoker.control.db import open_db
+from stoker.control.keys import KeyStore
 
 # Each test gets 90 s; the replicas' start is bounded on its own (REPLICA_READY_S,
 # in parallel): on a loaded 2-core machine loading the model alone took 50 s.
@@ -33,6 +39,11 @@ REPLICA_ARGS = ["--no-embedding-model", "--num-kv-blocks", "64", "--max-num-seqs
 BIN = os.path.dirname(sys.executable)
 
 
+# The replicas' keys (docs/routers.md, "Keys"): "router" has the router and inference
+# scopes (sglang-router's --api-key), "client" is an application's inference key.
+KEYS: dict[str, str] = {}
+
+
 def router_command(kind: str, port: int, workers: list[str], policy: str = "round_robin") -> list[str]:
     """The command docs/routers.md gives, on free ports, with round robin. Both
     routers also serve Prometheus metrics on a port of their own (29000 by
@@ -42,7 +53,8 @@ def router_command(kind: str, port: int, workers: list[str], policy: str = "roun
         return [os.path.join(BIN, "sglang-router"), "launch", "--host", "127.0.0.1", "--port", str(port),
                 "--worker-urls", *workers, "--policy", "round_robin",
                 "--health-check-endpoint", "/ready",
-                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]  # fmt: skip
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                *(["--api-key", KEYS["router"]] if KEYS else [])]  # fmt: skip
     command = [os.path.join(BIN, "vllm-router"), "--host", "127.0.0.1", "--port", str(port),
                "--worker-urls", *workers, "--policy", policy,
                "--health-check-endpoint", "/ready", "--prometheus-port", str(free_port())]  # fmt: skip
@@ -73,16 +85,24 @@ KV_EVENTS: dict[str, str] = {}
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     tmp = str(tmp_path_factory.mktemp("router-replicas"))
+    db = os.path.join(tmp, "keys.db")  # one key database for both replicas
+    store = KeyStore(open_db(db))
+    KEYS["router"] = store.create("router", scopes=["inference", "router"])[1]
+    KEYS["client"] = store.create("client")[1]
+    store.engine.dispose()
     endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
         starting = [
-            pool.submit(start_server, [*REPLICA_ARGS, "--kv-events-endpoint", e], tmp, None, REPLICA_READY_S)
+            pool.submit(
+                start_server, [*REPLICA_ARGS, "--kv-events-endpoint", e], tmp, {"STOKER_DB": db}, REPLICA_READY_S
+            )
             for e in endpoints
         ]
         servers = []
         try:
             for future in starting:
                 servers.append(future.result())
+                servers[-1].key = KEYS["router"]
             KV_EVENTS.update({server.url: e for server, e in zip(servers, endpoints)})
             yield servers
         finally:
@@ -98,6 +118,12 @@ def served_requests(server: ServerProcess, since: int) -> int:
     return sum(1 for line in lines if '"status":200' in line and any(path in line for path in generation))
 
 
+def client_key(kind: str) -> str:
+    """What a client sends: sglang-router demands its own --api-key (and sends it on);
+    vllm-router passes the client's own key through."""
+    return KEYS["router"] if kind == "sglang" else KEYS["client"]
+
+
 def start_router(
     kind: str, workers: list[str], log_path: str, policy: str = "round_robin"
 ) -> tuple[subprocess.Popen[bytes], str]:
@@ -111,7 +137,7 @@ def start_router(
             with open(log_path, errors="replace") as f:
                 raise RuntimeError(f"{kind}-router exited with {proc.returncode}:\n{f.read()[-3000:]}")
         try:
-            models = httpx.get(f"{url}/v1/models", timeout=2)
+            models = httpx.get(f"{url}/v1/models", headers=auth(client_key(kind)), timeout=2)
             if models.status_code == 200 and MODEL in models.text:
                 return proc, url
         except httpx.HTTPError:
@@ -127,7 +153,7 @@ def test_openai_client_through_router(kind: str, replicas: list[ServerProcess], 
     marks = [len(server.log()) for server in replicas]
     proc, url = start_router(kind, [server.url for server in replicas], str(tmp_path / f"{kind}-router.log"))
     try:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=client_key(kind), max_retries=0, timeout=60)
         messages = [{"role": "user", "content": "Say hello."}]
         for _ in range(2):
             chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
@@ -141,7 +167,11 @@ def test_openai_client_through_router(kind: str, replicas: list[ServerProcess], 
         assert text
         completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4)
         assert completion.choices[0].text
-        assert httpx.post(f"{url}/flush_cache", timeout=30).status_code == 200
+        flushed = httpx.post(f"{url}/flush_cache", headers=auth(KEYS["router"]), timeout=30)
+        if kind == "sglang":  # it sends its --api-key, a router-scope key, to every replica
+            assert flushed.status_code == 200, flushed.text
+        else:  # vllm-router sends no key of its own: the replicas refuse (docs/routers.md, "Keys")
+            assert "401" in flushed.text or flushed.status_code != 200, flushed.text
     finally:
         proc.terminate()
         proc.wait(10)
@@ -160,7 +190,7 @@ def test_kv_aware_routes_to_the_replica_holding_the_prefix(replicas: list[Server
     with --policy kv_aware, must all reach the replica that holds it, and hit its cache."""
     require_router("vllm")
     for server in replicas:
-        assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+        assert httpx.post(f"{server.url}/flush_cache", headers=server.headers(), timeout=30).status_code == 200
     proc, url = start_router("vllm", [server.url for server in replicas], str(tmp_path / "kv-router.log"), "kv_aware")
     try:
         # Events published before the router subscribed are lost to it (PUB keeps nothing for late joiners).
@@ -168,7 +198,12 @@ def test_kv_aware_routes_to_the_replica_holding_the_prefix(replicas: list[Server
         # ~170 tokens each (10 KV blocks of 16), different from the first word on.
         prefixes = [" ".join(f"{word}{i}" for i in range(60)) for word in ("alpha", "omega")]
         for server, prefix in zip(replicas, prefixes):
-            done = httpx.post(f"{server.url}/v1/completions", json={"prompt": prefix, "max_tokens": 1}, timeout=60)
+            done = httpx.post(
+                f"{server.url}/v1/completions",
+                json={"prompt": prefix, "max_tokens": 1},
+                headers=server.headers(),
+                timeout=60,
+            )
             assert done.status_code == 200, done.text
         time.sleep(0.5)  # the router's subscriber polls every 10 ms
         marks = [len(server.log()) for server in replicas]
@@ -176,14 +211,16 @@ def test_kv_aware_routes_to_the_replica_holding_the_prefix(replicas: list[Server
         # Replica 1's prefix first: a router that ignored the events would pick replica 0 for an idle tie.
         for holder in (1, 0, 1, 0):
             body = {"model": MODEL, "prompt": f"{prefixes[holder]} and then {holder}", "max_tokens": 1}
-            assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+            routed = httpx.post(f"{url}/v1/completions", json=body, headers=auth(KEYS["client"]), timeout=60)
+            assert routed.status_code == 200, routed.text
     finally:
         proc.terminate()
         proc.wait(10)
     served = [served_requests(server, mark) for server, mark in zip(replicas, marks)]
     assert served == [2, 2], f"kv_aware sent the prefixes elsewhere: {served}"
     for server, prefix, before in zip(replicas, prefixes, hits):
-        tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": prefix}, timeout=10).json()["count"]
+        counted = httpx.post(f"{server.url}/tokenize", json={"prompt": prefix}, headers=server.headers(), timeout=10)
+        tokens = counted.json()["count"]
         assert tokens >= 8 * 16
         # Both requests reused the prefix's full blocks (but perhaps the last, its tokenization may change).
         assert engine_stats(server)["prefix_cache_hits"] - before >= 2 * (tokens // 16 - 1) * 16
