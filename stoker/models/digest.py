@@ -12,6 +12,11 @@ comes from
 
 README files, images and hidden folders (.git, .cache) do not count, so
 editing a model card does not change which version a pin accepts.
+
+Only regular files are read (a symlink counts as what it points to): a
+device (/dev/zero) or a FIFO never ends or never answers, so it is refused
+before a byte is read. A caller that bounds the time it waits passes a
+threading.Event: once set, hashing stops at its next chunk (DigestCancelled).
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
+import threading
 from pathlib import Path
 
 DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -26,19 +33,40 @@ PINNED_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model", ".txt", "
 _CHUNK = 8 << 20
 
 
-def file_sha256(path: str | Path) -> str:
+class DigestCancelled(OSError):
+    """The caller stopped waiting (its timeout, an unload, a shutdown)."""
+
+
+def open_regular(path: str | Path) -> int:
+    """A read-only descriptor of a regular file; OSError for anything else.
+    O_NONBLOCK: opening a FIFO would otherwise wait for a writer forever (it
+    changes nothing for a regular file), and the type is checked on what was
+    opened, so a path swapped after a check cannot slip a device in."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return fd
+
+
+def file_sha256(path: str | Path, cancel: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path), "rb") as f:
         while chunk := f.read(_CHUNK):
+            if cancel is not None and cancel.is_set():
+                raise DigestCancelled(f"{path}: hashing stopped")
             digest.update(chunk)
     return digest.hexdigest()
 
 
-def pinned_files(folder: str | Path) -> list[str]:
+def pinned_files(folder: str | Path, cancel: threading.Event | None = None) -> list[str]:
     """The folder's files a digest covers, as sorted relative POSIX paths."""
     root = Path(folder)
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
+        if cancel is not None and cancel.is_set():
+            raise DigestCancelled(f"{folder}: listing stopped")
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         for name in filenames:
             if name.endswith(PINNED_SUFFIXES) and not name.startswith("."):
@@ -47,16 +75,17 @@ def pinned_files(folder: str | Path) -> list[str]:
     return sorted(found, key=lambda p: p.encode())
 
 
-def model_digest(path: str | Path) -> str:
+def model_digest(path: str | Path, cancel: threading.Event | None = None) -> str:
     """ "sha256:<hex>" of a model file or folder (see the module docstring).
-    OSError when it cannot be read; ValueError for a folder with no pinned file."""
+    OSError when it cannot be read, is no regular file or folder, or cancel
+    was set (DigestCancelled); ValueError for a folder with no pinned file."""
     if os.path.isdir(path):
-        files = pinned_files(path)
+        files = pinned_files(path, cancel)
         if not files:
             raise ValueError(f"{path}: no weight, config or tokenizer file to digest")
-        manifest = "".join(f"{file_sha256(Path(path) / rel)}  {rel}\n" for rel in files)
+        manifest = "".join(f"{file_sha256(Path(path) / rel, cancel)}  {rel}\n" for rel in files)
         return "sha256:" + hashlib.sha256(manifest.encode()).hexdigest()
-    return "sha256:" + file_sha256(path)
+    return "sha256:" + file_sha256(path, cancel)
 
 
 def check_digest_syntax(digest: str) -> str:

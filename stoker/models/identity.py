@@ -29,10 +29,15 @@ def is_gguf(path: str) -> bool:
     """A GGUF file (by its magic), not a Hugging Face folder; FileNotFoundError when neither."""
     if os.path.isdir(path):
         return False
-    if not os.path.isfile(path):
+    if not os.path.isfile(path):  # a device or a FIFO is no model either (and opening a FIFO would wait)
         raise FileNotFoundError(f"no model at {path!r}: expected a .gguf file or a Hugging Face folder")
-    with open(path, "rb") as f:
-        return f.read(4) == b"GGUF"
+    # O_NONBLOCK: a path swapped for a FIFO after the check above is not waited on.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read(4) == b"GGUF"
+        except BlockingIOError:
+            return False
 
 
 def model_name(path: str) -> str:

@@ -15,6 +15,14 @@ Fallback chains (`--fallback big=small,tiny`) name the models that answer
 when a model is unavailable (engine down or restarting, still loading) or
 overloaded (its admission answers 503); the routes walk the chain, the fleet
 only knows it and checks it (no unknown model, no cycle).
+
+What the admin API may load is bounded (docs/models.md): a regular file or
+a folder, its real path (symlinks resolved) under a --model-root (by
+default the folders holding the models given at start), at most
+--max-models models without --max-model-memory. Reading a model's files
+(the size walk, the digest) runs in a daemon thread bounded by
+--model-check-timeout and outside the fleet's lock, so a slow or endless
+read ends its own load and never the next one, nor the server's shutdown.
 """
 
 from __future__ import annotations
@@ -23,15 +31,17 @@ import asyncio
 import logging
 import os
 import re
+import stat
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from stoker.config import EngineConfig, default_model_path
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
 from stoker.errors import APIError
-from stoker.models.digest import check_digest_syntax, model_digest
+from stoker.models.digest import DigestCancelled, check_digest_syntax, model_digest
 from stoker.models.identity import model_name
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.config import ServerConfig
@@ -47,6 +57,8 @@ ENGINE_RUNTIME_BYTES = 480 << 20
 the kernels, the tokenizer, activations): the default 135M model's engine,
 serving, measured 567 MB resident for its 98 MB file on Zen 4, with only a
 few of its KV cache's pages touched yet."""
+
+T = TypeVar("T")
 
 VersionStatus = Literal["loading", "serving", "canary", "draining", "unloaded", "failed"]
 
@@ -84,14 +96,55 @@ def checked_spec(name: str | None, path: str, digest: str | None) -> ModelSpec:
         pinned = check_digest_syntax(digest) if digest is not None else None
     except ValueError as exc:
         raise FleetError(str(exc), param="digest") from None
-    if not os.path.exists(path):
-        raise FleetError(f"no model at {path} (no such file or folder)", param="path")
+    check_model_file(path)
     if name is None:
         return ModelSpec(model_name(path), path, pinned, named=False)
     try:
         return ModelSpec(check_name(name), path, pinned)
     except FleetError as exc:
         raise FleetError(str(exc), param="name") from None
+
+
+def check_model_file(path: str) -> None:
+    """FleetError unless path is a regular file or a folder (symlinks followed):
+    a device never ends (/dev/zero) and a FIFO never answers."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FleetError(f"no model at {path} (no such file or folder)", param="path") from None
+    except OSError as exc:
+        raise FleetError(f"cannot read {path}: {exc.strerror or exc}", param="path") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise FleetError(f"{path} is not a regular file or a folder", param="path")
+
+
+def default_model_roots(specs: Sequence[ModelSpec]) -> list[str]:
+    """Where the admin API may load from when --model-root is not given: the
+    folders holding the models given at start (a GGUF's folder; a Hugging Face
+    folder's parent, where its next version would sit beside it)."""
+    roots: list[str] = []
+    for spec in specs:
+        folder = os.path.dirname(os.path.realpath(spec.path))
+        if folder not in roots:
+            roots.append(folder)
+    return roots
+
+
+def allowed_model_path(path: str, roots: Sequence[str]) -> str:
+    """The real path (symlinks resolved) of a model the admin API may load:
+    under one of roots (real paths), a regular file or a folder. FleetError
+    otherwise; outside the roots (403) it says the same whether or not the
+    path exists, and nothing outside them is opened."""
+    real = os.path.realpath(path)
+    if not any(real == root or real.startswith(root.rstrip(os.sep) + os.sep) for root in roots):
+        raise FleetError(
+            f"path is not under an allowed model root ({_list(list(roots))}; set with --model-root)",
+            403,
+            "path_not_allowed",
+            "path",
+        )
+    check_model_file(real)
+    return real
 
 
 def parse_model_spec(text: str, flag: str = "--model") -> ModelSpec:
@@ -200,14 +253,60 @@ def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSp
     return specs, chains
 
 
-def weight_bytes(path: str) -> int:
-    """Bytes of a model's weights on disk (a GGUF file, or a folder's weight files)."""
+def weight_bytes(path: str, cancel: threading.Event | None = None) -> int:
+    """Bytes of a model's weights on disk (a GGUF file, or a folder's weight
+    files). Blocking (a walk of the folder): call it in a worker; once cancel is
+    set it stops at the next folder (DigestCancelled)."""
     if not os.path.isdir(path):
         return os.path.getsize(path)
     total = 0
     for dirpath, _, files in os.walk(path):
+        if cancel is not None and cancel.is_set():
+            raise DigestCancelled(f"{path}: size walk stopped")
         total += sum(os.path.getsize(os.path.join(dirpath, f)) for f in files if f.endswith(WEIGHT_SUFFIXES))
     return total
+
+
+async def in_worker(work: Callable[[threading.Event], T], timeout: float, what: str) -> T:
+    """work(cancel) in a daemon thread; FleetError (400) past timeout seconds.
+
+    Not asyncio.to_thread: a default-executor thread stuck in a read keeps
+    the process from exiting (the interpreter joins those threads), and it
+    cannot be told to stop. Here cancel is set once nobody waits (timeout,
+    cancellation) and the work stops at its next chunk or folder; a daemon
+    thread never holds up the exit either way."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+    cancel = threading.Event()
+
+    def settle(outcome: tuple[bool, Any]) -> None:
+        if done.done():
+            return
+        if outcome[0]:
+            done.set_result(outcome[1])
+        else:
+            done.set_exception(outcome[1])
+
+    def run() -> None:
+        outcome: tuple[bool, Any]
+        try:
+            outcome = (True, work(cancel))
+        except BaseException as exc:  # handed to the awaiting task, which decides
+            outcome = (False, exc)
+        try:
+            loop.call_soon_threadsafe(settle, outcome)
+        except RuntimeError:  # the loop has closed: nobody waits any more
+            pass
+
+    threading.Thread(target=run, name="stoker-model-check", daemon=True).start()
+    try:
+        return await asyncio.wait_for(done, timeout)
+    except TimeoutError:
+        raise FleetError(
+            f"{what} took longer than --model-check-timeout ({timeout:g} s)", 400, "model_check_timeout"
+        ) from None
+    finally:
+        cancel.set()
 
 
 def resident_bytes(pid: int) -> int | None:
@@ -299,7 +398,7 @@ class ModelVersion:
         its KV cache at full use and the engine runtime, or what its process
         holds, if more."""
         info = self.engine.info
-        weights = self.weight_bytes if self.weight_bytes is not None else weight_bytes(self.spec.path)
+        weights = self.weight_bytes or 0  # measured before its engine starts (in a worker, never here)
         planned = weights + ENGINE_RUNTIME_BYTES + (info.kv_cache_bytes if info else 0)
         return max(planned, self.memory_bytes() or 0)
 
@@ -360,6 +459,41 @@ class ServedModel:
         return [v for v in (self.stable, self.canary, self.loading) if v is not None]
 
 
+@dataclass(eq=False)
+class PendingLoad:
+    """An admin load under way: what it waits on now, so that an unload of its
+    model or the server's shutdown can end it at once (abort)."""
+
+    name: str
+    version: ModelVersion | None = None
+    """Set once its engine is being started."""
+    step: asyncio.Future[Any] | None = None
+    reason: FleetError | None = None
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        """Await one step of the load; the FleetError abort() gave if it was aborted."""
+        if self.reason is not None:
+            raise self.reason
+        step = asyncio.ensure_future(awaitable)
+        self.step = step
+        try:
+            return await step
+        except asyncio.CancelledError:
+            step.cancel()
+            task = asyncio.current_task()
+            if self.reason is not None and not (task is not None and task.cancelling()):
+                raise self.reason from None
+            raise
+        finally:
+            self.step = None
+
+    def abort(self, reason: FleetError) -> None:
+        if self.reason is None:
+            self.reason = reason
+        if self.step is not None:
+            self.step.cancel()
+
+
 class Fleet:
     def __init__(
         self,
@@ -370,12 +504,20 @@ class Fleet:
         make_grammars: Callable[[Any], GrammarChecker],
         max_memory: int | None = None,
         drain_timeout: float = 30.0,
+        model_roots: Sequence[str] = (),
+        max_models: int = 8,
+        check_timeout: float = 900.0,
     ) -> None:
         check_fallbacks([s.name for s in specs], fallbacks)
         self.base_config = base_config
         self.fallbacks = fallbacks
         self.max_memory = max_memory
         self.drain_timeout = drain_timeout
+        self.model_roots = [os.path.realpath(r) for r in model_roots] or default_model_roots(specs)
+        """Real paths of the folders the admin API may load from."""
+        self.max_models = max_models
+        self.check_timeout = check_timeout
+        self._pending: list[PendingLoad] = []
         self._make_engine = make_engine
         self._make_grammars = make_grammars
         self._numbers: dict[str, int] = {}
@@ -394,13 +536,22 @@ class Fleet:
         config = self.base_config.model_copy(update=update)
         return ModelVersion(spec.name, number, spec, self._make_engine(config), self._make_grammars)
 
-    async def _load(self, version: ModelVersion, others: list[ModelVersion]) -> None:
-        """Digest check, memory check, engine start. FleetError (one line) when it cannot serve."""
-        spec = version.spec
+    async def _measure(self, spec: ModelSpec) -> int:
+        """The model's weights on disk, measured in a bounded worker."""
         try:
-            size = version.weight_bytes = weight_bytes(spec.path)
+            return await in_worker(
+                lambda cancel: weight_bytes(spec.path, cancel), self.check_timeout, f"model {spec.name}: its size"
+            )
         except OSError as exc:
             raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
+
+    async def _load(self, version: ModelVersion, others: list[ModelVersion]) -> None:
+        """Digest check, memory check, engine start (the models given at start).
+        FleetError (one line) when it cannot serve."""
+        spec = version.spec
+        size = version.weight_bytes
+        if size is None:
+            size = version.weight_bytes = await self._measure(spec)
         held = sum(v.footprint() for v in others)
         # Before loading: weights and runtime, a lower bound (the KV cache is known once loaded).
         self._check_memory(spec.name, held, size + ENGINE_RUNTIME_BYTES, size)
@@ -427,18 +578,24 @@ class Fleet:
             raise
         version.ready_at = time.time()
 
-    @staticmethod
-    async def _digest(version: ModelVersion) -> None:
+    async def _digest(self, version: ModelVersion) -> None:
         """Sets version.digest; FleetError when the files cannot be read or do not match their pin."""
-        spec = version.spec
+        version.digest = await self._digest_of(version.spec)
+
+    async def _digest_of(self, spec: ModelSpec) -> str:
+        """The files' digest, read in a bounded worker; FleetError when they cannot
+        be read (in time) or do not match their pin."""
         try:
-            version.digest = await asyncio.to_thread(model_digest, spec.path)
+            digest = await in_worker(
+                lambda cancel: model_digest(spec.path, cancel), self.check_timeout, f"model {spec.name}: its digest"
+            )
         except (OSError, ValueError) as exc:
             raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None
-        if spec.digest is not None and version.digest != spec.digest:
+        if spec.digest is not None and digest != spec.digest:
             raise FleetError(
-                f"model {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {version.digest}"
+                f"model {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {digest}"
             )
+        return digest
 
     def _check_memory(self, name: str, held: int, wanted: int, weights: int) -> None:
         if self.max_memory is not None and held + wanted > self.max_memory:
@@ -451,7 +608,12 @@ class Fleet:
 
     async def start(self) -> list[ModelVersion]:
         """Load every model given at start, concurrently. FleetError: nothing serves."""
-        # Memory is checked in order, each model against the ones before it.
+        # Memory is checked in order, each model against the ones before it: every size first.
+        sizes = await asyncio.gather(*(self._measure(v.spec) for v in self._initial), return_exceptions=True)
+        for version, size in zip(self._initial, sizes, strict=True):
+            if isinstance(size, BaseException):
+                raise size if isinstance(size, FleetError) else FleetError(str(size))
+            version.weight_bytes = size
         results = await asyncio.gather(
             *(self._load(v, self._initial[:i]) for i, v in enumerate(self._initial)), return_exceptions=True
         )
@@ -475,7 +637,9 @@ class Fleet:
 
     def versions(self) -> list[ModelVersion]:
         """Every version with an engine: serving, canary, loading and draining ones."""
-        return [v for m in self.models.values() for v in m.versions()] + list(self.retiring)
+        found = [v for m in self.models.values() for v in m.versions()] + list(self.retiring)
+        # A new model's first version is in no ServedModel while it loads.
+        return found + [p.version for p in self._pending if p.version is not None and p.version not in found]
 
     @property
     def default(self) -> ServedModel:
@@ -523,16 +687,44 @@ class Fleet:
 
     # ---- admin ---------------------------------------------------------------
 
+    async def admit(self, name: str, path: str, digest: str | None) -> ModelSpec:
+        """The spec of an admin load: its name and digest well formed, its path
+        resolved (symlinks followed) under a model root and a regular file or a
+        folder. FleetError saying which is not; checked in a bounded worker (a
+        stat on a hung mount must not hang the call)."""
+        try:
+            pinned = check_digest_syntax(digest) if digest is not None else None
+        except ValueError as exc:
+            raise FleetError(str(exc), param="digest") from None
+        try:
+            check_name(name)
+        except FleetError as exc:
+            raise FleetError(str(exc), param="name") from None
+        roots = list(self.model_roots)
+        real = await in_worker(lambda _: allowed_model_path(path, roots), self.check_timeout, f"model {name}: {path}")
+        return ModelSpec(name, real, pinned)
+
+    def _check_room(self, spec: ModelSpec, existing: ServedModel | None) -> None:
+        """FleetError unless the admin load may start now."""
+        if existing is None and self.max_memory is None and len(self.models) >= self.max_models:
+            raise FleetError(
+                f"model {spec.name}: {len(self.models)} models are loaded, the most --max-models "
+                f"({self.max_models}) allows without --max-model-memory; unload one first",
+                409,
+                "too_many_models",
+            )
+        if self._lock.locked() or any(p.version is not None for p in self._pending):
+            raise FleetError("another model is loading; try again when it is done", 409, "load_in_progress")
+
     async def load(self, spec: ModelSpec, canary_percent: float | None = None) -> ModelVersion:
         """Load a new model, or a new version of one beside the old. With
         canary_percent the new version takes that share of new requests (the
         old stays stable); without, it replaces the old, which drains. A
-        failure changes nothing that serves (FleetError)."""
+        failure changes nothing that serves (FleetError); so does an unload of
+        the model while it loads, or the server's shutdown (the new engine ends)."""
         existing = self.models.get(spec.name)
         if existing is None and canary_percent is not None:
             raise FleetError(f"model {spec.name} is not loaded: a canary needs a stable version to share traffic with")
-        if self._lock.locked():
-            raise FleetError("another model is loading; try again when it is done", 409, "load_in_progress")
         if self.base_config.kv_events_endpoint:
             # A second engine could not bind the endpoint the first one publishes on, and a router
             # reading it would file both engines' blocks under one replica.
@@ -542,40 +734,86 @@ class Fleet:
                 409,
                 "kv_events_single_engine",
             )
-        async with self._lock:
-            version = self._new_version(spec)
-            if existing is not None:
-                existing.loading = version
+        self._check_room(spec, existing)
+        pending = PendingLoad(spec.name)
+        self._pending.append(pending)
+        try:
+            # The files are read before the lock (bounded, in a worker): a slow
+            # or endless read ends this load and never holds up the next one.
+            size = await pending.run(self._measure(spec))
+            digest = await pending.run(self._digest_of(spec))
+            if self.models.get(spec.name) is not existing:
+                raise FleetError(f"model {spec.name} changed while its files were read; nothing was loaded", 409)
+            self._check_room(spec, existing)
+            async with self._lock:
+                return await self._start_version(spec, canary_percent, existing, pending, size, digest)
+        finally:
+            self._pending.remove(pending)
+
+    async def _start_version(
+        self,
+        spec: ModelSpec,
+        canary_percent: float | None,
+        existing: ServedModel | None,
+        pending: PendingLoad,
+        size: int,
+        digest: str,
+    ) -> ModelVersion:
+        version = self._new_version(spec)
+        version.weight_bytes, version.digest = size, digest
+        pending.version = version
+        if existing is not None:
+            existing.loading = version
+        try:
+            held = sum(v.footprint() for v in self.versions() if v is not version)
+            self._check_memory(spec.name, held, size + ENGINE_RUNTIME_BYTES, size)
             try:
-                others = [v for v in self.versions() if v is not version]
-                await self._load(version, others)
-                await asyncio.to_thread(version.load_chat_tokenizer)
-            except FleetError as exc:
-                version.status, version.error = "failed", str(exc)
-                if existing is not None:
-                    existing.loading = None
-                await version.engine.shutdown()
+                await pending.run(version.engine.start())
+            except FleetError:  # aborted (an unload, the shutdown): its own answer
                 raise
-            if existing is None:
-                version.status = "serving"
-                self.models[spec.name] = ServedModel(spec.name, version)
-                log.info("model %s %s loaded from %s (%s)", spec.name, version.label, spec.path, version.digest)
-                return version
-            existing.loading = None
-            if canary_percent is not None:
-                if existing.canary is not None:
-                    self._retire(existing.canary)
-                version.status = "canary"
-                existing.canary, existing.canary_percent = version, canary_percent
-                log.info("model %s: canary %s takes %.1f%% (%s)", spec.name, version.label, canary_percent, spec.path)
-                return version
-            old = [existing.stable, *([existing.canary] if existing.canary else [])]
+            except (EngineStartupError, OSError, ValueError) as exc:
+                raise FleetError(f"model {spec.name} ({spec.path}): {exc}") from None
+            self._check_memory(spec.name, held, version.footprint(), size)
+            await pending.run(asyncio.to_thread(version.load_chat_tokenizer))
+            version.ready_at = time.time()
+            if self.models.get(spec.name) is not existing:  # unloaded meanwhile (abort() missed no step)
+                raise FleetError(
+                    f"model {spec.name} was unloaded while {version.label} loaded; nothing was loaded", 409
+                )
+        except BaseException as exc:  # a cancelled call too: no engine may outlive its load
+            version.status, version.error = "failed", str(exc)
+            if existing is not None and existing.loading is version:
+                existing.loading = None
+            # An engine that never became ready holds no request: it ends at once.
+            await version.engine.shutdown(timeout=10.0 if version.engine.ready else 0.0)
+            raise
+        if existing is None:
             version.status = "serving"
-            existing.stable, existing.canary, existing.canary_percent = version, None, 0.0
-            for v in old:
-                self._retire(v)
-            log.info("model %s: %s now serves (%s); the old version drains", spec.name, version.label, spec.path)
+            self.models[spec.name] = ServedModel(spec.name, version)
+            log.info("model %s %s loaded from %s (%s)", spec.name, version.label, spec.path, version.digest)
             return version
+        existing.loading = None
+        if canary_percent is not None:
+            if existing.canary is not None:
+                self._retire(existing.canary)
+            version.status = "canary"
+            existing.canary, existing.canary_percent = version, canary_percent
+            log.info("model %s: canary %s takes %.1f%% (%s)", spec.name, version.label, canary_percent, spec.path)
+            return version
+        old = [existing.stable, *([existing.canary] if existing.canary else [])]
+        version.status = "serving"
+        existing.stable, existing.canary, existing.canary_percent = version, None, 0.0
+        for v in old:
+            self._retire(v)
+        log.info("model %s: %s now serves (%s); the old version drains", spec.name, version.label, spec.path)
+        return version
+
+    def abort_loads(self, reason: str, status: int = 503, name: str | None = None) -> None:
+        """End the admin loads under way (of one model, or all): each answers
+        reason and its new engine, if started, ends."""
+        for pending in list(self._pending):
+            if name is None or pending.name == name:
+                pending.abort(FleetError(reason, status, "load_aborted"))
 
     def promote(self, name: str) -> ModelVersion:
         model = self._model(name)
@@ -616,6 +854,9 @@ class Fleet:
                 if not chain:
                     del self.fallbacks[head]
         del self.models[name]
+        # A new version of it still loading ends too, engine and all.
+        self.abort_loads(f"model {name} was unloaded while a new version of it loaded; nothing was loaded", 409, name)
+        model.loading = None
         versions = [model.stable, *([model.canary] if model.canary else [])]
         for version in versions:
             self._retire(version)
@@ -651,6 +892,7 @@ class Fleet:
         self.retiring.remove(version)
 
     async def shutdown(self) -> None:
+        self.abort_loads("the server is shutting down")
         for task in list(self._tasks):
             task.cancel()
         engines = {id(v.engine): v.engine for v in [*self._initial, *self.versions()]}

@@ -197,7 +197,7 @@ async def test_an_unpinned_file_is_hashed_while_its_engine_starts(
     [version] = await fleet.start()
     assert version.digest == model_digest(str(model_file)) and version.engine.events == ["start"]  # type: ignore[attr-defined]
 
-    def unreadable(path: str) -> str:
+    def unreadable(path: str, cancel: object = None) -> str:
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr("stoker.server.fleet.model_digest", unreadable)

@@ -20,7 +20,12 @@ import httpx
 import pytest
 from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, start_server
 
+from stoker.control.db import open_db
+from stoker.control.keys import KeyStore
+
 CHAT = [{"role": "user", "content": "hi"}]
+ADMIN: dict[str, str] = {}
+"""The fleet server's admin key, as a header (the admin API is shut without keys)."""
 
 
 def _model_file(folder: Path, name: str, content: bytes) -> tuple[Path, str]:
@@ -38,12 +43,16 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, str
 @pytest.fixture(scope="module")
 def fleet(files: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     (big, big_digest), (small, _), (tiny, _) = files["big"], files["small"], files["tiny"]
+    tmp = tmp_path_factory.mktemp("fleet-server")
+    db = str(tmp / "keys.db")
+    _, secret = KeyStore(open_db(db)).create("root", admin=True)
+    ADMIN["Authorization"] = f"Bearer {secret}"
     server = start_server(
         ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256"]
         + ["--model", f"big={big}@{big_digest}", "--model", f"small={small}", "--model", f"tiny={tiny}"]
         + ["--fallback", "big=small,tiny", "--cost-per-hour", "3.6"],
-        str(tmp_path_factory.mktemp("fleet-server")),
-        env={"STOKER_FAKE_STEP_S": "0.02"},
+        str(tmp),
+        env={"STOKER_FAKE_STEP_S": "0.02", "STOKER_DB": db},
     )
     try:
         yield server
@@ -53,11 +62,11 @@ def fleet(files: dict[str, tuple[Path, str]], tmp_path_factory: pytest.TempPathF
 
 def chat(server: ServerProcess, model: str, **extra: object) -> httpx.Response:
     body = {"model": model, "messages": CHAT, "max_tokens": 3, **extra}
-    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30, headers=ADMIN)
 
 
 def admin(server: ServerProcess) -> dict:
-    return httpx.get(f"{server.url}/admin/models", timeout=10).json()
+    return httpx.get(f"{server.url}/admin/models", timeout=10, headers=ADMIN).json()
 
 
 def version_of(server: ServerProcess, name: str) -> dict:
@@ -65,7 +74,7 @@ def version_of(server: ServerProcess, name: str) -> dict:
 
 
 def test_each_model_answers_under_its_own_name(fleet: ServerProcess, files: dict) -> None:
-    listed = httpx.get(f"{fleet.url}/v1/models").json()["data"]
+    listed = httpx.get(f"{fleet.url}/v1/models", headers=ADMIN).json()["data"]
     assert [m["id"] for m in listed] == ["big", "small", "tiny"]
     assert listed[0]["digest"] == files["big"][1] and listed[0]["version"] == "v1"
     assert listed[1]["root"] == str(files["small"][0])
@@ -79,13 +88,13 @@ def test_each_model_answers_under_its_own_name(fleet: ServerProcess, files: dict
     missing = chat(fleet, "huge")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert "big, small, tiny" in missing.json()["error"]["message"]
-    default = httpx.post(f"{fleet.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).json()
+    default = httpx.post(f"{fleet.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=ADMIN).json()
     assert default["model"] == "big"  # no `model`: the first one
-    metrics = httpx.get(f"{fleet.url}/metrics").text
+    metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
     assert 'vllm:request_success_total{finished_reason="length",model_name="small"}' in metrics
     assert f'digest="{files["big"][1]}"' in metrics and "stoker:model_version_info" in metrics
     time.sleep(0.6)  # the stats feed runs every 0.25 s
-    metrics = httpx.get(f"{fleet.url}/metrics").text
+    metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
     costs = [line for line in metrics.splitlines() if line.startswith("stoker:cost_per_million_tokens{")]
     assert any('kind="generation",model_name="small"' in line and float(line.split()[-1]) > 0 for line in costs)
 
@@ -95,7 +104,7 @@ def test_kill_9_falls_back_and_leaves_the_others_alone(fleet: ServerProcess) -> 
     small_pid = version_of(fleet, "small")["stable"]["engine_pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
-    while httpx.get(f"{fleet.url}/ready").json().get("models", {}).get("big", {}).get("ready", True):
+    while httpx.get(f"{fleet.url}/ready", headers=ADMIN).json().get("models", {}).get("big", {}).get("ready", True):
         assert time.monotonic() < deadline, "the server did not notice the engine died"
         time.sleep(0.01)
     response = chat(fleet, "big")
@@ -103,7 +112,7 @@ def test_kill_9_falls_back_and_leaves_the_others_alone(fleet: ServerProcess) -> 
     assert response.headers["x-stoker-model-served"] == "small" and response.json()["model"] == "small"
     assert chat(fleet, "tiny").headers["x-stoker-model-served"] == "tiny"
     assert version_of(fleet, "small")["stable"]["engine_pid"] == small_pid
-    metrics = httpx.get(f"{fleet.url}/metrics").text
+    metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
     assert 'stoker:fallbacks_total{from="big",reason="unavailable",to="small"}' in metrics
     deadline = time.monotonic() + 60  # the engine comes back by itself, and big answers again
     while chat(fleet, "big").headers["x-stoker-model-served"] != "big":
@@ -132,7 +141,7 @@ def test_hot_swap_under_streams_fails_nothing(fleet: ServerProcess, files: dict)
     new_path, new_digest = files["new"]
 
     async def scenario() -> tuple[list, httpx.Response]:
-        async with httpx.AsyncClient(timeout=60) as client:
+        async with httpx.AsyncClient(timeout=60, headers=ADMIN) as client:
             stop = asyncio.Event()
             results: list = []
 
@@ -167,6 +176,7 @@ def test_hot_swap_under_streams_fails_nothing(fleet: ServerProcess, files: dict)
         f"{fleet.url}/admin/models",
         json={"name": "small", "path": str(files["tiny"][0]), "digest": new_digest},
         timeout=60,
+        headers=ADMIN,
     )
     assert wrong.status_code == 400 and "digest mismatch" in wrong.json()["error"]["message"]
     assert f"expected {new_digest}, got {files['tiny'][1]}" in wrong.json()["error"]["message"]
@@ -178,13 +188,14 @@ def test_canary_takes_its_share_then_promotes(fleet: ServerProcess, files: dict)
         f"{fleet.url}/admin/models",
         json={"name": "tiny", "path": str(files["new"][0]), "canary_percent": 10},
         timeout=60,
+        headers=ADMIN,
     )
     assert loaded.status_code == 200, loaded.text
     canary = loaded.json()["version"]
-    assert httpx.get(f"{fleet.url}/v1/models").json()["data"][2]["canary"]["percent"] == 10
+    assert httpx.get(f"{fleet.url}/v1/models", headers=ADMIN).json()["data"][2]["canary"]["percent"] == 10
 
     async def burst() -> list[str]:
-        async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_connections=16)) as client:
+        async with httpx.AsyncClient(timeout=60, headers=ADMIN, limits=httpx.Limits(max_connections=16)) as client:
             body = {"model": "tiny", "messages": CHAT, "max_tokens": 1}
             sem = asyncio.Semaphore(16)
 
@@ -198,12 +209,12 @@ def test_canary_takes_its_share_then_promotes(fleet: ServerProcess, files: dict)
 
     versions = asyncio.run(burst())
     assert abs(versions.count(canary) - 20) <= 10  # within 5 points of 10 %
-    metrics = httpx.get(f"{fleet.url}/metrics").text
+    metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
     assert f'stoker:model_version_requests_total{{model_name="tiny",outcome="ok",version="{canary}"}}' in metrics
-    promoted = httpx.post(f"{fleet.url}/admin/models/tiny/promote", timeout=10)
+    promoted = httpx.post(f"{fleet.url}/admin/models/tiny/promote", timeout=10, headers=ADMIN)
     assert promoted.status_code == 200 and promoted.json()["version"] == canary
     assert {chat(fleet, "tiny").headers["x-stoker-model-version"] for _ in range(5)} == {canary}
-    again = httpx.post(f"{fleet.url}/admin/models/tiny/rollback", timeout=10)
+    again = httpx.post(f"{fleet.url}/admin/models/tiny/rollback", timeout=10, headers=ADMIN)
     assert again.status_code == 409 and "no canary" in again.json()["error"]["message"]
 
 
@@ -211,19 +222,20 @@ def test_bad_admin_calls_change_nothing(fleet: ServerProcess, files: dict) -> No
     url = f"{fleet.url}/admin/models"
     cases = [
         ({"name": "x"}, 400, "path"),
-        ({"name": "x", "path": "/nowhere.gguf"}, 400, "no model at /nowhere.gguf"),
-        ({"name": "x", "path": str(files["new"][0]), "digest": "md5:1"}, 400, "sha256:<64 hex digits>"),
+        ({"name": "x", "path": "/nowhere.gguf"}, 403, "is not under an allowed model root"),
+        ({"name": "x", "path": str(files["new"][0].parent / "nowhere.gguf")}, 400, "no model at"),
+        ({"name": "x", "path": str(files["new"][0]), "digest": "md5:1"}, 400, "sha256:"),
         ({"name": "bad name", "path": str(files["new"][0])}, 400, "model name"),
         ({"name": "x", "path": str(files["new"][0]), "canary_percent": 10}, 400, "is not loaded"),
         ({"name": "x", "path": str(files["new"][0]), "canary_percent": 150}, 400, "canary_percent"),
         ({"name": "x", "path": str(files["new"][0]), "color": "red"}, 400, "color"),
     ]
     for body, status, says in cases:
-        response = httpx.post(url, json=body, timeout=30)
+        response = httpx.post(url, json=body, timeout=30, headers=ADMIN)
         assert response.status_code == status, (body, response.text)
         assert says in response.json()["error"]["message"], (body, response.text)
-    assert httpx.delete(f"{url}/huge").status_code == 404
-    assert httpx.put(f"{url}/big/canary", json={"percent": 5}).status_code == 409
+    assert httpx.delete(f"{url}/huge", headers=ADMIN).status_code == 404
+    assert httpx.put(f"{url}/big/canary", json={"percent": 5}, headers=ADMIN).status_code == 409
     assert [m["name"] for m in admin(fleet)["data"]] == ["big", "small", "tiny"]
     for name in ("big", "small", "tiny"):
         assert chat(fleet, name).status_code == 200
@@ -231,6 +243,7 @@ def test_bad_admin_calls_change_nothing(fleet: ServerProcess, files: dict) -> No
 
 def test_load_and_unload_a_model_with_the_cli(fleet: ServerProcess, files: dict) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO])}
+    env["STOKER_API_KEY"] = ADMIN["Authorization"].removeprefix("Bearer ")
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(

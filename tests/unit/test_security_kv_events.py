@@ -22,10 +22,12 @@ from tiny_models import make_tiny_hf_model
 
 from stoker.config import EngineConfig
 from stoker.engine import kv_events
-from stoker.engine.kv_events import MAX_INBOUND_BYTES, KVEventPublisher
+from stoker.engine.kv_events import KVEventPublisher
 
 pytestmark = pytest.mark.timeout(300)
 BS = 4
+MAX_INBOUND_BYTES = 4096
+"""The documented cap on a message into either socket (docs/routers.md)."""
 
 
 def _listen_addresses(port: int) -> set[str]:
