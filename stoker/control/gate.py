@@ -115,7 +115,8 @@ class RequestGate:
         """Admit or raise APIError (403/429/503); a refusal is counted,
         logged and traced here. priority/deadline come from stoker.control.policy.
         The request's whole cost (RequestCost: its prompts, n samples each, up to
-        max_tokens per sample) is what the budget, the rate limits and the queue see.
+        max_tokens per sample) is what the budget, the rate limits and the queue see;
+        it holds one of the key's concurrency slots per prompt.
         capacity=False skips the engine-queue check (work that never enters the
         engine's queue, such as embeddings) but keeps the key's quotas."""
         arrival = arrival if arrival is not None else time.time()
@@ -137,7 +138,7 @@ class RequestGate:
                     )
                 reservation, local = await self._check_budget(key, arrival, estimate)
             try:
-                lease = await self.limiter.acquire(key, estimate)
+                lease = await self.limiter.acquire(key, estimate, cost.prompts)
                 try:
                     queue = self.admission_for(model)
                     ticket = queue.admit(cost.queued_tokens, priority) if capacity else Ticket(arrival, 0, visible=True)

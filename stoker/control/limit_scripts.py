@@ -37,22 +37,32 @@ local function fmt(x) return string.format('%.17g', x) end
 """
 
 # KEYS: requests bucket, tokens bucket, leases
-# ARGV: now ('' = Redis TIME), rpm, tpm, max concurrent (0 = none), cost, lease id, lease ttl, sig, period
-# Returns {outcome ('ok', 'too_large', 'concurrency', 'requests', 'tokens'), wait, in flight, then per bucket: capacity, tokens, seconds to full ('' without it)}.
+# ARGV: now ('' = Redis TIME), rpm, tpm, max concurrent (0 = none), cost, lease id ('<id>.<slots>'), lease ttl,
+#       sig, period, slots (one per prompt of the request)
+# Returns {outcome ('ok', 'too_large', 'too_many_prompts', 'concurrency', 'requests', 'tokens'), wait, slots in flight, then per bucket: capacity, tokens, seconds to full ('' without it)}.
 ACQUIRE = (
     _PRELUDE
     + """
 local now = clock(ARGV[1])
 local cost, maxc, ttl, sig, period = tonumber(ARGV[5]), tonumber(ARGV[4]), tonumber(ARGV[7]), ARGV[8], tonumber(ARGV[9])
+local slots = tonumber(ARGV[10])
 local req = load(KEYS[1], tonumber(ARGV[2]), sig, now, period)
 local tok = load(KEYS[2], tonumber(ARGV[3]), sig, now, period)
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', fmt(now))
-local in_flight = redis.call('ZCARD', KEYS[3])
+local in_flight = 0
+if maxc > 0 then
+  -- A lease holds the slots its id ends with (at most max concurrent leases are here).
+  for _, m in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    in_flight = in_flight + (tonumber(string.match(m, '%.(%d+)$')) or 1)
+  end
+end
 local outcome, wait = 'ok', 0
 if tok and cost > tok.cap then
   -- No wait would admit it (the bucket never goes into debt at admission).
   outcome = 'too_large'
-elseif maxc > 0 and in_flight >= maxc then
+elseif maxc > 0 and slots > maxc then
+  outcome = 'too_many_prompts'
+elseif maxc > 0 and in_flight + slots > maxc then
   outcome = 'concurrency'
 else
   for _, w in ipairs({{req, 1, 'requests'}, {tok, cost, 'tokens'}}) do
@@ -68,7 +78,7 @@ if outcome == 'ok' then
   if tok then tok.tokens = tok.tokens - cost; save(tok, sig) end
   redis.call('ZADD', KEYS[3], fmt(now + ttl), ARGV[6])
   redis.call('PEXPIRE', KEYS[3], string.format('%d', math.ceil(ttl * 1000) + 1000))
-  in_flight = in_flight + 1
+  in_flight = in_flight + slots
 end
 local out = {outcome, fmt(wait), tostring(in_flight)}
 for _, b in ipairs({req or false, tok or false}) do

@@ -1,5 +1,6 @@
 """Per-key rate limits: requests/min and tokens/min token buckets, plus a cap
-on concurrent requests.
+on concurrent requests (a request holds one slot per prompt it carries: each
+is a request to the engine, as if sent alone).
 
 A request's token cost is not known until it ends, so admission takes its
 estimate (control/cost.py: prompt tokens + prompts x n x max_tokens, the most
@@ -29,11 +30,12 @@ from stoker.control.keys import ApiKey
 from stoker.errors import APIError
 
 
-def concurrency_exceeded(key: ApiKey, headers: dict[str, str]) -> APIError:
+def concurrency_exceeded(key: ApiKey, headers: dict[str, str], slots: int = 1) -> APIError:
     """The 429 for a key at its concurrent-request cap (both limiters answer it alike)."""
+    counted = f"; this request counts as {slots}, one per prompt" if slots > 1 else ""
     return APIError(
         429,
-        f"Too many concurrent requests for this key (limit {key.max_concurrent}).",
+        f"Too many concurrent requests for this key (limit {key.max_concurrent}{counted}).",
         "rate_limit_exceeded",
         code="rate_limit_exceeded",
         reason="concurrency",
@@ -57,6 +59,20 @@ def rate_exceeded(
         reason=kind,
         headers=headers,
         retry_after=wait,
+    )
+
+
+def too_many_prompts(key: ApiKey, slots: int, headers: dict[str, str]) -> APIError:
+    """The 429 for a request of more prompts than the key may have requests in flight:
+    no wait would admit it, so it carries no Retry-After."""
+    return APIError(
+        429,
+        f"Request too large for this key's concurrent requests: Limit {key.max_concurrent}, Requested {slots} "
+        "(one per prompt). Send fewer prompts in one request.",
+        "rate_limit_exceeded",
+        code="rate_limit_exceeded",
+        reason="concurrency",
+        headers=headers,
     )
 
 
@@ -145,14 +161,17 @@ class Lease:
     done: bool = False
     store_id: str | None = None
     """The lease's id in a shared store (its concurrency reservation there); None in process."""
+    slots: int = 1
+    """Concurrency slots it holds: one per prompt (each is one request to the engine)."""
 
 
 class Limiter(Protocol):
     """What the request gate needs from a rate limiter."""
 
-    async def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
-        """Take one request and estimated_tokens from the key's limits and a concurrency
-        slot, or raise APIError: 429 (the key's quota), 503 (the limits cannot be checked)."""
+    async def acquire(self, key: ApiKey | None, estimated_tokens: int, slots: int = 1) -> Lease:
+        """Take one request and estimated_tokens from the key's limits and `slots` concurrency
+        slots (one per prompt), or raise APIError: 429 (the key's quota), 503 (the limits
+        cannot be checked)."""
         ...
 
     def release(self, lease: Lease, actual_tokens: int | None) -> None:
@@ -200,20 +219,22 @@ class RateLimiter:
             out[f"x-ratelimit-reset-{kind}"] = format_duration(bucket.reset_time(now))
         return out
 
-    async def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
-        return self.acquire_now(key, estimated_tokens)
+    async def acquire(self, key: ApiKey | None, estimated_tokens: int, slots: int = 1) -> Lease:
+        return self.acquire_now(key, estimated_tokens, slots)
 
-    def acquire_now(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+    def acquire_now(self, key: ApiKey | None, estimated_tokens: int, slots: int = 1) -> Lease:
         """Take one request and estimated_tokens from the key's buckets, or
         raise APIError(429) saying how long to wait (or that no wait would do)."""
         if key is None:
-            return Lease(None, estimated_tokens)
+            return Lease(None, estimated_tokens, slots=slots)
         now = self._clock()
         state = self._get(key, now)
         if key.tpm and estimated_tokens > key.tpm:
             raise too_large(key.tpm, estimated_tokens, self.headers(key, now))
-        if key.max_concurrent is not None and state.in_flight >= key.max_concurrent:
-            raise concurrency_exceeded(key, self.headers(key, now))
+        if key.max_concurrent is not None and slots > key.max_concurrent:
+            raise too_many_prompts(key, slots, self.headers(key, now))
+        if key.max_concurrent is not None and state.in_flight + slots > key.max_concurrent:
+            raise concurrency_exceeded(key, self.headers(key, now), slots)
         waits = []
         if state.requests is not None:
             waits.append(("requests", state.requests.wait_time(1, now), key.rpm))
@@ -227,8 +248,8 @@ class RateLimiter:
             state.requests.take(1, now)
         if state.tokens is not None:
             state.tokens.take(estimated_tokens, now)
-        state.in_flight += 1
-        return Lease(key.id, estimated_tokens, headers=self.headers(key, now))
+        state.in_flight += slots
+        return Lease(key.id, estimated_tokens, headers=self.headers(key, now), slots=slots)
 
     def release(self, lease: Lease, actual_tokens: int | None) -> None:
         """End a lease. actual_tokens=None means the request never ran: refund
@@ -241,7 +262,7 @@ class RateLimiter:
         if state is None:
             return
         now = self._clock()
-        state.in_flight = max(0, state.in_flight - 1)
+        state.in_flight = max(0, state.in_flight - lease.slots)
         if actual_tokens is None:
             if state.requests is not None:
                 state.requests.give(1, now)

@@ -45,7 +45,14 @@ from redis.retry import Retry
 
 from stoker.control.keys import ApiKey
 from stoker.control.limit_scripts import ACQUIRE, RELEASE, RENEW
-from stoker.control.limits import Lease, concurrency_exceeded, format_duration, rate_exceeded, too_large
+from stoker.control.limits import (
+    Lease,
+    concurrency_exceeded,
+    format_duration,
+    rate_exceeded,
+    too_large,
+    too_many_prompts,
+)
 from stoker.errors import APIError, StartupRefused
 from stoker.redact import redact_url
 
@@ -145,14 +152,14 @@ class RedisRateLimiter:
 
     # -- acquire ---------------------------------------------------------------------
 
-    async def acquire(self, key: ApiKey | None, estimated_tokens: int) -> Lease:
+    async def acquire(self, key: ApiKey | None, estimated_tokens: int, slots: int = 1) -> Lease:
         if key is None:
-            return Lease(None, estimated_tokens)
+            return Lease(None, estimated_tokens, slots=slots)
         rpm, tpm = key.rpm or 0, key.tpm or 0
-        lease_id = uuid.uuid4().hex
+        lease_id = f"{uuid.uuid4().hex}.{slots}"  # the script reads the slots a lease holds from its id
         keys = self._keys(key.id)
         args: list[str | int] = [self._now_arg(), rpm, tpm, key.max_concurrent or 0, estimated_tokens, lease_id]
-        args += [repr(self.lease_ttl), f"{rpm}:{tpm}", repr(PERIOD)]
+        args += [repr(self.lease_ttl), f"{rpm}:{tpm}", repr(PERIOD), slots]
         try:
             raw = await self._acquire(keys=keys, args=args)
         except redis.RedisError as exc:
@@ -163,14 +170,16 @@ class RedisRateLimiter:
         headers = _headers(buckets)
         if outcome == "too_large":
             raise too_large(tpm, estimated_tokens, headers)
+        if outcome == "too_many_prompts":
+            raise too_many_prompts(key, slots, headers)
         if outcome == "concurrency":
-            raise concurrency_exceeded(key, headers)
+            raise concurrency_exceeded(key, headers, slots)
         if outcome != "ok":
             limit = key.rpm if outcome == "requests" else key.tpm
             raise rate_exceeded(outcome, limit, estimated_tokens, float(wait), headers)
         self._held[lease_id] = _Held(keys[2], (rpm, tpm))
         self._ensure_renewer()
-        return Lease(key.id, estimated_tokens, headers=headers, store_id=lease_id)
+        return Lease(key.id, estimated_tokens, headers=headers, store_id=lease_id, slots=slots)
 
     def _store_failed(self, key: ApiKey, estimated_tokens: int, exc: Exception) -> Lease:
         first = self.unreachable_since is None
@@ -265,10 +274,11 @@ class RedisRateLimiter:
     # -- inspection and shutdown -----------------------------------------------------------
 
     async def in_flight(self, key_id: str) -> int:
-        """Unexpired leases of a key, across every replica."""
+        """Concurrency slots a key's unexpired leases hold, across every replica."""
         leases = self._keys(key_id)[2]
         now = self._clock() if self._clock is not None else await self._server_time()
-        return int(await self._redis.zcount(leases, f"({now!r}", "+inf"))
+        members = await self._redis.zrangebyscore(leases, f"({now!r}", "+inf")
+        return sum(_slots(m.decode() if isinstance(m, bytes) else str(m)) for m in members)
 
     async def _server_time(self) -> float:
         seconds, micros = await self._redis.time()
@@ -286,6 +296,12 @@ class RedisRateLimiter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._renewer
         await self._redis.aclose()
+
+
+def _slots(lease_id: str) -> int:
+    """The slots a lease holds, from its id ('<hex>.<slots>'; an id without them holds one)."""
+    _, _, slots = lease_id.rpartition(".")
+    return int(slots) if slots.isdigit() and "." in lease_id else 1
 
 
 def _headers(buckets: list[str]) -> dict[str, str]:

@@ -151,6 +151,34 @@ async def test_concurrency_limit_and_refund_when_never_run(make):
     assert again.headers["x-ratelimit-remaining-requests"] == "9"
 
 
+async def test_a_request_holds_one_concurrency_slot_per_prompt(make):
+    clock = Clock()
+    lim = make(clock)
+    k = key(max_concurrent=4, rpm=10)
+    three = await lim.acquire(k, 5, slots=3)  # a list of three prompts
+    with pytest.raises(ControlError) as err:
+        await lim.acquire(k, 5, slots=2)
+    assert err.value.reason == "concurrency" and "counts as 2" in err.value.message
+    assert err.value.headers["Retry-After"] == "1"
+    with pytest.raises(ControlError) as err:
+        await lim.acquire(k, 5, slots=5)  # more prompts than the key may ever have in flight
+    assert "Limit 4, Requested 5" in err.value.message and "Retry-After" not in err.value.headers
+    one = await lim.acquire(k, 5)
+    assert await _in_flight(lim, k.id) == 4
+    await release(lim, three, 5)
+    assert await _in_flight(lim, k.id) == 1
+    await lim.acquire(k, 5, slots=3)
+    await release(lim, one, 5)
+    assert await _in_flight(lim, k.id) == 3
+
+
+async def _in_flight(lim: Limiter, key_id: str) -> int:
+    if isinstance(lim, RedisRateLimiter):
+        return await lim.in_flight(key_id)
+    assert isinstance(lim, RateLimiter)
+    return lim.in_flight(key_id)
+
+
 async def test_no_limits_no_headers_and_open_mode(make):
     lim = make(Clock())
     assert (await lim.acquire(key(), 10**6)).headers == {}

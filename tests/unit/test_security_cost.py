@@ -53,6 +53,7 @@ KEYS = {
     "budget": {"budget_tokens": 1000, "budget_period": "day"},
     "race": {"budget_tokens": 900, "budget_period": "day"},
     "caps": {"rpm": 2},
+    "concurrent": {"max_concurrent": 2},
 }
 
 
@@ -196,6 +197,15 @@ def test_caps_are_400s_naming_their_maximum_and_take_nothing(served: Served) -> 
     assert err["param"] == "max_tokens" and str(KV_TOKENS) in err["message"] and "1680" in err["message"]
     # None of the four took one of the key's 2 requests a minute.
     assert [complete(served, "caps", 1, 2).status_code for _ in range(3)] == [200, 200, 429]
+
+
+def test_a_prompt_list_holds_one_concurrency_slot_per_prompt(served: Served) -> None:
+    # Three prompts are three requests to the engine: more than the key's 2 in flight, ever.
+    refused = complete(served, "concurrent", 3, 2)
+    err = error_of(refused, 429)
+    assert err["code"] == "rate_limit_exceeded" and "Limit 2, Requested 3" in err["message"]
+    assert "retry-after" not in refused.headers
+    assert complete(served, "concurrent", 2, 2).status_code == 200
 
 
 async def test_the_queue_the_limits_and_the_budget_see_one_estimate(tmp_path) -> None:
