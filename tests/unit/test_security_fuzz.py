@@ -194,6 +194,9 @@ def test_the_documented_load_model_body_is_accepted(served: tuple[ServerProcess,
                 assert conflict.status_code == 409, conflict.text
                 method, path, _ = links[action]
                 assert "409" in schema["paths"][path][method]["responses"]
+            # The actions' paths stay theirs: not an unload of a model named "<name>/canary".
+            wrong = http.delete(f"/admin/models/{name}/canary")
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "PUT", (wrong.headers, wrong.text)
             unloaded = follow(http, links["UnloadModel"], answer, None)
             assert unloaded.status_code == 200 and unloaded.json()["name"] == name, unloaded.text
         # The digest's documented form is what is checked: an upper-case one is
@@ -214,8 +217,6 @@ async def test_a_deadline_too_short_to_be_met_is_400_one_that_passes_in_the_queu
     served: tuple[ServerProcess, str], schema: dict[str, Any]
 ) -> None:
     server, secret = served
-    timeout_schema = schema["components"]["schemas"]["CompletionRequest"]["properties"]["timeout"]["anyOf"][0]
-    assert timeout_schema["minimum"] == 0.001 and "exclusiveMinimum" not in timeout_schema
     async with httpx.AsyncClient(base_url=server.url, headers=auth(secret), timeout=30) as http:
         for too_short in (5e-324, 0.0005):
             refused = await http.post("/v1/completions", json={"prompt": "q", "max_tokens": 2, "timeout": too_short})
@@ -246,3 +247,6 @@ async def test_a_deadline_too_short_to_be_met_is_400_one_that_passes_in_the_queu
     for late in (by_body, by_header):
         assert late.status_code == 504, late.text
         assert late.json()["error"]["code"] == "deadline_exceeded"
+    # The schema states the minimum the server checks.
+    timeout_schema = schema["components"]["schemas"]["CompletionRequest"]["properties"]["timeout"]["anyOf"][0]
+    assert timeout_schema["minimum"] == 0.001 and "exclusiveMinimum" not in timeout_schema

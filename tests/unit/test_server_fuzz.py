@@ -1,7 +1,9 @@
 """Outside-in fuzzing: the pinned schemathesis CLI runs against a live server
 (fake engine core, no step delay) from its own /openapi.json, authenticated
-with an admin key so /admin/* is fuzzed too. No input may cause a server
-error. Bounded: --max-time and a few examples per operation, no shrinking.
+with an admin key so /admin/* is fuzzed too: every operation, then a
+stateful run along the schema's links (keys and stored responses created,
+read, revoked or deleted). No input may cause a server error. Bounded:
+--max-time and a few examples per operation, no shrinking.
 
 Only the CLI and its JUnit report are used (no pytest plugin, nothing private),
 so a newer pytest or schemathesis cannot break the harness itself.
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +21,7 @@ import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -26,6 +30,7 @@ from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, auth, start_serv
 pytestmark = pytest.mark.timeout(400)
 
 FUZZ_SECONDS = 30  # the suite must stay under 15 minutes on 2 cores; max-examples per operation bounds it too
+STATEFUL_SECONDS = 10  # per family of created things (keys, stored responses)
 # Beyond "no 5xx": every status the server answers is one /openapi.json
 # documents, bodies it refuses by schema are refused (booleans for integers
 # were taken), and a method a path does not serve is a 405 naming the ones it
@@ -80,25 +85,24 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def report(fuzzed: tuple[ServerProcess, str, Path]) -> ET.Element:
+def schemathesis(
+    fuzzed: tuple[ServerProcess, str, Path], name: str, config: str, args: list[str], seconds: int
+) -> tuple[ET.Element, str]:
+    """One bounded CLI run; its JUnit report (no failure in it) and its output."""
     server, secret, tmp = fuzzed
-    (tmp / "schemathesis.toml").write_text(CONFIG)
-    junit = tmp / "junit.xml"
+    (tmp / f"{name}.toml").write_text(config)
+    junit = tmp / f"{name}.xml"
     command = [
         *schemathesis_cli(),
         "--config-file",
-        str(tmp / "schemathesis.toml"),
+        str(tmp / f"{name}.toml"),
         "run",
         f"{server.url}/openapi.json",
         "-H",
         f"Authorization: Bearer {secret}",
-        "--checks",
-        CHECKS,
-        "--max-examples",
-        "25",
+        *args,
         "--max-time",
-        str(FUZZ_SECONDS),
+        str(seconds),
         "--workers",
         "1",
         "--no-shrink",
@@ -113,8 +117,9 @@ def report(fuzzed: tuple[ServerProcess, str, Path]) -> ET.Element:
         "--report-junit-path",
         str(junit),
     ]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=FUZZ_SECONDS + 120, cwd=tmp)
-    (tmp / "schemathesis.out").write_text(run.stdout + run.stderr)
+    run = subprocess.run(command, capture_output=True, text=True, timeout=seconds + 120, cwd=tmp)
+    output = run.stdout + run.stderr
+    (tmp / f"{name}.out").write_text(output)
     assert junit.exists(), f"no report (exit {run.returncode}):\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     root = ET.parse(junit).getroot()
     failures = [
@@ -123,22 +128,95 @@ def report(fuzzed: tuple[ServerProcess, str, Path]) -> ET.Element:
         for problem in (*case.findall("failure"), *case.findall("error"))
     ]
     assert not failures, "\n\n".join(failures)
-    assert run.returncode == 0, run.stdout[-3000:]
-    return root
+    assert run.returncode == 0, output[-3000:]
+    return root, output
 
 
-def test_no_operation_causes_a_server_error(report: ET.Element) -> None:
-    operations = {case.get("name") for case in report.iter("testcase")}
-    for op in (
-        "POST /v1/chat/completions",
-        "POST /v1/completions",
-        "POST /tokenize",
-        "POST /detokenize",
-        "POST /admin/keys",
-        "GET /admin/keys",
+@pytest.fixture(scope="module")
+def report(fuzzed: tuple[ServerProcess, str, Path]) -> ET.Element:
+    args = ["--phases", "examples,coverage,fuzzing", "--checks", CHECKS, "--max-examples", "25"]
+    return schemathesis(fuzzed, "fuzz", CONFIG, args, FUZZ_SECONDS)[0]
+
+
+# The stateful phase follows /openapi.json's links only (none inferred), one
+# family of created things per run so each gets its share of the time.
+# use_after_free and ensure_resource_availability are not asked of it: a
+# revoked key stays readable (its usage, its revocation time) by design, and
+# a response created with "store": false is never stored; what the links
+# must give is checked from the server's log below.
+STATEFUL_CONFIG = (
+    CONFIG
+    + """
+[phases.stateful.inference]
+algorithms = []
+"""
+)
+STATEFUL_CHECKS = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+STATEFUL_FAMILIES = {"keys": ("^/admin/keys", 2), "responses": ("^/v1/responses", 3)}
+
+
+@pytest.fixture(scope="module")
+def stateful(report: ET.Element, fuzzed: tuple[ServerProcess, str, Path]) -> dict[str, tuple[int, int]]:
+    """Links covered and declared, per family (after the fuzz run: one server, one run at a time)."""
+    covered: dict[str, tuple[int, int]] = {}
+    for family, (paths, _) in STATEFUL_FAMILIES.items():
+        args = ["--phases", "stateful", "--include-path-regex", paths, "--checks", STATEFUL_CHECKS]
+        _, output = schemathesis(fuzzed, f"stateful-{family}", STATEFUL_CONFIG, args, STATEFUL_SECONDS)
+        links = re.search(r"API Links:\s+(\d+) covered / (\d+) selected", output)
+        assert links, output[-3000:]
+        covered[family] = (int(links.group(1)), int(links.group(2)))
+    return covered
+
+
+def request_lines(server: ServerProcess) -> list[dict[str, Any]]:
+    return [
+        json.loads(line) for line in server.log().splitlines() if line.startswith("{") and '"event":"request"' in line
+    ]
+
+
+def test_no_operation_causes_a_server_error(report: ET.Element, fuzzed: tuple[ServerProcess, str, Path]) -> None:
+    server, secret, _ = fuzzed
+    schema = httpx.get(f"{server.url}/openapi.json", headers=auth(secret)).json()
+    documented = {f"{method.upper()} {path}" for path, ops in schema["paths"].items() for method in ops}
+    assert {
+        "POST /v1/responses",
+        "POST /v1/messages",
+        "POST /admin/models",
         "DELETE /admin/keys/{key_id}",
-    ):
-        assert op in operations, sorted(operations)
+    } <= documented
+    tested = {case.get("name") for case in report.iter("testcase")}
+    assert documented <= tested, sorted(documented - tested)
+
+
+def test_a_stateful_run_follows_every_link_create_read_delete(
+    stateful: dict[str, tuple[int, int]], fuzzed: tuple[ServerProcess, str, Path]
+) -> None:
+    """Keys created, read and revoked; stored responses created, read,
+    continued and deleted, by following the links; once deleted, a stored
+    response is never served again."""
+    server, secret, _ = fuzzed
+    for family, (_, declared) in STATEFUL_FAMILIES.items():
+        assert stateful[family] == (declared, declared), (family, stateful)
+    history: dict[str, list[tuple[str, int]]] = {}
+    for entry in request_lines(server):
+        path = entry["path"]
+        if path.startswith(("/v1/responses/", "/admin/keys/")):
+            history.setdefault(path, []).append((entry["method"], entry["status"]))
+    admin_id = secret.split("-")[2]
+    for prefix in ("/v1/responses/resp_", "/admin/keys/"):
+        lived = [
+            steps
+            for path, steps in history.items()
+            if path.startswith(prefix)
+            and not path.endswith(admin_id)
+            and ("GET", 200) in steps
+            and ("DELETE", 200) in steps
+        ]
+        assert lived, f"nothing under {prefix} was both read and deleted: {sorted(history)[:20]}"
+    for path, steps in history.items():
+        if path.startswith("/v1/responses/") and ("DELETE", 200) in steps:
+            after = steps[steps.index(("DELETE", 200)) + 1 :]
+            assert all(status == 404 for _, status in after), (path, steps)
 
 
 def test_fuzz_reached_the_endpoints_and_the_server_survived(
@@ -149,10 +227,8 @@ def test_fuzz_reached_the_endpoints_and_the_server_survived(
     # Every request the fuzzer made has a log line: most schema-valid bodies must
     # have been served, not only refused by validation.
     status: dict[str, Counter[int]] = {}
-    for line in server.log().splitlines():
-        if line.startswith("{") and '"event":"request"' in line:
-            entry = json.loads(line)
-            status.setdefault(entry["path"], Counter())[entry["status"]] += 1
+    for entry in request_lines(server):
+        status.setdefault(entry["path"], Counter())[entry["status"]] += 1
     for path in ("/v1/chat/completions", "/v1/completions", "/tokenize"):
         assert status.get(path, Counter())[200] > 0, status
     assert "Traceback" not in server.log()

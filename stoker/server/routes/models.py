@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.convertors import Convertor, register_url_convertor
 
 from stoker.errors import APIError
 from stoker.json_types import Number
@@ -31,6 +32,24 @@ from stoker.server.fleet import NAME_PATTERN, FleetError
 from stoker.server.state import ServerState, get_state
 
 router = APIRouter(prefix="/admin/models", tags=["admin"])
+
+
+class ModelNameConvertor(Convertor[str]):
+    """{name:model_name}: a model name may hold "/" (org/model, as
+    /v1/models/{model_id} takes it), but never ends in one of the actions
+    below, so DELETE /admin/models/x/promote is a 405 naming POST, not an
+    unload of a model "x/promote"."""
+
+    regex = r".+?(?<!/promote)(?<!/rollback)(?<!/canary)"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("model_name", ModelNameConvertor())
 
 
 class LoadModel(BaseModel):
@@ -107,20 +126,19 @@ async def _end_canary(name: str, action: Literal["promote", "rollback"], request
 
 # Two routes, not one POST /{name}/{action}: that one also caught POST
 # /{name}/canary (a 400 for the action) where the path serves PUT only (a 405).
-# {name:path}: a model name may hold "/" (org/model), as /v1/models/{model_id} takes it.
-@router.post("/{name:path}/promote")
+@router.post("/{name:model_name}/promote")
 async def promote(name: str, request: Request) -> dict[str, Any]:
     """The canary becomes the stable version."""
     return await _end_canary(name, "promote", request)
 
 
-@router.post("/{name:path}/rollback")
+@router.post("/{name:model_name}/rollback")
 async def rollback(name: str, request: Request) -> dict[str, Any]:
     """The canary is dropped."""
     return await _end_canary(name, "rollback", request)
 
 
-@router.put("/{name:path}/canary")
+@router.put("/{name:model_name}/canary")
 async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
@@ -130,7 +148,7 @@ async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[s
     return _listing(state)
 
 
-@router.delete("/{name:path}")
+@router.delete("/{name:model_name}")
 async def unload(name: str, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
