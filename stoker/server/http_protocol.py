@@ -21,16 +21,40 @@ in max_header_bytes; otherwise the connection is answered 408 or 431 and closed.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
+from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from stoker.errors import APIError
 
 logger = logging.getLogger(__name__)
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 # GOAWAY (type 0x7) on stream 0: 8-byte payload = last stream id 0, error HTTP_1_1_REQUIRED (0xd).
 GOAWAY_HTTP_1_1_REQUIRED = b"\x00\x00\x08\x07\x00\x00\x00\x00\x00" + b"\x00\x00\x00\x00" + b"\x00\x00\x00\x0d"
+
+
+async def over_capacity(scope: Scope, receive: Receive, send: Send) -> None:
+    """uvicorn's answer past limit_concurrency (--max-connections), in the server's error shape."""
+    error = APIError(
+        503,
+        "The server holds as many connections and requests as it may (--max-connections); retry shortly.",
+        type="service_unavailable",
+        code="too_many_connections",
+        retry_after=1,
+    )
+    body = json.dumps(error.body()).encode()
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"retry-after", b"1"),
+        (b"connection", b"close"),
+    ]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 class HTTP1Protocol(HttpToolsProtocol):
@@ -95,7 +119,16 @@ class HTTP1Protocol(HttpToolsProtocol):
         self._header_seen = 0
         self._tail = b""
         self._disarm_header_timer()
-        super().on_headers_complete()
+        limit = self.limit_concurrency
+        if limit is None or (len(self.connections) < limit and len(self.tasks) < limit):
+            return super().on_headers_complete()
+        # uvicorn would answer its plain-text 503: the request goes to over_capacity instead.
+        logger.warning("over --max-connections (%d): answered 503", limit)
+        app, self.app, self.limit_concurrency = self.app, over_capacity, None
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app, self.limit_concurrency = app, limit
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -33,6 +33,7 @@ from stoker.control.keys import KeyStore
 pytestmark = pytest.mark.timeout(300)
 CHAT = [{"role": "user", "content": "hi"}]
 BODY_LIMIT = 2 * 1024 * 1024
+MAX_CONNECTIONS = 8
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPro
             "STOKER_HEADER_READ_TIMEOUT": "1",
             "STOKER_BODY_READ_TIMEOUT": "1",
             "STOKER_MAX_HEADER_BYTES": "8192",
+            "STOKER_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
         },
     )
     try:
@@ -261,6 +263,22 @@ def test_slow_and_oversized_headers_are_cut_off(served: tuple[ServerProcess, dic
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n")
         answer = _read_until_closed(sock, 10)
         assert answer.startswith(b"HTTP/1.1 431"), answer[:200]
+
+
+def test_connections_are_bounded(served: tuple[ServerProcess, dict[str, str]]) -> None:
+    """Past --max-connections (8 here) a request is a 503 in the server's error shape, with Retry-After."""
+    server, _ = served
+    idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(MAX_CONNECTIONS)]
+    try:
+        time.sleep(0.5)  # accepted by the server
+        r = httpx.get(f"{server.url}/health", timeout=10)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "too_many_connections" and r.headers["retry-after"] == "1"
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(0.5)
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
 
 
 TOKENIZER_ROUTES: list[tuple[str, dict[str, Any]]] = [
