@@ -23,6 +23,7 @@ from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
 from stoker.errors import APIError
 from stoker.server import openapi
+from stoker.server.bounds import MAX_JSON_DEPTH
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
@@ -174,7 +175,10 @@ def install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: Exception) -> StrictJSONResponse:
         assert isinstance(exc, HTTPException)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        body = APIError(exc.status_code, str(exc.detail), type=kind).body()
+        detail = str(exc.detail)
+        if isinstance(exc.__cause__, RecursionError):  # FastAPI's "error parsing the body" says no more
+            detail = f"the JSON body is nested too deeply (up to {MAX_JSON_DEPTH} levels are always accepted)"
+        body = APIError(exc.status_code, detail, type=kind).body()
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": _allowed_methods(request)}

@@ -54,6 +54,10 @@ MAX_NAME_CHARS = 256
 """Identifiers: model, user, a message's name, a tool's name in tool_choice."""
 MAX_INCLUDE = 16
 """/v1/responses `include` entries."""
+MAX_JSON_DEPTH = 900
+"""Nesting of arrays and objects in a body: Python's JSON parser stops a little
+deeper (its recursion limit, about 990 levels), so this is the depth every body
+within it is sure to parse; deeper is a 400 naming this figure."""
 
 # How many requests' input work (tokenize, template, grammar) runs at once; the
 # rest wait their turn without holding a thread each.

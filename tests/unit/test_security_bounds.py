@@ -102,6 +102,7 @@ B = SimpleNamespace(
     MAX_EXTRA_FIELDS=64,
     MAX_NAME_CHARS=256,
     MAX_INCLUDE=16,
+    MAX_JSON_DEPTH=900,
 )
 # (path, body, what the message must name, the documented maximum)
 OVER_THE_BOUND: list[tuple[str, dict[str, Any], str, int]] = [
@@ -166,6 +167,9 @@ def test_every_list_and_object_has_a_bound(served: tuple[ServerProcess, dict[str
             if r.status_code != 400 or field not in message or str(maximum) not in message:
                 failures.append(f"{path} {field} (max {maximum}): {r.status_code} {r.text[:200]}")
         assert not failures, "\n".join(failures)
+        deep = '{"messages": [{"role": "user", "content": "hi"}], "x": ' + "[" * 2000 + "]" * 2000 + "}"
+        r = http.post("/v1/chat/completions", content=deep, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "nested too deeply" in r.text and "900" in r.text, r.text
         # At the bound, the same fields are accepted.
         at_bound = chat(stop_token_ids=[5] * B.MAX_STOP_TOKEN_IDS, stop=["x"] * B.MAX_STOP_STRINGS)
         assert http.post("/v1/chat/completions", json=at_bound).status_code == 200
