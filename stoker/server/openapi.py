@@ -6,6 +6,11 @@ name. Fields that carry them are tagged `x-stoker` in the request models;
 once the model is loaded the schema is refined with the real limits, so a
 body valid against /openapi.json is one the server serves (bar combinations
 a schema cannot state, such as a prompt plus max_tokens beyond the context).
+
+Every operation documents the errors it may answer, and every answer that
+creates something (a key, a stored response, a model) links to the
+operations that read, change or delete it (LINKS), so a stateful client or
+fuzzer can follow what a POST made.
 """
 
 from __future__ import annotations
