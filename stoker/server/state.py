@@ -120,6 +120,9 @@ async def admitted(request: Request, endpoint: str, model: str) -> AsyncIterator
     except APIError as exc:
         status = exc.status
         raise
+    except UnicodeEncodeError:  # lone surrogates in the client's text: the app answers 400
+        status = 400
+        raise
     finally:
         state.hooks.run_finished(
             FinishedRecord(request_id="", endpoint=endpoint, model=model, status=status, http_request=request)
