@@ -23,7 +23,7 @@ from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
 from stoker.errors import APIError
 from stoker.server import openapi
-from stoker.server.bounds import MAX_JSON_DEPTH
+from stoker.server.bounds import MAX_JSON_DEPTH, offload
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
@@ -216,6 +216,9 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         # half-initialised.
         for version in versions:
             await asyncio.to_thread(version.load_chat_tokenizer)
+            # The input pool's first call starts its thread and the tokenizer's own pool:
+            # done here, not inside the first client's request.
+            await offload(version.tokenizer.encode, "warm up")
     except (FleetError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))
