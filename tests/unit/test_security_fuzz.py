@@ -211,6 +211,10 @@ def test_the_documented_load_model_body_is_accepted(served: tuple[ServerProcess,
         assert http.delete("/admin/models/upper-digest").status_code == 200
         refused = http.post("/admin/models", json={**upper, "name": "bad-digest", "digest": "md5:00"})
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "digest", refused.text
+        # A path no file can have (NUL) is refused by its documented pattern (it was a 500 in the path check).
+        assert body_schema["properties"]["path"]["pattern"] == "^[^\\x00]+$"
+        refused = http.post("/admin/models", json={**example, "path": "?\u0000"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "path", refused.text
 
 
 async def test_a_deadline_too_short_to_be_met_is_400_one_that_passes_in_the_queue_504(

@@ -62,7 +62,7 @@ class LoadModel(BaseModel):
 
     name: str = Field(min_length=1, max_length=128, json_schema_extra={"pattern": NAME_PATTERN.pattern})
     """The name clients send; an existing name gets a new version (a swap, or a canary)."""
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]+$")  # no file name holds NUL
     """GGUF file or Hugging Face folder, as the server's machine sees it, under a --model-root."""
     digest: str | None = Field(None, pattern=r"^sha256:[0-9a-fA-F]{64}$")
     """sha256:<hex> the files must have; the load is refused otherwise."""
