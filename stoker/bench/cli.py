@@ -18,8 +18,8 @@ from stoker.cli_keys import add_key_options, api_key_of
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft}")
-    from stoker.bench import kernels, offline, quality, self_draft
+    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile}")
+    from stoker.bench import hostile, kernels, offline, quality, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
         ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
@@ -41,6 +41,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "would a layer subset of the model pay as its own speculative draft? (agreement, cost, speedup)",
             self_draft.add_arguments,
             self_draft.run,
+        ),
+        (
+            "hostile",
+            "one stream's inter-token latency alone and beside hostile requests (long stop lists, "
+            "big logit_bias, U+FFFD, big grammars)",
+            hostile.add_arguments,
+            hostile.run,
         ),
     ]
     for name, help_text, add_arguments, run in commands:

@@ -21,11 +21,12 @@ from stoker.engine.outputs import RequestKey, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import SamplingParams
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner
-from stoker.engine.sampler import SampleRow
+from stoker.engine.sampler import SampleRow, prepare
 from stoker.engine.spec import DraftRequest
 from stoker.models.registry import DecoderModel
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=1)
+_GREEDY_PREPARED = prepare(_GREEDY)  # shared by every draft row: nothing to build per step
 
 
 @dataclass
@@ -87,7 +88,7 @@ class DraftProposer:
     def _sequence(self, key: RequestKey) -> _DraftSequence:
         seq = self._sequences.get(key)
         if seq is None:
-            slot = Request(key[0], key[1], [], _GREEDY, 0.0)
+            slot = Request(key[0], key[1], [], _GREEDY, 0.0, prepared=_GREEDY_PREPARED)
             seq = self._sequences[key] = _DraftSequence(slot)
         return seq
 
@@ -109,7 +110,7 @@ class DraftProposer:
                 seq = self._sequences[key]
                 if not self.kv.allocate(seq.slot, len(tokens)):
                     continue  # the draft cache is full: this sequence guesses no further
-                row = SampleRow(_GREEDY, [], [], None, [])
+                row = SampleRow(_GREEDY, [], [], None, [], prepared=_GREEDY_PREPARED)
                 step.scheduled.append(
                     ScheduledRequest(key, tokens, seq.slot.num_computed_tokens, self.kv.block_ids(seq.slot), row)
                 )
