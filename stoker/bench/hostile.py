@@ -245,7 +245,8 @@ async def measure_case(
         itls["alone"] += base.itls
         for kind in ("benign", "hostile"):
             make = functools.partial(hostile.payload, case, model, kind == "benign")
-            run = await _beside(client, url, victim, headers, make)
+            lead = args.lead_s if case in ("stop", "fffd") else 0.0
+            run = await _beside(client, url, victim, headers, make, lead)
             if kind == "hostile":
                 for key, count in run.statuses.items():
                     hostile_status[key] = hostile_status.get(key, 0) + count
@@ -276,6 +277,7 @@ async def _beside(
     victim: dict[str, Any],
     headers: dict[str, str],
     make: Callable[[], dict[str, Any]],
+    lead_s: float = 0.0,
 ) -> _Beside:
     """The victim timed while make()'s request runs beside it, re-sent as it ends."""
     stop = asyncio.Event()
@@ -296,15 +298,23 @@ async def _beside(
             if res.status >= 400:
                 return  # refused: nothing runs beside the victim
 
-    # The victim streams first; the hostile request starts once its tokens flow, so a
-    # stall the hostile request causes (a compile on the step loop, say) is a gap
-    # between two of the victim's tokens, not a slower first token.
     timed = Stream()
-    victim_task = asyncio.create_task(stream(client, url, victim, headers, timed))
-    while timed.tokens < 2 and not victim_task.done():
-        await asyncio.sleep(0.005)
-    attack_start = time.perf_counter()
-    attacker = asyncio.create_task(attack())
+    if lead_s > 0:
+        # What the request costs grows with its output (a held stop-string prefix, an
+        # undecoded window): the victim starts once the hostile request is well into it.
+        attacker = asyncio.create_task(attack())
+        await asyncio.sleep(lead_s)
+        attack_start = time.perf_counter()
+        victim_task = asyncio.create_task(stream(client, url, victim, headers, timed))
+    else:
+        # The victim streams first and the hostile request starts once its tokens flow,
+        # so a stall the hostile request causes on arrival (a compile on the step loop,
+        # say) is a gap between two of the victim's tokens, not a slower first token.
+        victim_task = asyncio.create_task(stream(client, url, victim, headers, timed))
+        while timed.tokens < 2 and not victim_task.done():
+            await asyncio.sleep(0.005)
+        attack_start = time.perf_counter()
+        attacker = asyncio.create_task(attack())
     await victim_task
     stop.set()
     # The request in flight is dropped (the server aborts it): only the victim's time counts.
