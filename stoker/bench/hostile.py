@@ -80,7 +80,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--bias-n", type=int, default=64, help="n of the bias case")
     w.add_argument("--grammar-fields", type=int, default=200, help="properties of the grammar case's schema")
-    w.add_argument("--hostile-tokens", type=int, default=1024, help="max_tokens of the stop and fffd cases' requests")
+    w.add_argument("--hostile-tokens", type=int, default=2048, help="max_tokens of the stop and fffd cases' requests")
+    w.add_argument(
+        "--lead-s",
+        type=float,
+        default=12.0,
+        help="seconds the stop and fffd cases' request runs before the victim starts (its cost grows with its output)",
+    )
     w.add_argument("--bias-tokens", type=int, default=64, help="max_tokens of the bias case's (n of them)")
     w.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     w.add_argument("--out", default=None, help="write every measurement as JSON here")
