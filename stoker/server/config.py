@@ -199,9 +199,7 @@ def add_model_options(
         elif typing.get_origin(kind) is Literal:
             group.add_argument(flag, choices=typing.get_args(kind), default=argparse.SUPPRESS, help=help_text)
         elif typing.get_origin(kind) is list:  # repeat the flag for each value
-            group.add_argument(
-                flag, action="append", default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
-            )
+            group.add_argument(flag, action="append", default=argparse.SUPPRESS, metavar=name.upper(), help=help_text)
         else:
             convert = kind if kind in (int, float) else str
             group.add_argument(

@@ -349,7 +349,9 @@ async def render_completion(body: CompletionRequest, request: Request) -> list[d
     version = get_state(request).version_for(body.model)
     async with admitted(request, "render", version.name):
         prompts, _ = await offload(completion_prompts, body, version.tokenizer)
-        sampling_params(body, resolve_max_tokens(version, prompts, completion_max_tokens(body), body), None)  # as chat's
+        sampling_params(
+            body, resolve_max_tokens(version, prompts, completion_max_tokens(body), body), None
+        )  # as chat's
     return [{"model": version.name, "token_ids": ids} for ids in prompts]
 
 
