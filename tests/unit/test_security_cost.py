@@ -199,6 +199,21 @@ def test_caps_are_400s_naming_their_maximum_and_take_nothing(served: Served) -> 
     assert [complete(served, "caps", 1, 2).status_code for _ in range(3)] == [200, 200, 429]
 
 
+def test_a_chat_without_max_tokens_gets_each_sample_its_share_of_the_cache(fake_server: ServerProcess) -> None:
+    """8 samples of what the context leaves (256 - prompt each) would exceed the 1024-token cache and be
+    refused by the KV cap for a budget the client never asked for: left out, max_tokens is each sample's
+    share of the cache instead, and the samples end with "length" there."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8}
+    r = httpx.post(f"{fake_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    prompt = answer["usage"]["prompt_tokens"]
+    share = (KV_TOKENS - 8 * prompt) // 8
+    assert share < CONTEXT - prompt
+    assert answer["usage"]["completion_tokens"] <= 8 * share
+    assert {choice["finish_reason"] for choice in answer["choices"]} <= {"length", "stop"}
+
+
 def test_a_prompt_list_holds_one_concurrency_slot_per_prompt(served: Served) -> None:
     # Three prompts are three requests to the engine: more than the key's 2 in flight, ever.
     refused = complete(served, "concurrent", 3, 2)

@@ -117,7 +117,12 @@ def resolve_max_tokens(
     version: ModelVersion, prompts: list[list[int]], requested: int | None, body: SamplingFields
 ) -> int:
     """The per-sample token budget, once every token id the request names is
-    checked (check_token_ids); 400 naming the numbers when it cannot fit the context."""
+    checked (check_token_ids); 400 naming the numbers when it cannot fit the context.
+
+    Left out, it is what the context leaves after the prompt (as vLLM does), but no
+    more than each sample's share of the KV cache: several samples of a long-context
+    model would otherwise be refused by the KV footprint cap (server/caps.py) for
+    a budget the client never asked for. A sample cut there ends with "length"."""
     check_token_ids(version, prompts, body)
     limit = version.max_model_len
     longest = max((len(ids) for ids in prompts), default=0)
@@ -129,7 +134,13 @@ def resolve_max_tokens(
                 param="messages",
                 code="context_length_exceeded",
             )
-        return limit - longest
+        implied = limit - longest
+        info = version.engine.info
+        samples = len(prompts) * max(1, body.n)
+        if info is not None and samples > 1:
+            share = (info.kv_capacity_tokens - samples * longest) // samples
+            implied = max(1, min(implied, share))
+        return implied
     if longest + requested > limit:
         raise bad_request(
             f"This model's maximum context length is {limit} tokens. However, you requested "
