@@ -123,6 +123,12 @@ class ServerConfig(BaseModel):
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value
 
+    @field_validator("allowed_hosts", mode="after")
+    @classmethod
+    def _split_hosts(cls, value: list[str]) -> list[str]:
+        """One flag may name several hosts, space-separated, as the variable does (no host holds a space)."""
+        return [host for item in value for host in item.split()]
+
     @field_validator("embedding_model", mode="before")
     @classmethod
     def _embedding_folder(cls, value: Any) -> Any:

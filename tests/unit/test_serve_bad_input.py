@@ -117,7 +117,7 @@ def test_quantization_this_machine_cannot_do(tmp_path: Path, cache_dir: Path, ti
         (["--num-speculative-tokens", "-1"], "--num-speculative-tokens: Input should be greater than or equal to 0"),
         (["--speculative-ngram-min", "5", "--speculative-ngram-max", "2"], "must not exceed speculative_ngram_max"),
         (["--kv-cache-tokens", "0"], "--kv-cache-tokens: Input should be greater than or equal to 1, got 0"),
-        (["--kv-events-endpoint", "5557"], "--kv-events-endpoint: must be a ZeroMQ address to bind, tcp://*:PORT"),
+        (["--kv-events-endpoint", "tcp://no-port"], "--kv-events-endpoint: must be a ZeroMQ address to bind"),
     ],
 )
 def test_setting_out_of_range_names_the_flag(
