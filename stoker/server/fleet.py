@@ -86,23 +86,34 @@ class ModelSpec:
     """False for a bare path: the name is then the model's own (its config's), known once loaded."""
 
 
-def checked_spec(name: str | None, path: str, digest: str | None) -> ModelSpec:
-    """A spec whose path exists, digest is well formed and name is valid (None:
-    named after the file); FleetError saying which is not. --model, MODEL and
-    the admin API all check through here."""
-    if not path:
-        raise FleetError("no path; expected NAME=PATH[@sha256:DIGEST]", param="path")
+def checked_pin(digest: str | None) -> str | None:
+    """digest in its one form, or None; FleetError on `digest` when it is malformed."""
     try:
-        pinned = check_digest_syntax(digest) if digest is not None else None
+        return check_digest_syntax(digest) if digest is not None else None
     except ValueError as exc:
         raise FleetError(str(exc), param="digest") from None
+
+
+def checked_name(name: str) -> str:
+    """check_name, its FleetError naming the `name` field."""
+    try:
+        return check_name(name)
+    except FleetError as exc:
+        raise FleetError(str(exc), param="name") from None
+
+
+def checked_spec(name: str | None, path: str, digest: str | None) -> ModelSpec:
+    """A spec whose path exists, digest is well formed and name is valid (None:
+    named after the file); FleetError saying which is not. --model and MODEL
+    check through here; the admin API through Fleet.admit (the same pin and
+    name checks, its path under a model root)."""
+    if not path:
+        raise FleetError("no path; expected NAME=PATH[@sha256:DIGEST]", param="path")
+    pinned = checked_pin(digest)
     check_model_file(path)
     if name is None:
         return ModelSpec(model_name(path), path, pinned, named=False)
-    try:
-        return ModelSpec(check_name(name), path, pinned)
-    except FleetError as exc:
-        raise FleetError(str(exc), param="name") from None
+    return ModelSpec(checked_name(name), path, pinned)
 
 
 def check_model_file(path: str) -> None:
@@ -692,14 +703,8 @@ class Fleet:
         resolved (symlinks followed) under a model root and a regular file or a
         folder. FleetError saying which is not; checked in a bounded worker (a
         stat on a hung mount must not hang the call)."""
-        try:
-            pinned = check_digest_syntax(digest) if digest is not None else None
-        except ValueError as exc:
-            raise FleetError(str(exc), param="digest") from None
-        try:
-            check_name(name)
-        except FleetError as exc:
-            raise FleetError(str(exc), param="name") from None
+        pinned = checked_pin(digest)
+        checked_name(name)
         roots = list(self.model_roots)
         real = await in_worker(lambda _: allowed_model_path(path, roots), self.check_timeout, f"model {name}: {path}")
         return ModelSpec(name, real, pinned)
