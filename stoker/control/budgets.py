@@ -33,8 +33,9 @@ from collections.abc import Callable
 from sqlalchemy import Engine, delete, func, select, update
 from sqlalchemy.exc import DBAPIError
 
-from stoker.control.db import api_keys, budget_reservations, redact_url, usage
+from stoker.control.db import api_keys, budget_reservations, usage
 from stoker.control.ledger import period_start
+from stoker.redact import redact_url
 
 log = logging.getLogger("stoker.control.budgets")
 

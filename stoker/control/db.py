@@ -36,6 +36,8 @@ from sqlalchemy import (
     text,
 )
 
+from stoker.redact import redact_url
+
 metadata = MetaData()
 
 api_keys = Table(
@@ -218,13 +220,6 @@ def _wal_journal(cur: Any) -> None:
 def is_shared(engine: Engine) -> bool:
     """A database several replicas can share as one (a server, not a SQLite file)."""
     return engine.dialect.name != "sqlite"
-
-
-def redact_url(url: str) -> str:
-    """The database URL without its password (in the userinfo or the query), for messages."""
-    from stoker.redact import redact_url as redact
-
-    return redact(url)
 
 
 def current_version(conn: Connection) -> int:

@@ -27,7 +27,7 @@ from sqlalchemy.exc import DBAPIError
 
 from stoker.control.admission import AdmissionController
 from stoker.control.budgets import SharedBudgets
-from stoker.control.db import is_shared, open_db, redact_url
+from stoker.control.db import is_shared, open_db
 from stoker.control.gate import Admission, RequestGate
 from stoker.control.keys import ApiKey, KeyStore
 from stoker.control.ledger import UsageLedger
@@ -39,6 +39,7 @@ from stoker.errors import StartupRefused
 from stoker.observe.logs import RequestLogger, request_id_of
 from stoker.observe.metrics import Metrics
 from stoker.observe.tracing import RequestTracer
+from stoker.redact import redact_url
 
 log = logging.getLogger("stoker.control")
 
@@ -75,12 +76,12 @@ def open_limiter(settings: ControlSettings, metrics: Metrics | None = None) -> L
     its failed calls counted in metrics."""
     if settings.redis_url is None:
         return RateLimiter()
-    from stoker.control.store import RedisRateLimiter, check_redis_url, redact
+    from stoker.control.store import RedisRateLimiter, check_redis_url
 
     check_redis_url(settings.redis_url)
     log.info(
         "rate limits and concurrency in Redis at %s (shared with every replica using it; on failure: %s)",
-        redact(settings.redis_url),
+        redact_url(settings.redis_url),
         settings.on_store_failure,
     )
     return RedisRateLimiter(

@@ -67,15 +67,10 @@ MAX_CONNECTIONS = 16
 POOL_WAIT = 5.0
 
 
-def redact(url: str) -> str:
-    """The URL without its password (userinfo or ?password=), for messages and logs."""
-    return redact_url(url)
-
-
 def check_redis_url(url: str, timeout: float = 3.0) -> None:
     """Refuse to start (StartupRefused, one line naming the flag) on a malformed
     or unreachable URL."""
-    shown = redact(url)
+    shown = redact_url(url)
     if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
         raise StartupRefused(
             f"--redis-url {shown}: not a Redis URL (redis://HOST:PORT/DB, rediss://... or unix://PATH)"
@@ -189,13 +184,13 @@ class RedisRateLimiter:
             if first:
                 log.error(
                     "Redis at %s unreachable (%s): admitting requests WITHOUT rate limits (--on-store-failure open)",
-                    redact(self.url),
+                    redact_url(self.url),
                     exc,
                 )
             return Lease(key.id, estimated_tokens)
         if first:
             log.error(
-                "Redis at %s unreachable (%s): refusing requests with 503 until it answers", redact(self.url), exc
+                "Redis at %s unreachable (%s): refusing requests with 503 until it answers", redact_url(self.url), exc
             )
         raise APIError(
             503,
@@ -215,7 +210,7 @@ class RedisRateLimiter:
     def _store_answered(self) -> None:
         if self.unreachable_since is not None:
             log.warning(
-                "Redis at %s answers again after %.1f s", redact(self.url), time.time() - self.unreachable_since
+                "Redis at %s answers again after %.1f s", redact_url(self.url), time.time() - self.unreachable_since
             )
             self.unreachable_since = None
 
