@@ -169,11 +169,13 @@ def test_grammars_compile_off_the_step_loop(llm: LLM, monkeypatch: pytest.Monkey
     others; the compiler never runs on the thread that calls add_request and step."""
     engine = llm.engine
     on_loop: list[bool] = []
+    entered = threading.Event()
     release = threading.Event()
     real = GrammarCompiler.compile
 
     def slow_compile(self: GrammarCompiler, grammar: str) -> Any:
         on_loop.append(threading.current_thread() is threading.main_thread())
+        entered.set()
         release.wait(5)
         return real(self, grammar)
 
@@ -190,6 +192,8 @@ def test_grammars_compile_off_the_step_loop(llm: LLM, monkeypatch: pytest.Monkey
             texts[delta.request_id] += delta.new_text
             if delta.finished:
                 finished.add(delta.request_id)
+    # On a loaded machine "p" can finish before the compile thread is scheduled at all.
+    assert entered.wait(10), "the grammar compile never started"
     assert on_loop == [False], "the grammar compiled on the step loop's thread"
     assert "g" not in finished and texts["g"] == ""  # waiting for its grammar, outside the scheduler
     release.set()
