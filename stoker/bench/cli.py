@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import importlib.util
 import shlex
 import sys
 import time
@@ -53,8 +54,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     for name, help_text, add_arguments, run in commands:
         p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_arguments(p)
-        p.set_defaults(func=run)
+        p.set_defaults(func=needs_bench_extra(run))
     bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+
+# `pip install stoker[bench]`: what `stoker bench` needs and `stoker serve` does not.
+BENCH_EXTRA = ("matplotlib", "accelerate")
+
+
+def needs_bench_extra(run: Callable[[argparse.Namespace], Any]) -> Callable[[argparse.Namespace], Any]:
+    """`run`, refused in one line (exit 2) where the bench extra is not installed."""
+
+    @functools.wraps(run)
+    def checked(args: argparse.Namespace) -> Any:
+        missing = [name for name in BENCH_EXTRA if importlib.util.find_spec(name) is None]
+        if missing:
+            print(
+                f"stoker bench needs its extra dependencies ({', '.join(missing)} missing):"
+                " pip install 'stoker[bench]'",
+                file=sys.stderr,
+            )
+            return 2
+        return run(args)
+
+    return checked
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -41,6 +41,7 @@ def test_the_front_end_imports_neither_torch_nor_transformers_before_it_spawns_t
     assert "torch" not in modules
     assert "transformers" not in modules
     assert "llguidance" in modules  # the grammar check is there, only its torch half is not
+    assert "matplotlib" not in modules  # the bench extra: a server may not have it
 
 
 def test_the_engine_core_does_not_import_torch_compile() -> None:
@@ -48,6 +49,7 @@ def test_the_engine_core_does_not_import_torch_compile() -> None:
     assert "torch" in modules
     assert "torch._dynamo" not in modules
     assert "torch._inductor" not in modules
+    assert not {"matplotlib", "accelerate"} & modules  # the bench extra: a server may not have it
 
 
 def test_a_generic_tokenizer_folder_loads_as_auto_tokenizer_loads_it() -> None:
