@@ -11,13 +11,16 @@ import shlex
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stoker.bench.workload import LengthDist, Tokenizer
+from stoker.bench.workload import LengthDist, RequestSpec, Tokenizer
 from stoker.cli_keys import add_key_options, api_key_of
 
+if TYPE_CHECKING:
+    from stoker.bench.serve import Stage
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile}")
     from stoker.bench import hostile, kernels, offline, quality, self_draft
@@ -55,7 +58,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         add_arguments(p)
         p.set_defaults(func=needs_bench_extra(run))
-    bench.set_defaults(func=lambda args: bench.print_help() or 2)
+
+    def print_bench_help(_args: argparse.Namespace) -> int:
+        bench.print_help()
+        return 2
+
+    bench.set_defaults(func=print_bench_help)
 
 
 # `pip install stoker[bench]`: what `stoker bench` needs and `stoker serve` does not.
@@ -237,7 +245,7 @@ async def soak_main(args: argparse.Namespace) -> int:
     return 0 if summary["errors"] == 0 and summary["health_after"] == 200 else 1
 
 
-def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Callable[[int], list]:
+def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Callable[[int], list[RequestSpec]]:
     """Prompts for the k-th (stage, repetition): new ones each time (see run_bench)."""
     from stoker.bench import workload
 
@@ -268,7 +276,7 @@ def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Ca
     )
 
 
-def build_stages(args: argparse.Namespace) -> list:
+def build_stages(args: argparse.Namespace) -> list[Stage]:
     from stoker.bench.serve import Stage
 
     if args.burst:
@@ -314,7 +322,7 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
     )
 
     progress = report.make_progress(console)
-    state: dict = {"task": None, "failed": 0}
+    state: dict[str, Any] = {"task": None, "failed": 0}
 
     def on_run(target: serve.Target, stage: serve.Stage, rep: int, total: int) -> None:
         state["failed"] = 0

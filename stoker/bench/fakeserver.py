@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import time
+from typing import Any
 
 
 class FakeServer:
@@ -32,7 +33,7 @@ class FakeServer:
     ) -> None:
         self.tokens, self.ttft, self.itl, self.fail = tokens, ttft, itl, fail
         self.model, self.max_stream = model, max_stream
-        self.requests: list[dict] = []
+        self.requests: list[dict[str, Any]] = []
         """(path, headers, body) of every request received, for assertions."""
         self._server: asyncio.base_events.Server | None = None
         self.url = ""
@@ -75,7 +76,9 @@ class FakeServer:
         finally:
             writer.close()
 
-    async def _respond(self, w: asyncio.StreamWriter, method: str, path: str, body: dict, number: int) -> None:
+    async def _respond(
+        self, w: asyncio.StreamWriter, method: str, path: str, body: dict[str, Any], number: int
+    ) -> None:
         if method == "GET" and path.rstrip("/") == "/v1/models":
             return await self._json(w, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
         if path not in ("/v1/completions", "/v1/chat/completions"):
@@ -90,13 +93,13 @@ class FakeServer:
         w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
         created = int(time.time())
 
-        async def event(obj: dict | str) -> None:
+        async def event(obj: dict[str, Any] | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
             w.write(f"data: {data}\n\n".encode())
             await w.drain()
 
-        def chunk(text: str | None, finish: str | None = None) -> dict:
-            choice: dict = {"index": 0, "finish_reason": finish}
+        def chunk(text: str | None, finish: str | None = None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"content": text} if text is not None else {}
             else:
@@ -132,7 +135,7 @@ class FakeServer:
             await event({**chunk(None), "choices": [], "usage": usage})
         await event("[DONE]")
 
-    async def _json(self, w: asyncio.StreamWriter, status: int, obj: dict) -> None:
+    async def _json(self, w: asyncio.StreamWriter, status: int, obj: dict[str, Any]) -> None:
         data = json.dumps(obj).encode()
         w.write(
             f"HTTP/1.1 {status} X\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n"

@@ -66,7 +66,7 @@ def measure(ms: list[int], seconds: float) -> list[dict[str, object]]:
         blocks = random_blocks(qtype, n, k, seed=0)
         w_q = torch.from_numpy(blocks)
         w_f32 = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
-        mkldnn = torch.backends.mkldnn.is_available()
+        mkldnn = torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         packed = torch.ops.mkldnn._reorder_linear_weight(w_f32, None) if mkldnn else None
         for m in ms:
             x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))

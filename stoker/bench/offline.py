@@ -13,7 +13,10 @@ import os
 import random
 import sys
 import time
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, Protocol, cast, get_args
+
+if TYPE_CHECKING:
+    import torch
 
 from stoker.bench.workload import parse_int_list
 from stoker.config import KVCacheDTypeName, QuantizationName
@@ -64,16 +67,31 @@ def prompt_lengths(spec: str, n: int, seed: int) -> list[int]:
     return lens
 
 
-def _torch_dtype(name: str):
+class HFGenerator(Protocol):
+    """The one call run_hf makes on a transformers causal LM (whose own annotations mypy cannot follow)."""
+
+    def generate(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        max_new_tokens: int,
+        min_new_tokens: int,
+        do_sample: bool,
+        pad_token_id: int,
+    ) -> torch.Tensor: ...
+
+
+def _torch_dtype(name: str) -> torch.dtype:
     import torch
 
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def load_hf(model_path: str, dtype: str):
+def load_hf(model_path: str, dtype: str) -> HFGenerator:
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = {}
+    kwargs: dict[str, Any] = {}
     if model_path.endswith(".gguf"):
         kwargs["gguf_file"] = os.path.basename(model_path)
         try:  # newer transformers keep GGUF blocks packed; the baseline is the dense model stoker runs too
@@ -83,14 +101,16 @@ def load_hf(model_path: str, dtype: str):
         except ImportError:  # older transformers always dequantize
             pass
     folder = os.path.dirname(model_path) if model_path.endswith(".gguf") else model_path
+    model: torch.nn.Module
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=_torch_dtype(dtype), **kwargs)
     except TypeError:  # transformers < 4.56 calls it torch_dtype
         model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=_torch_dtype(dtype), **kwargs)
-    return model.eval()
+    model.train(False)  # eval mode; transformers leaves its override of eval() unannotated
+    return cast("HFGenerator", model)
 
 
-def run_hf(model, prompts: list[list[int]], batch_size: int, out_len: int, pad_id: int) -> dict:
+def run_hf(model: HFGenerator, prompts: list[list[int]], batch_size: int, out_len: int, pad_id: int) -> dict[str, Any]:
     """Static batches of similar lengths (sorted: the baseline's best case), left padded."""
     import torch
 
@@ -110,7 +130,8 @@ def run_hf(model, prompts: list[list[int]], batch_size: int, out_len: int, pad_i
                 do_sample=False,
                 pad_token_id=pad_id,
             )
-        return out[:, width:].tolist()
+        new_tokens: list[list[int]] = out[:, width:].tolist()
+        return new_tokens
 
     generate([prompts[order[0]][:16]], 2)  # first call pays for lazy init
     t = time.perf_counter()
@@ -138,7 +159,7 @@ def run_stoker(
     out_len: int,
     quantization: str = "auto",
     kv_cache_dtype: str = "auto",
-) -> dict:
+) -> dict[str, Any]:
     from stoker import LLM, SamplingParams
 
     llm = LLM(
@@ -160,7 +181,9 @@ def run_stoker(
     return _figures("stoker", max_num_seqs, elapsed, prompts, outputs)
 
 
-def _figures(engine: str, batch: int, elapsed: float, prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+def _figures(
+    engine: str, batch: int, elapsed: float, prompts: list[list[int]], outputs: list[list[int]]
+) -> dict[str, Any]:
     n_in, n_out = sum(map(len, prompts)), sum(map(len, outputs))
     return {
         "engine": engine,
@@ -229,7 +252,7 @@ def profile_stoker(
     return report.getvalue()
 
 
-def best(rows: list[dict], engine: str, dtype: str) -> dict | None:
+def best(rows: list[dict[str, Any]], engine: str, dtype: str) -> dict[str, Any] | None:
     rows = [r for r in rows if r["engine"] == engine and r["dtype"] == dtype]
     return max(rows, key=lambda r: r["output_tok_s"]) if rows else None
 
@@ -258,7 +281,7 @@ def run(args: argparse.Namespace) -> int:
     why_not = None if args.skip_stoker else stoker_available()
     if why_not:
         console.print(f"[yellow]stoker engine unavailable, running the baseline only ({why_not})")
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     hf_sizes = parse_int_list(args.batch_sizes)
     stoker_sizes = parse_int_list(args.stoker_batch_sizes or args.batch_sizes)
     # The transformers baseline pads with the underlying Hugging Face tokenizer's ids.
@@ -313,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
             }
         )
 
-        def fmt(r):
+        def fmt(r: dict[str, Any] | None) -> str:
             return f"{r['output_tok_s']:.1f} ({r['batch_size']})" if r else "-"
 
         ratio = summary[-1]["output_ratio"]
@@ -358,11 +381,11 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _strip(r: dict) -> dict:
+def _strip(r: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in r.items() if k != "outputs"}
 
 
-def _line(r: dict) -> str:
+def _line(r: dict[str, Any]) -> str:
     return (
         f"{r['engine']:>12} {r['dtype']:>8} batch {r['batch_size']:>3}: {r['time_s']:6.1f}s  "
         f"{r['output_tok_s']:7.1f} out tok/s  {r['total_tok_s']:8.1f} total tok/s"

@@ -40,7 +40,7 @@ def _num(x: float | None, fmt: str = ".1f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def throughput_rows(merged: Sequence[dict]) -> Rows:
+def throughput_rows(merged: Sequence[dict[str, Any]]) -> Rows:
     header = ["target", "stage", "ok", "failed", "out tok/s", "total tok/s", "req/s", "goodput"]
     costed = any("cost_per_million_output" in m["summary"] for m in merged)
     if costed:
@@ -72,7 +72,7 @@ def throughput_rows(merged: Sequence[dict]) -> Rows:
     return header, rows
 
 
-def latency_rows(merged: Sequence[dict]) -> Rows:
+def latency_rows(merged: Sequence[dict[str, Any]]) -> Rows:
     header = ["target", "stage", "metric (ms)", "mean", "p50", "p90", "p99", "max"]
     rows = []
     for m in merged:
@@ -93,7 +93,7 @@ def latency_rows(merged: Sequence[dict]) -> Rows:
     return header, rows
 
 
-def compare_rows(comparisons: Sequence[dict], merged: Sequence[dict]) -> Rows:
+def compare_rows(comparisons: Sequence[dict[str, Any]], merged: Sequence[dict[str, Any]]) -> Rows:
     """One row per (stage, other server, metric): pooled values side by side,
     then the geometric mean of per-repetition ratios and their spread."""
     header = ["stage", "metric", "base", "other", "base value", "other value", "base ÷ other", "pairs min–max"]
@@ -147,7 +147,7 @@ def render_markdown(title: str, rows: Rows) -> str:
     return "\n".join(lines) + "\n"
 
 
-def print_report(console: Console, merged: Sequence[dict], comparisons: Sequence[dict]) -> None:
+def print_report(console: Console, merged: Sequence[dict[str, Any]], comparisons: Sequence[dict[str, Any]]) -> None:
     render_rich(console, "Throughput", throughput_rows(merged))
     render_rich(console, "Latency", latency_rows(merged))
     if comparisons:
@@ -168,7 +168,7 @@ def make_progress(console: Console) -> Progress:
     )
 
 
-def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
+def write_outputs(out_dir: str, result: dict[str, Any], command: str) -> list[str]:
     """results.json (every request), report.md, and plots; returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, "results.json"), os.path.join(out_dir, "report.md")]
@@ -194,7 +194,7 @@ def write_outputs(out_dir: str, result: dict, command: str) -> list[str]:
     return paths + plots
 
 
-def plot_all(out_dir: str, result: dict) -> list[str]:
+def plot_all(out_dir: str, result: dict[str, Any]) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")  # files only; never needs a display
@@ -246,16 +246,16 @@ def plot_all(out_dir: str, result: dict) -> list[str]:
     return paths
 
 
-def _groups(runs: Sequence[dict]) -> list[dict]:
+def _groups(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Runs pooled by (target, stage), repetitions together."""
-    groups: dict[tuple[str, str], dict] = {}
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
     for r in runs:
         g = groups.setdefault((r["target"], r["stage"]), {"target": r["target"], "stage": r["stage"], "requests": []})
         g["requests"].extend(r["requests"])
     return list(groups.values())
 
 
-def _latencies(requests: Sequence[dict], name: str) -> list[float]:
+def _latencies(requests: Sequence[dict[str, Any]], name: str) -> list[float]:
     ok = [q for q in requests if q["ok"]]
     if name == "itl":
         return [x for q in ok for x in q["itls"]]

@@ -10,6 +10,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -44,13 +45,13 @@ class RequestResult:
             return None
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["tpot"] = self.tpot
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> RequestResult:
+    def from_dict(cls, d: dict[str, Any]) -> RequestResult:
         d = {k: v for k, v in d.items() if k != "tpot"}
         return cls(**d)
 
@@ -95,7 +96,7 @@ def meets_slo(r: RequestResult, slo: dict[str, float]) -> bool:
     return True
 
 
-def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, float] | None = None) -> dict:
+def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, float] | None = None) -> dict[str, Any]:
     """One run's figures. Throughputs divide by the run's wall time, which covers
     failures too: a server that fails fast must not look fast."""
     ok = [r for r in results if r.ok]
@@ -111,7 +112,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
     out_tokens = sum(r.output_tokens for r in ok)
     in_tokens = sum(r.prompt_tokens for r in ok)
     duration = max(duration, 1e-9)
-    summary: dict = {
+    summary: dict[str, Any] = {
         "requests": len(results),
         "completed": len(ok),
         "failed": len(results) - len(ok),
@@ -135,7 +136,7 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
     return summary
 
 
-def metric(summary: dict, name: str) -> float | None:
+def metric(summary: dict[str, Any], name: str) -> float | None:
     """'output_tok_s' or 'ttft.p99' style lookup into a summary."""
     value: object = summary
     for part in name.split("."):
@@ -151,7 +152,7 @@ def alternating_schedule(targets: Sequence[str], repeats: int) -> list[tuple[int
     return [(rep, t) for rep in range(repeats) for t in targets]
 
 
-def paired_ratios(base: Sequence[float | None], other: Sequence[float | None]) -> dict:
+def paired_ratios(base: Sequence[float | None], other: Sequence[float | None]) -> dict[str, Any]:
     """Ratios base/other pairing repetition i of one with repetition i of the
     other (they ran back to back). The geometric mean is the summary because
     ratios multiply; min and max show how much the pairs disagree."""
@@ -175,7 +176,7 @@ COMPARE_METRICS = (
 )
 
 
-def compare_runs(runs: Sequence[dict], base_target: str) -> list[dict]:
+def compare_runs(runs: Sequence[dict[str, Any]], base_target: str) -> list[dict[str, Any]]:
     """For each stage and each non-base target: paired ratios base/other of the
     main metrics. `runs` are dicts with target, stage, repetition, summary."""
     by_key = {(r["target"], r["stage"], r["repetition"]): r["summary"] for r in runs}
@@ -197,10 +198,10 @@ def compare_runs(runs: Sequence[dict], base_target: str) -> list[dict]:
     return rows
 
 
-def merge_repetitions(runs: Sequence[dict], slo: dict[str, float] | None = None) -> list[dict]:
+def merge_repetitions(runs: Sequence[dict[str, Any]], slo: dict[str, float] | None = None) -> list[dict[str, Any]]:
     """Pool every repetition of a (target, stage) into one summary: latency
     percentiles over all requests, throughput over the summed durations."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in runs:
         groups.setdefault((r["target"], r["stage"]), []).append(r)
     merged = []

@@ -11,9 +11,12 @@ import json
 import os
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class Tokenizer(Protocol):
@@ -65,14 +68,14 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
 class HFTokenizer:
     """Counts content tokens only: the server adds its own BOS / chat template."""
 
-    def __init__(self, hf) -> None:
+    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
         self.hf = hf
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.hf.decode(list(ids))
+        return str(self.hf.decode(list(ids)))
 
     def chat_overhead(self) -> int:
         """Tokens the chat template wraps around one user message."""
@@ -82,7 +85,7 @@ class HFTokenizer:
             )
         except Exception:
             return 0
-        if hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+        if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return max(0, len(ids) - len(self.encode("x")))
 
@@ -129,7 +132,7 @@ class RequestSpec:
     the load generator converts between them for the other endpoint."""
 
     prompt: str | None = None
-    messages: list[dict] | None = None
+    messages: list[dict[str, Any]] | None = None
     input_len: int | None = None
     """Prompt tokens as counted locally (content only), when known."""
     output_len: int | None = None
@@ -147,7 +150,7 @@ def fit_text(tok: Tokenizer, rng: random.Random, n_tokens: int, prefix: str = ""
     if n_tokens < 1:
         raise ValueError("n_tokens must be at least 1")
 
-    def count(t):
+    def count(t: str) -> int:
         return len(tok.encode(t))
 
     text = prefix
@@ -295,7 +298,7 @@ def as_prompt(spec: RequestSpec) -> str:
     return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in spec.messages or []) + "\nassistant:"
 
 
-def as_messages(spec: RequestSpec) -> list[dict]:
+def as_messages(spec: RequestSpec) -> list[dict[str, Any]]:
     if spec.messages is not None:
         return spec.messages
     return [{"role": "user", "content": spec.prompt or ""}]

@@ -13,7 +13,7 @@ import json
 import re
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stoker.control.keys import KeyStore
@@ -49,7 +49,7 @@ def _when(ts: float | None) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
-def _limits(k: dict) -> str:
+def _limits(k: dict[str, Any]) -> str:
     parts = [f"{name}={k[name]}" for name in ("rpm", "tpm", "max_concurrent") if k[name] is not None]
     if k["budget_tokens"] is not None:
         parts.append(f"budget={k['budget_tokens']}/{k['budget_period']}")
@@ -167,11 +167,16 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     keys = subparsers.add_parser(
         "keys", help="manage API keys", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    keys.set_defaults(func=lambda _args: keys.print_help() or 2)
+
+    def print_keys_help(_args: argparse.Namespace) -> int:
+        keys.print_help()
+        return 2
+
+    keys.set_defaults(func=print_keys_help)
     sub = keys.add_subparsers(dest="keys_command", metavar="ACTION")
 
     def common(p: argparse.ArgumentParser) -> None:

@@ -172,7 +172,7 @@ def make_engine(db: str | None = None) -> Engine:
     if url.startswith("sqlite"):
         from sqlalchemy.pool import StaticPool
 
-        kwargs: dict = {"connect_args": {"check_same_thread": False, "timeout": SQLITE_LOCK_WAIT_S}}
+        kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": SQLITE_LOCK_WAIT_S}}
         if url in ("sqlite://", "sqlite:///:memory:"):
             # One shared connection, or every thread would see its own empty database.
             kwargs["poolclass"] = StaticPool

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from stoker.control.admission import AdmissionController, QueueView, Ticket
 from stoker.control.budgets import STORE_RETRY_AFTER, BudgetExceeded, DatabaseUnavailable, SharedBudgets
@@ -315,7 +316,7 @@ class RequestGate:
         submitted: bool = True,
         generation: bool = True,
         finish_reasons: list[str] | None = None,
-        log_extra: dict | None = None,
+        log_extra: dict[str, Any] | None = None,
     ) -> None:
         """Call exactly once per admission, in a finally block, whatever
         happened (success, error, disconnect, drain); a second call is ignored.
@@ -502,7 +503,7 @@ def _trace_attrs(
     finish_reason: str | None,
     status: int,
     priority: int | None,
-) -> dict:
+) -> dict[str, Any]:
     # gen_ai.* follow OpenTelemetry's GenAI semantic conventions.
     return {
         "gen_ai.system": "stoker",

@@ -103,7 +103,7 @@ class ApiKey:
         # An admin key may do everything any other key may.
         return scope in self.scopes or self.is_admin
 
-    def public(self) -> dict:
+    def public(self) -> dict[str, Any]:
         """What listings and the admin API show: everything but the hash."""
         out = asdict(self)
         out.pop("secret_hash")

@@ -17,6 +17,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
 
@@ -42,7 +43,7 @@ class UsageRecord:
     reservation_id: str | None = None
     """The shared budget reservation this row settles (deleted when the row is written); not a column."""
 
-    def row(self) -> dict:
+    def row(self) -> dict[str, Any]:
         out = asdict(self)
         del out["reservation_id"]
         return out
@@ -236,7 +237,7 @@ class UsageLedger:
 
     # -- reports -------------------------------------------------------------
 
-    def summary(self, key_id: str | None = None, since: float | None = None) -> dict:
+    def summary(self, key_id: str | None = None, since: float | None = None) -> dict[str, Any]:
         """Totals of written rows (call flush() first for an exact figure)."""
         cols = [
             func.count().label("requests"),
@@ -255,7 +256,9 @@ class UsageLedger:
         out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
         return out
 
-    def key_report(self, key_id: str, period: str, budget_tokens: int | None, now: float | None = None) -> dict:
+    def key_report(
+        self, key_id: str, period: str, budget_tokens: int | None, now: float | None = None
+    ) -> dict[str, Any]:
         """Usage this budget period and in total, pending rows included (they are flushed first)."""
         now = now if now is not None else time.time()
         self.flush()
@@ -266,7 +269,7 @@ class UsageLedger:
             out["budget_remaining"] = max(0, budget_tokens - this_period["total_tokens"])
         return out
 
-    def rows(self, key_id: str | None = None, limit: int = 100) -> list[dict]:
+    def rows(self, key_id: str | None = None, limit: int = 100) -> list[dict[str, Any]]:
         query = select(usage).order_by(usage.c.id.desc()).limit(limit)
         if key_id is not None:
             query = query.where(usage.c.key_id == key_id)

@@ -135,7 +135,7 @@ class RequestLogger:
             self.logger.setLevel(logging.INFO)
             self.logger.propagate = False
 
-    def log(self, record: RequestLogRecord, **extra: Any) -> dict:
+    def log(self, record: RequestLogRecord, **extra: Any) -> dict[str, Any]:
         line: dict[str, Any] = {"ts": round(time.time(), 6), "event": "request"}
         for k, v in asdict(record).items():
             # The core fields are always present (null when unknown) so log
