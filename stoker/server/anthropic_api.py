@@ -18,9 +18,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from stoker.json_types import Boolean, Integer
-from stoker.server.bounds import MAX_CONTENT_PARTS, MAX_MESSAGES
+from stoker.server.bounds import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS
 from stoker.server.protocol import (
-    MAX_STOP_STRINGS,
     ChatCompletionRequest,
     FunctionDefinition,
     MaxTokens,
@@ -32,6 +31,7 @@ from stoker.server.protocol import (
     bad_request,
     chat_request_from,
 )
+from stoker.server.serving.job import Usage
 
 
 class TextBlock(BaseModel):
@@ -236,7 +236,7 @@ def stop_reason(finish_reason: str | None, matched: int | str | None, called: bo
     return "end_turn", None
 
 
-def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+def usage(chat_usage: Usage) -> dict[str, Any]:
     return {
         "input_tokens": chat_usage["prompt_tokens"],
         "output_tokens": chat_usage["completion_tokens"],

@@ -24,6 +24,7 @@ from stoker.server.protocol import (
     SamplingFields,
     chat_request_from,
 )
+from stoker.server.serving.job import Usage
 
 
 class InputText(BaseModel):
@@ -261,7 +262,7 @@ def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+def usage(chat_usage: Usage) -> dict[str, Any]:
     """Chat's usage under the Responses API's names."""
     return {
         "input_tokens": chat_usage["prompt_tokens"],
@@ -289,7 +290,7 @@ def response_object(
     output: list[dict[str, Any]],
     status: str,
     incomplete: dict[str, Any] | None = None,
-    chat_usage: dict[str, Any] | None = None,
+    chat_usage: Usage | None = None,
     stored: bool = False,
 ) -> dict[str, Any]:
     """The Response: what was generated, and the request's settings as applied."""

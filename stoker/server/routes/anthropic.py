@@ -4,7 +4,7 @@ served as a chat request (stoker/server/anthropic_api.py translates)."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -21,10 +21,13 @@ from stoker.server.anthropic_api import (
 from stoker.server.bounds import offload
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
-from stoker.server.routes.openai import STREAMED, chat_job, chat_prompt_ids, run
-from stoker.server.serving import Job, sse
+from stoker.server.serving import JSONObject
+from stoker.server.serving.generate import Generation, Renderer, generate
+from stoker.server.serving.job import Job
+from stoker.server.serving.prompt import chat_job, chat_prompt_ids
+from stoker.server.serving.stream import STREAMED, named_sse
 from stoker.server.state import ServerState, admitted, get_state, run_before_hooks
-from stoker.server.tools import parse_reply, plan_tools
+from stoker.server.tools import ToolPlan, parse_reply, plan_tools
 
 router = APIRouter(dependencies=[Depends(run_before_hooks)])
 
@@ -36,7 +39,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 
 
 @router.post("/v1/messages/count_tokens")
-async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, Any]:
+async def count_tokens(body: CountTokensRequest, request: Request) -> JSONObject:
     """The prompt's tokens as /v1/messages would render it (tools included)."""
     version = get_state(request).version_for(body.model)
     async with admitted(request, "count_tokens", version.name):
@@ -46,34 +49,42 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, 
     return {"input_tokens": len(ids)}
 
 
-def named_sse(event: dict[str, Any]) -> str:
-    """A stream event as Anthropic writes them: its type on the event line too."""
-    return f"event: {event['type']}\n{sse(event)}"
-
-
 async def message_attempt(
     body: MessagesRequest, request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
     chat = as_chat_request(body)
     job, plan = await chat_job(chat, version, "messages")
-    streaming_text = False  # a text block is open and its text goes out as it comes
-    started = False
+    return await generate(Generation(request, state, version, job, MessageRenderer(plan), body.stream, chat))
 
-    def message_id() -> str:
-        return f"msg_{job.request_id}"
 
-    def content_of(sample: CompletionOutput) -> tuple[list[dict[str, Any]], str, str | None]:
+@dataclass
+class MessageRenderer(Renderer):
+    """A message, or its stream events. Plain text streams as it comes; a reply
+    that may hold tool calls is parsed once finished, then sent block by block."""
+
+    plan: ToolPlan
+    started: bool = False
+    """message_start went out."""
+    streaming_text: bool = False
+    """A text block is open and its text goes out as it comes."""
+
+    end_of_stream = None
+
+    def frame(self, event: JSONObject) -> str:
+        return named_sse(event)
+
+    def content_of(self, sample: CompletionOutput) -> tuple[list[JSONObject], str, str | None]:
         """The sample's content blocks, stop_reason and stop_sequence."""
-        text, calls = parse_reply(sample.text, plan)
+        text, calls = parse_reply(sample.text, self.plan)
         blocks = [{"type": "text", "text": text}] if text or not calls else []
         blocks += [tool_use_block(call) for call in calls]
         finish = sample.finish_reason.value if sample.finish_reason else None
         reason, sequence = stop_reason(finish, sample.stop_reason, bool(calls))
         return blocks, reason, sequence
 
-    def message(content: list[dict[str, Any]], reason: str | None, sequence: str | None) -> dict[str, Any]:
+    def message(self, job: Job, content: list[JSONObject], reason: str | None, sequence: str | None) -> JSONObject:
         return {
-            "id": message_id(),
+            "id": f"msg_{job.request_id}",
             "type": "message",
             "role": "assistant",
             "model": job.model,
@@ -83,34 +94,31 @@ async def message_attempt(
             "usage": usage(job.usage()),
         }
 
-    def render_final(job: Job) -> dict[str, Any]:
-        return message(*content_of(job.outputs[0].outputs[0]))
+    def final(self, job: Job) -> JSONObject:
+        return self.message(job, *self.content_of(job.outputs[0].outputs[0]))
 
-    def render_delta(job: Job, _prompt: int, d: EngineCoreOutput, _head: dict[str, Any]) -> list[dict[str, Any]]:
-        """Plain text streams as it comes; a reply that may hold tool calls is
-        parsed once finished, then sent block by block."""
-        nonlocal started, streaming_text
-        events: list[dict[str, Any]] = []
-        if not started:
-            started = True
-            opening = message([], None, None)
+    def events(self, job: Job, prompt_index: int, d: EngineCoreOutput) -> list[JSONObject]:
+        events: list[JSONObject] = []
+        if not self.started:
+            self.started = True
+            opening = self.message(job, [], None, None)
             opening["usage"]["output_tokens"] = 0
             events += [{"type": "message_start", "message": opening}, {"type": "ping"}]
-        if not plan.active and not streaming_text and (d.new_text or d.finished):
-            streaming_text = True
+        if not self.plan.active and not self.streaming_text and (d.new_text or d.finished):
+            self.streaming_text = True
             events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
-        if not plan.active and d.new_text:
+        if not self.plan.active and d.new_text:
             events.append(
                 {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d.new_text}}
             )
         if not d.finished:
             return events
-        blocks, reason, sequence = content_of(job.outputs[0].outputs[0])
+        blocks, reason, sequence = self.content_of(job.outputs[0].outputs[0])
         for index, block in enumerate(blocks):
-            if block["type"] == "text" and streaming_text:
+            if block["type"] == "text" and self.streaming_text:
                 events.append({"type": "content_block_stop", "index": index})
                 continue
-            opened: dict[str, Any]
+            opened: JSONObject
             if block["type"] == "text":
                 opened, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
             else:
@@ -130,18 +138,3 @@ async def message_attempt(
             {"type": "message_stop"},
         ]
         return events
-
-    return await run(
-        request,
-        state,
-        version,
-        job,
-        body.stream,
-        False,
-        render_delta,
-        render_final,
-        "message",
-        chat,
-        frame=named_sse,
-        done_marker=False,
-    )

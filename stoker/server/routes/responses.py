@@ -9,7 +9,8 @@ its caller's key's alone: another key's id reads as an unknown one everywhere
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -31,9 +32,13 @@ from stoker.server.responses_api import (
     response_object,
     status_of,
 )
-from stoker.server.responses_store import StoredResponse, output_messages
-from stoker.server.routes.openai import STREAMED, chat_job, chat_logprobs, run
-from stoker.server.serving import Job, sse
+from stoker.server.responses_store import ResponseStore, StoredResponse, output_messages
+from stoker.server.serving import JSONObject
+from stoker.server.serving.generate import Generation, Renderer, generate
+from stoker.server.serving.job import Job
+from stoker.server.serving.logprobs import token_entries
+from stoker.server.serving.prompt import chat_job
+from stoker.server.serving.stream import STREAMED, named_sse
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.tools import ToolPlan, parse_reply
 
@@ -43,7 +48,7 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 @router.post("/v1/responses", responses=STREAMED)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     state = get_state(request)
-    earlier: list[dict[str, Any]] = []
+    earlier: list[JSONObject] = []
     if body.previous_response_id is not None:
         previous = state.responses.get(body.previous_response_id, key_id(request))
         if previous is None:
@@ -61,7 +66,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     )
 
 
-def fits_store(body: ResponsesRequest, held: list[dict[str, Any]], state: ServerState) -> bool:
+def fits_store(body: ResponsesRequest, held: list[JSONObject], state: ServerState) -> bool:
     """Whether a response to body can be stored, as far as its input tells: an
     input (with what it continues) already over the entry bound is answered
     unstored ("store": false), or refused if the client asked for store: true,
@@ -83,7 +88,7 @@ def fits_store(body: ResponsesRequest, held: list[dict[str, Any]], state: Server
 
 
 @router.get("/v1/responses/{response_id}")
-async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_response(response_id: str, request: Request) -> JSONObject:
     """A stored response, as it was answered."""
     entry = get_state(request).responses.get(response_id, key_id(request))
     if entry is None:
@@ -92,7 +97,7 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(response_id: str, request: Request) -> dict[str, Any]:
+async def delete_response(response_id: str, request: Request) -> JSONObject:
     if not get_state(request).responses.delete(response_id, key_id(request)):
         raise not_found(response_id)
     return {"id": response_id, "object": "response", "deleted": True}
@@ -108,20 +113,12 @@ def not_found(response_id: str) -> APIError:
     return APIError(404, f"No response with id '{response_id}' found.", param="response_id", code="not_found")
 
 
-def typed_sse(event: dict[str, Any]) -> str:
-    """A stream event as OpenAI writes them: its type on the event line too."""
-    return f"event: {event['type']}\n{sse(event)}"
-
-
-def token_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+def token_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> list[JSONObject]:
     """Tokens' logprobs as an output_text part carries them (chat's entries)."""
-    scored = chat_logprobs(version, items)
-    return scored["content"] if scored is not None else []
+    return token_entries(version, items) if items is not None else []
 
 
-def reply_output(
-    sample: CompletionOutput, plan: ToolPlan, message_id: str, version: ModelVersion
-) -> list[dict[str, Any]]:
+def reply_output(sample: CompletionOutput, plan: ToolPlan, message_id: str, version: ModelVersion) -> list[JSONObject]:
     """The output items of a finished sample: its text as a message (unless it
     is only calls; with its tokens' logprobs where asked, unless calls were
     cut out of it), then each function call."""
@@ -133,8 +130,8 @@ def reply_output(
 
 async def response_attempt(
     body: ResponsesRequest,
-    earlier: list[dict[str, Any]],
-    held: list[dict[str, Any]],
+    earlier: list[JSONObject],
+    held: list[JSONObject],
     store: bool,
     request: Request,
     state: ServerState,
@@ -143,41 +140,78 @@ async def response_attempt(
     """held: earlier and this input as chat messages; store: whether to keep the
     response (the request allows it and its input fits)."""
     job, plan = await chat_job(as_chat_request(body, earlier), version, "responses")
-    message_id = new_item_id("msg")
-    sequence = itertools.count()
-    started = False  # response.created sent
-    streaming_text = False  # the message item is open and its text goes out as it comes
+    renderer = ResponseRenderer(body, held, store, key_id(request), state.responses, version, plan)
+    return await generate(Generation(request, state, version, job, renderer, body.stream, body))
 
-    def response_id() -> str:
-        return f"resp_{job.request_id}"  # the server's id (run() sets it), never the client's X-Request-Id
 
-    def finished(sample: CompletionOutput) -> dict[str, Any]:
+@dataclass
+class ResponseRenderer(Renderer):
+    """A response, or its stream events. Plain text streams as it comes; a reply
+    that may hold tool calls is parsed once finished, then sent item by item (as
+    chat streams it)."""
+
+    body: ResponsesRequest
+    held: list[JSONObject]
+    """The conversation so far (earlier responses and this input) as chat messages."""
+    store: bool
+    """Whether to keep the response (the request allows it and its input fits)."""
+    owner: str | None
+    """The key the stored response belongs to."""
+    responses: ResponseStore
+    version: ModelVersion
+    plan: ToolPlan
+    message_id: str = field(default_factory=lambda: new_item_id("msg"))
+    sequence: Iterator[int] = field(default_factory=itertools.count)
+    started: bool = False
+    """response.created went out."""
+    streaming_text: bool = False
+    """The message item is open and its text goes out as it comes."""
+
+    end_of_stream = None
+
+    def frame(self, event: JSONObject) -> str:
+        return named_sse(event)
+
+    def finished(self, job: Job, sample: CompletionOutput) -> JSONObject:
         """The response once its sample is done, stored unless the request said
         not to or it is over the entry bound ("store" says which)."""
         status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
-        output = reply_output(sample, plan, message_id, version)
+        output = reply_output(sample, self.plan, self.message_id, self.version)
         response = response_object(
-            body, response_id(), job.created, job.model, output, status, incomplete, job.usage(), stored=store
+            self.body,
+            response_id(job),
+            job.created,
+            job.model,
+            output,
+            status,
+            incomplete,
+            job.usage(),
+            stored=self.store,
         )
-        if store:
-            kept = StoredResponse(response, [*held, *output_messages(output)], key_id(request))
-            response["store"] = state.responses.put(kept)
+        if self.store:
+            kept = StoredResponse(response, [*self.held, *output_messages(output)], self.owner)
+            response["store"] = self.responses.put(kept)
         return response
 
-    def render_final(job: Job) -> dict[str, Any]:
-        return finished(job.outputs[0].outputs[0])
+    def final(self, job: Job) -> JSONObject:
+        return self.finished(job, job.outputs[0].outputs[0])
 
-    def event(kind: str, **fields: Any) -> dict[str, Any]:
-        return {"type": kind, "sequence_number": next(sequence), **fields}
+    def event(self, kind: str, **fields: object) -> JSONObject:
+        return {"type": kind, "sequence_number": next(self.sequence), **fields}
 
-    def opening() -> list[dict[str, Any]]:
-        snapshot = response_object(body, response_id(), job.created, job.model, [], "in_progress", stored=store)
-        return [event("response.created", response=snapshot), event("response.in_progress", response=snapshot)]
-
-    def open_message(index: int, item_id: str) -> list[dict[str, Any]]:
+    def opening(self, job: Job) -> list[JSONObject]:
+        snapshot = response_object(
+            self.body, response_id(job), job.created, job.model, [], "in_progress", stored=self.store
+        )
         return [
-            event("response.output_item.added", output_index=index, item=message_item(item_id, "", "in_progress")),
-            event(
+            self.event("response.created", response=snapshot),
+            self.event("response.in_progress", response=snapshot),
+        ]
+
+    def open_message(self, index: int, item_id: str) -> list[JSONObject]:
+        return [
+            self.event("response.output_item.added", output_index=index, item=message_item(item_id, "", "in_progress")),
+            self.event(
                 "response.content_part.added",
                 item_id=item_id,
                 output_index=index,
@@ -186,67 +220,55 @@ async def response_attempt(
             ),
         ]
 
-    def text_delta(index: int, item_id: str, text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    def text_delta(self, index: int, item_id: str, text: str, logprobs: list[JSONObject]) -> JSONObject:
         where = {"item_id": item_id, "output_index": index, "content_index": 0}
-        return event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
+        return self.event("response.output_text.delta", **where, delta=text, logprobs=logprobs)
 
-    def close_message(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def close_message(self, index: int, item: JSONObject) -> list[JSONObject]:
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
         part = item["content"][0]
         return [
-            event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
-            event("response.content_part.done", **where, part=part),
-            event("response.output_item.done", output_index=index, item=item),
+            self.event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"]),
+            self.event("response.content_part.done", **where, part=part),
+            self.event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def call_events(index: int, item: dict[str, Any]) -> list[dict[str, Any]]:
+    def call_events(self, index: int, item: JSONObject) -> list[JSONObject]:
         where = {"item_id": item["id"], "output_index": index}
         opened = {**item, "arguments": "", "status": "in_progress"}
         return [
-            event("response.output_item.added", output_index=index, item=opened),
-            event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
-            event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
-            event("response.output_item.done", output_index=index, item=item),
+            self.event("response.output_item.added", output_index=index, item=opened),
+            self.event("response.function_call_arguments.delta", **where, delta=item["arguments"]),
+            self.event("response.function_call_arguments.done", **where, arguments=item["arguments"]),
+            self.event("response.output_item.done", output_index=index, item=item),
         ]
 
-    def render_delta(job: Job, _prompt: int, d: EngineCoreOutput, _head: dict[str, Any]) -> list[dict[str, Any]]:
-        """Plain text streams as it comes; a reply that may hold tool calls is
-        parsed once finished, then sent item by item (as chat streams it)."""
-        nonlocal started, streaming_text
-        events = [] if started else opening()
-        started = True
-        if not plan.active and not streaming_text and (d.new_text or d.new_logprobs or d.finished):
-            events += open_message(0, message_id)
-            streaming_text = True
-        if not plan.active and (d.new_text or d.new_logprobs):  # logprobs go with the text they score
-            events.append(text_delta(0, message_id, d.new_text, token_logprobs(version, d.new_logprobs)))
+    def events(self, job: Job, prompt_index: int, d: EngineCoreOutput) -> list[JSONObject]:
+        events = [] if self.started else self.opening(job)
+        self.started = True
+        active = self.plan.active
+        if not active and not self.streaming_text and (d.new_text or d.new_logprobs or d.finished):
+            events += self.open_message(0, self.message_id)
+            self.streaming_text = True
+        if not active and (d.new_text or d.new_logprobs):  # logprobs go with the text they score
+            logprobs = token_logprobs(self.version, d.new_logprobs)
+            events.append(self.text_delta(0, self.message_id, d.new_text, logprobs))
         if not d.finished:
             return events
-        response = finished(job.outputs[0].outputs[0])
+        response = self.finished(job, job.outputs[0].outputs[0])
         for index, item in enumerate(response["output"]):
             if item["type"] != "message":
-                events += call_events(index, item)
+                events += self.call_events(index, item)
                 continue
-            if not streaming_text:
-                events += open_message(index, item["id"])
+            if not self.streaming_text:
+                events += self.open_message(index, item["id"])
                 part = item["content"][0]
                 if part["text"]:
-                    events.append(text_delta(index, item["id"], part["text"], part["logprobs"]))
-            events += close_message(index, item)
+                    events.append(self.text_delta(index, item["id"], part["text"], part["logprobs"]))
+            events += self.close_message(index, item)
         kind = "response.completed" if response["status"] == "completed" else "response.incomplete"
-        return [*events, event(kind, response=response)]
+        return [*events, self.event(kind, response=response)]
 
-    return await run(
-        request,
-        state,
-        version,
-        job,
-        body.stream,
-        False,
-        render_delta,
-        render_final,
-        "response",
-        body,
-        frame=typed_sse,
-        done_marker=False,
-    )
+
+def response_id(job: Job) -> str:
+    return f"resp_{job.request_id}"  # the server's id (generate() sets it), never the client's X-Request-Id

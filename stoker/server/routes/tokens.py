@@ -17,7 +17,7 @@ from stoker.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
-from stoker.server.routes.openai import template_ids
+from stoker.server.serving.prompt import template_ids
 from stoker.server.state import admitted, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse, dumps
 

@@ -1,26 +1,19 @@
-"""Running one HTTP generation request through the engine: fan-out over its
-prompts, disconnect detection, SSE framing, usage. Endpoint-specific shapes
-live in routes/openai.py."""
+"""A generation request as the engine serves it: one engine request per
+prompt, n samples each, their outputs folded as they come, its usage and the
+record the finished hooks get."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypedDict
 
 from fastapi import Request
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from stoker.engine.client import (
-    AsyncEngineClient,
-    EngineUnavailableError,
-    RequestRejectedError,
-)
+from stoker.engine.client import AsyncEngineClient
 from stoker.engine.params import (
     CompletionOutput,
     EngineCoreOutput,
@@ -28,16 +21,20 @@ from stoker.engine.params import (
     RequestOutput,
     SamplingParams,
 )
-from stoker.errors import APIError
 from stoker.server.hooks import FinishedRecord
-from stoker.server.protocol import bad_request, unavailable
-from stoker.server.strict_json import dumps
-
-T = TypeVar("T")
 
 
-class ClientDisconnected(Exception):
-    pass
+class CachedTokens(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    """A job's token counts in OpenAI's shape; the other APIs rename them."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: CachedTokens
 
 
 @dataclass
@@ -83,7 +80,7 @@ class Job:
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.params.n + sample_index
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self) -> Usage:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in self.outputs)
@@ -186,73 +183,3 @@ async def _run_job(engine: AsyncEngineClient, job: Job, base: str) -> AsyncItera
         for task in tasks:  # cancelling a pump closes its engine stream, which aborts it
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def engine_error(exc: Exception) -> APIError:
-    """Map engine-side failures to HTTP errors (before any header is sent)."""
-    if isinstance(exc, RequestRejectedError):
-        return bad_request(str(exc))
-    if isinstance(exc, EngineUnavailableError):
-        return unavailable(str(exc))
-    raise exc
-
-
-async def wait_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be a disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def until_disconnect(request: Request, awaitable: Awaitable[T]) -> T:
-    """Await while watching the client; if it leaves, cancel the work (which aborts
-    the engine requests) and raise ClientDisconnected."""
-    work = asyncio.ensure_future(awaitable)
-    watch = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        raise
-    finally:
-        watch.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await work
-    raise ClientDisconnected()
-
-
-def sse(data: dict[str, Any] | str) -> str:
-    """One SSE event; raises APIError (500) for a value strict JSON cannot hold."""
-    payload = data if isinstance(data, str) else dumps(data)
-    return f"data: {payload}\n\n"
-
-
-class EngineStreamingResponse(StreamingResponse):
-    """A StreamingResponse that always watches for the client leaving (whatever
-    the ASGI spec version) and always closes its body iterator, so the engine
-    request is aborted within a step of the disconnect."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None] | None = None) -> None:
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def stream() -> None:
-            with contextlib.suppress(OSError):
-                await self.stream_response(send)
-
-        streaming = asyncio.ensure_future(stream())
-        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
-        try:
-            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (streaming, listening):
-                task.cancel()
-            await asyncio.gather(streaming, listening, return_exceptions=True)
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-            if self._on_close is not None:
-                self._on_close()
