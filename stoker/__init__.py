@@ -1,5 +1,7 @@
 """stoker: a production LLM inference server."""
 
+from __future__ import annotations
+
 from typing import TYPE_CHECKING
 
 from stoker.engine.params import RequestOutput, SamplingParams
