@@ -22,10 +22,9 @@ from stoker.server.bounds import offload
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.serving import JSONObject
-from stoker.server.serving.generate import Generation, Renderer, generate
+from stoker.server.serving.generate import STREAMED, Generation, Renderer, generate, named_sse
 from stoker.server.serving.job import Job
 from stoker.server.serving.prompt import chat_job, chat_prompt_ids
-from stoker.server.serving.stream import STREAMED, named_sse
 from stoker.server.state import ServerState, admitted, get_state, run_before_hooks
 from stoker.server.tools import ToolPlan, parse_reply, plan_tools
 

@@ -16,7 +16,7 @@ from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request, flatten_prompts
 from stoker.server.serving import JSONObject
-from stoker.server.serving.generate import Generation, Renderer, generate
+from stoker.server.serving.generate import STREAMED, Generation, Renderer, generate
 from stoker.server.serving.job import Job
 from stoker.server.serving.logprobs import finite_logprob, token_entries
 from stoker.server.serving.prompt import (
@@ -28,7 +28,6 @@ from stoker.server.serving.prompt import (
     resolve_max_tokens,
     sampling_params,
 )
-from stoker.server.serving.stream import STREAMED
 from stoker.server.state import ServerState, admitted, get_state, run_before_hooks
 from stoker.server.structured import requested_constraint
 from stoker.server.tools import ToolPlan, new_call, parse_reply

@@ -34,11 +34,10 @@ from stoker.server.responses_api import (
 )
 from stoker.server.responses_store import ResponseStore, StoredResponse, output_messages
 from stoker.server.serving import JSONObject
-from stoker.server.serving.generate import Generation, Renderer, generate
+from stoker.server.serving.generate import STREAMED, Generation, Renderer, generate, named_sse
 from stoker.server.serving.job import Job
 from stoker.server.serving.logprobs import token_entries
 from stoker.server.serving.prompt import chat_job
-from stoker.server.serving.stream import STREAMED, named_sse
 from stoker.server.state import ServerState, get_state, run_before_hooks
 from stoker.server.tools import ToolPlan, parse_reply
 
