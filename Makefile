@@ -46,6 +46,7 @@ lint:
 	$(PY) -m ruff check stoker tests
 	$(PY) -m ruff format --check stoker tests
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports
 
 format:
 	$(PY) -m ruff check --fix stoker tests

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from stoker.zmq_address import check_endpoint
 
 
 @dataclass
 class ModelConfig:
-    """The architecture of a decoder, read from a GGUF header or a config.json."""
+    """The architecture of a decoder, read from a GGUF header or a config.json; the switches that
+    differ between families come from its entry in models/registry.py."""
 
     architecture: str
     """Hugging Face architecture name, e.g. LlamaForCausalLM, Qwen2ForCausalLM."""
@@ -26,13 +29,15 @@ class ModelConfig:
     max_position_embeddings: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict | None = None
+    rope_scaling: dict[str, Any] | None = None
     """Hugging Face rope_scaling dict (only rope_type "llama3" changes the math)."""
     tie_word_embeddings: bool = False
     attention_bias: bool = False
-    """q/k/v projections carry a bias (Qwen2)."""
+    """q/k/v projections carry a bias (Qwen2): the registry entry's qkv_bias, config.json's attention_bias,
+    or a GGUF holding q biases."""
     qk_norm: bool = False
-    """RMSNorm on each head of q and k before rotary (Qwen3)."""
+    """RMSNorm on each head of q and k before rotary (Qwen3): the registry entry's qk_norm, or a GGUF
+    holding q norms."""
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     """Every token id that ends generation (eos plus e.g. <|eot_id|>)."""
@@ -165,8 +170,6 @@ class EngineConfig(BaseModel):
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _kv_events_endpoint(cls, value: str | None) -> str | None:
-        from stoker.engine.kv_events import check_endpoint  # light: msgspec and zmq, no torch
-
         return None if value in (None, "") else check_endpoint(value)
 
     @model_validator(mode="after")

@@ -23,6 +23,7 @@ import torch
 
 from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer, stop_matcher, stop_matcher_ready
+from stoker.engine.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from stoker.engine.grammar_compiler import GrammarCompiler
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
@@ -45,17 +46,12 @@ from stoker.engine.spec.ngram import NgramProposer
 from stoker.engine.spec.policy import SpeculationPolicy, row_costs
 from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import SequenceGrammar
-from stoker.models.cpu_kernels import cpu_flags
 from stoker.models.loader import load_model, weights_stay_quantized
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
 from stoker.models.registry import build_model
 from stoker.models.tokenizer import Tokenizer
 
 log = logging.getLogger("stoker.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_DTYPES = {**_DTYPES, "bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
-
 
 PREPARE_POLL_S = 0.01
 """How long an otherwise idle step waits for the worker preparing requests."""
@@ -70,43 +66,6 @@ class _Preparing:
     max_tokens: int
     seeds: list[int]
     ready: Future[llguidance.LLMatcher | None]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def resolve_kv_dtype(name: str, dtype: torch.dtype, quantized_weights: bool) -> torch.dtype:
-    if name != "auto":
-        return _KV_DTYPES[name]
-    # Quantized weights compute in float32 on the CPU, but a float32 cache
-    # only doubles the bytes each decode step reads: bf16 keys and values
-    # scored the same perplexity (68.17 vs 68.19 on docs/architecture.md) and
-    # decode faster, as llama.cpp's default f16 cache does.
-    if quantized_weights and dtype == torch.float32:
-        return torch.bfloat16
-    return dtype
-
-
-def resolve_dtype(name: str, device: torch.device, quantized_weights: bool = False) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    # Weights kept in GGML blocks: the int8 kernels and the fused decoder take
-    # float32 activations (bf16 would only add rounding and conversions), as
-    # llama.cpp computes in float32 between its quantized matmuls.
-    if quantized_weights:
-        return torch.float32
-    # bf16 only pays on CPUs with native bf16 matmul (AMX / AVX512-BF16).
-    return (
-        torch.bfloat16
-        if torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]  # untyped in torch
-        and bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
-        else torch.float32
-    )
 
 
 class EngineCore:

@@ -21,7 +21,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import zmq
@@ -34,9 +34,34 @@ from stoker.engine.params import (
     SamplingParams,
 )
 
+if TYPE_CHECKING:
+    from stoker.engine.core import EngineCore
+    from stoker.models.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_CORE = "stoker.engine.core:EngineCore"
+
+
+class Core(Protocol):
+    """What the engine process asks of its core: EngineCore, or a stand-in a test
+    names (load_core_factory). EngineCore's extras, which test cores lack, are read
+    with getattr: quantized_matmul, weights_summary, measure_row_costs,
+    take_rejections and runner.kv_caches."""
+
+    @property
+    def max_model_len(self) -> int: ...
+    @property
+    def model_config(self) -> ModelConfig: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    def add_request(self, req: EngineCoreRequest) -> None: ...
+    def abort_requests(self, request_ids: list[str]) -> list[EngineCoreOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def step(self) -> list[EngineCoreOutput]: ...
+    def stats(self) -> EngineStats: ...
+    def reset_prefix_cache(self) -> int: ...
+
 
 # front end -> engine
 ADD = b"add"
@@ -102,14 +127,21 @@ ticket_decoder = msgspec.msgpack.Decoder(int)
 reset_decoder = msgspec.msgpack.Decoder(PrefixCacheReset)
 
 
-def load_core_factory(spec: str) -> Callable[[EngineConfig], Any]:
+if TYPE_CHECKING:
+
+    def _engine_core_is_a_core(core: EngineCore) -> Core:
+        """mypy holds EngineCore to the Core protocol here (no runtime cost)."""
+        return core
+
+
+def load_core_factory(spec: str) -> Callable[[EngineConfig], Core]:
     """'package.module:Name' -> the callable; tests swap in a fake core this way."""
     module_name, _, attr = spec.partition(":")
-    factory: Callable[[EngineConfig], Any] = getattr(importlib.import_module(module_name), attr)
+    factory: Callable[[EngineConfig], Core] = getattr(importlib.import_module(module_name), attr)
     return factory
 
 
-def warm_up(core: Any) -> None:
+def warm_up(core: Core) -> None:
     """One tiny greedy request end to end, so the first real request does not
     pay for lazy initialisation and /ready means "a forward pass worked"."""
     prompt = core.tokenizer.encode("Hello") or [0]
@@ -138,7 +170,7 @@ def freeze_loaded_objects() -> None:
     gc.freeze()
 
 
-def _tensor_bytes(value: Any, depth: int = 0) -> int:
+def _tensor_bytes(value: object, depth: int = 0) -> int:
     """Bytes of the tensors in a (nested) container of caches, whatever its layout."""
     import torch  # the engine process has it loaded; the front end never calls this
 
@@ -153,12 +185,12 @@ def _tensor_bytes(value: Any, depth: int = 0) -> int:
     return 0
 
 
-def _kv_cache_bytes(core: Any) -> int:
+def _kv_cache_bytes(core: Core) -> int:
     return _tensor_bytes(getattr(getattr(core, "runner", None), "kv_caches", None))
 
 
-def _kv_capacity_tokens(core: Any) -> int:
-    stats: EngineStats = core.stats()
+def _kv_capacity_tokens(core: Core) -> int:
+    stats = core.stats()
     return stats.kv_blocks_total * stats.block_size
 
 
@@ -221,7 +253,7 @@ def run_engine(
 
 
 def _loop(
-    core: Any,
+    core: Core,
     inp: zmq.Socket[bytes],
     out: zmq.Socket[bytes],
     parent_pid: int,

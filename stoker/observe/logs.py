@@ -26,6 +26,8 @@ from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
+from starlette.datastructures import State
+from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -55,7 +57,7 @@ def current_client_request_id() -> str | None:
     return _client_request_id.get()
 
 
-def _remember(state: Any, client_id: str | None) -> str:
+def _remember(state: State | dict[str, Any], client_id: str | None) -> str:
     """Give a request its server id and note the client's; returns the server id."""
     request_id = new_request_id()
     if isinstance(state, dict):
@@ -66,7 +68,7 @@ def _remember(state: Any, client_id: str | None) -> str:
     return request_id
 
 
-def request_id_of(request: Any) -> str:
+def request_id_of(request: HTTPConnection) -> str:
     """A request's server id: the one RequestIdMiddleware set on request.state,
     else a new one (remembered on the request with the client's X-Request-Id)."""
     rid = getattr(request.state, "request_id", None)
@@ -173,9 +175,9 @@ def with_request_id(headers: list[tuple[bytes, bytes]], request_id: str) -> list
 
 
 class RequestIdMiddleware:
-    """Request id in, X-Request-Id out on every response, errors included. The
-    server's ControlMiddleware does the same plus admission; this one serves
-    apps without the control plane."""
+    """Request id in, X-Request-Id out on every response, errors included: the
+    one place a request gets its id (the server installs it just outside
+    ControlMiddleware)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app

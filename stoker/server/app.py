@@ -35,11 +35,12 @@ from stoker.server.structured import GrammarChecker
 
 logger = logging.getLogger("stoker.server")
 
-# Optional modules of other areas; each defines install(app, state) to add
+# Optional modules that plug other areas in; each defines install(app, state) to add
 # hooks, routes (/admin, /metrics), middleware and exception handlers. One
 # that is not installed is skipped. (observe has no extension of its own:
-# control's wires metrics, logs and traces into the request path.)
-EXTENSIONS = ["stoker.control.server"]
+# control's wires metrics, logs and traces into the request path.) They live in
+# the server layer: they import control, control never imports the server.
+EXTENSIONS = ["stoker.server.control"]
 
 
 class BodyLimitMiddleware:

@@ -22,10 +22,11 @@ from stoker.config import EngineConfig
 from stoker.engine import kv_events
 from stoker.engine.core import EngineCore
 from stoker.engine.kv_cache import chain_hash
-from stoker.engine.kv_events import KVEventLog, KVEventPublisher, check_endpoint, wire_hash
+from stoker.engine.kv_events import KVEventLog, KVEventPublisher, wire_hash
 from stoker.engine.params import EngineCoreRequest, SamplingParams
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import FleetError, plan_fleet
+from stoker.zmq_address import check_endpoint
 
 BS = 4
 TOPIC = "kv@test"

@@ -369,7 +369,7 @@ def test_embedding_rows_match_gguf_dequantize() -> None:
 def test_dtype_auto_computes_in_float32_when_weights_stay_quantized(tmp_path: Path) -> None:
     """bf16-capable CPUs pick bfloat16 for dense models, but quantized weights are
     served by float32 kernels (and the fused decoder), so auto means float32 there."""
-    from stoker.engine.core import resolve_dtype
+    from stoker.engine.devices import resolve_dtype
     from stoker.models.loader import weights_stay_quantized
 
     gguf = str(write_quant_gguf(tmp_path / "tiny-llama.gguf", "llama", {}, T.Q4_1))

@@ -48,7 +48,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def load_draft_model(path: str, quantization: str, device: torch.device) -> DecoderModel:
     """The model at `path` built as a draft is: its own dtype for `auto` (float32
     where its weights stay quantized on the CPU), the given quantization."""
-    from stoker.engine.core import resolve_dtype
+    from stoker.engine.devices import resolve_dtype
     from stoker.models.loader import load_model, weights_stay_quantized
     from stoker.models.registry import build_model
 

@@ -41,10 +41,13 @@ from stoker.control.errors import install_error_handler
 from stoker.control.keys import SCOPE_ROUTER
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
+from stoker.engine.params import EngineStats
 from stoker.errors import APIError
 from stoker.observe.cost import CostMeter
-from stoker.observe.logs import RequestLogRecord, assign_request_id, echoed_request_id, with_request_id
-from stoker.server.state import OUTSIDE_ENGINE
+from stoker.observe.logs import RequestIdMiddleware, RequestLogRecord
+from stoker.server.fleet import Fleet
+from stoker.server.hooks import AdmissionInfo, FallbackEvent, FinishedRecord
+from stoker.server.state import OUTSIDE_ENGINE, ServerState
 
 log = logging.getLogger("stoker.control")
 
@@ -103,8 +106,8 @@ class AccessMiddleware:
         await self.app(scope, receive, send)
 
 
-def settings_from(state: Any) -> ControlSettings:
-    given = state.extras.get("control_config") if hasattr(state, "extras") else None
+def settings_from(state: ServerState) -> ControlSettings:
+    given = state.extras.get("control_config")
     if isinstance(given, ControlSettings):
         return given
     values: dict[str, Any] = {}
@@ -118,8 +121,8 @@ def settings_from(state: Any) -> ControlSettings:
 
 
 class ControlMiddleware:
-    """Request id in and out (X-Request-Id), arrival time, and the key's
-    x-ratelimit-* headers on admitted responses. Also a safety net: an
+    """Arrival time, and the key's x-ratelimit-* headers on admitted responses,
+    inside RequestIdMiddleware (which gives the request its id and answers X-Request-Id). Also a safety net: an
     admission still open when the response is over is finished here, so a
     code path that forgot the finished hook cannot leak a concurrency slot."""
 
@@ -130,21 +133,20 @@ class ControlMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = assign_request_id(scope)  # the server's own; the client's X-Request-Id is only echoed and logged
-        echoed = echoed_request_id(scope)
         state = scope["state"]
+        request_id: str = state["request_id"]
         state["arrival"] = time.time()
         status = {"code": 500}
 
         async def send_wrapped(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
-                headers = with_request_id(message.get("headers", []), echoed)
                 adm = state.get("admission")
                 if adm is not None:
+                    headers = list(message.get("headers", []))
                     present = {k.lower() for k, _ in headers}
                     headers += [(k.encode(), v.encode()) for k, v in adm.headers.items() if k.encode() not in present]
-                message = {**message, "headers": headers}
+                    message = {**message, "headers": headers}
             await send(message)
 
         try:
@@ -179,7 +181,7 @@ async def _operator(request: Request) -> None:
     await require_operator(request)
 
 
-async def _admit(request: Request, info: Any) -> None:
+async def _admit(request: Request, info: AdmissionInfo) -> None:
     plane = get_plane(request)
     if info.endpoint not in OUTSIDE_ENGINE:
         plane.track_model(info.model)  # its own queue bound from its first request on, not from the next stats tick
@@ -206,7 +208,7 @@ async def _admit(request: Request, info: Any) -> None:
     request.state.deadline = adm.deadline
 
 
-def _finished(record: Any) -> None:
+def _finished(record: FinishedRecord) -> None:
     request = record.http_request
     if request is None:
         return
@@ -215,7 +217,7 @@ def _finished(record: Any) -> None:
         return
     plane = get_plane(request)
     reasons = list(record.finish_reasons)
-    version = getattr(record, "model_version", None)
+    version = record.model_version
     if version is not None and record.endpoint not in OUTSIDE_ENGINE:
         first = record.times[0] if record.times else None
         plane.metrics.observe_version(
@@ -241,15 +243,15 @@ def _finished(record: Any) -> None:
         generation=record.endpoint not in OUTSIDE_ENGINE,
         log_extra={
             "endpoint": record.endpoint,
-            "engine_request_id": getattr(record, "engine_request_id", None) or record.request_id or None,
+            "engine_request_id": record.engine_request_id or record.request_id or None,
             **_speculation(record),
         },
     )
 
 
-def _speculation(record: Any) -> dict[str, Any]:
+def _speculation(record: FinishedRecord) -> dict[str, float]:
     """Draft tokens and acceptance for the request log line, where it speculated."""
-    drafted = getattr(record, "draft_tokens", 0)
+    drafted = record.draft_tokens
     if not drafted:
         return {}
     accepted = record.accepted_draft_tokens
@@ -265,27 +267,32 @@ async def _metrics(request: Request) -> Response:
     return Response(body, media_type=content_type)
 
 
-async def _feed_stats(plane: ControlPlane, state: Any) -> None:
+async def _feed_stats(plane: ControlPlane, state: ServerState) -> None:
     """Each engine's stats -> its model's admission and metrics; engine restarts,
     the versions loaded, costs and drain -> metrics."""
-    last: dict[int, Any] = {}
+    last: dict[int, EngineStats] = {}
     restarts: dict[int, int] = {}
     cost = CostMeter(plane.settings.cost_per_hour) if plane.settings.cost_per_hour is not None else None
     while True:
-        fleet = getattr(state, "fleet", None)
-        if fleet is not None and state.loaded:
-            _feed_fleet(plane, fleet, last, restarts, cost)
+        if state.loaded:
+            _feed_fleet(plane, state.fleet, last, restarts, cost)
         if state.draining and not plane.admission.draining:
             plane.start_drain()
         await asyncio.sleep(STATS_INTERVAL)
 
 
-def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts: dict[int, int], cost: Any) -> None:
+def _feed_fleet(
+    plane: ControlPlane,
+    fleet: Fleet,
+    last: dict[int, EngineStats],
+    restarts: dict[int, int],
+    cost: CostMeter | None,
+) -> None:
     live: set[int] = set()
     if fleet.models:
         plane.metrics.model_name = fleet.default.name
-    for model in list(fleet.models.values()):
-        plane.track_model(model.name)
+    for served in list(fleet.models.values()):
+        plane.track_model(served.name)
     for version in fleet.versions():
         engine = version.engine
         key = id(engine)
@@ -338,15 +345,15 @@ def _feed_fleet(plane: ControlPlane, fleet: Any, last: dict[int, Any], restarts:
         plane.metrics.set_costs(costs)
 
 
-def _fallback(plane: ControlPlane, event: Any) -> None:
+def _fallback(plane: ControlPlane, event: FallbackEvent) -> None:
     plane.metrics.fallbacks.labels(event.asked, event.served, event.reason).inc()
     log.info("fallback: %s -> %s (%s)", event.asked, event.served, event.reason)
 
 
-def install(app: FastAPI, state: Any) -> ControlPlane:
+def install(app: FastAPI, state: ServerState) -> ControlPlane:
     settings = settings_from(state)
     plane = ControlPlane.open(settings)
-    host = getattr(getattr(state, "config", None), "host", "127.0.0.1")
+    host = state.config.host
     try:
         plane.check_exposure(host, settings.allow_open)
     except Exception:
@@ -361,6 +368,8 @@ def install(app: FastAPI, state: Any) -> ControlPlane:
     )
     app.add_middleware(AccessMiddleware)  # inside ControlMiddleware: a refusal has its request id and log line
     app.add_middleware(ControlMiddleware)
+    # Just outside ControlMiddleware: every response, refusals included, carries the id.
+    app.add_middleware(RequestIdMiddleware)
     state.hooks.before.append(_before)
     state.hooks.admit.append(_admit)
     state.hooks.finished.append(_finished)
