@@ -1,5 +1,5 @@
 """Rendering the control layer's errors: they are stoker.errors.APIError, the
-one error type of the server (ControlError is its old name, kept for callers)."""
+one error type of the server."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from stoker.errors import APIError
-
-ControlError = APIError
 
 
 def install_error_handler(app: FastAPI) -> None:

@@ -109,16 +109,3 @@ def resolve_deadline(
     if max_queue_wait is not None:
         budget = min(budget, max_queue_wait)
     return now + budget
-
-
-def deadline_exceeded_error(request_id: str | None = None) -> APIError:
-    """What the server answers (504) when the engine dropped a waiting request
-    at its deadline (EngineCoreOutput.error == "deadline")."""
-    suffix = f" (request {request_id})" if request_id else ""
-    return APIError(
-        504,
-        f"The request's deadline passed before it could be scheduled{suffix}.",
-        "timeout",
-        code="deadline_exceeded",
-        reason="deadline",
-    )

@@ -55,9 +55,6 @@ class RequestQueue:
         del self._keys[i]
         del self._items[i]
 
-    def peek(self) -> Request:
-        return self._items[0]
-
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self._items))
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import pytest
 
 from stoker.control.admission import AdmissionController
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
 from stoker.control.policy import (
-    deadline_exceeded_error,
     resolve_deadline,
     resolve_priority,
 )
 from stoker.engine.params import EngineStats
+from stoker.errors import APIError
 
 
 class Clock:
@@ -33,7 +32,7 @@ def test_requests_not_yet_visible_count_against_the_queue():
     c, clock = ctl(max_queued_requests=2, max_queued_tokens=10_000)
     c.admit(10)
     c.admit(10)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(10)
     assert err.value.status == 503 and err.value.type == "overloaded" and err.value.reason == "queue_requests"
     # A snapshot taken after both were admitted: they now count through the engine's numbers.
@@ -45,7 +44,7 @@ def test_requests_not_yet_visible_count_against_the_queue():
 def test_engine_waiting_counts():
     c, _ = ctl(max_queued_requests=4, max_queued_tokens=1000)
     c.update(EngineStats(num_waiting=1, num_waiting_tokens=900))
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(200)
     assert err.value.reason == "queue_tokens"
     c.admit(100)
@@ -55,7 +54,7 @@ def test_snapshot_older_than_admission_does_not_forget_it():
     c, clock = ctl(max_queued_requests=1)
     c.admit(10)
     c.update(EngineStats(), taken_at=clock.t - 1)
-    with pytest.raises(ControlError):
+    with pytest.raises(APIError):
         c.admit(10)
 
 
@@ -79,13 +78,13 @@ def test_retry_after_follows_measured_drain_rate():
     for _ in range(10):  # 10 requests of 100 prompt tokens in the last 10 s: 100 tokens/s
         c.record_finished(100)
     c.update(EngineStats(num_waiting=5, num_waiting_tokens=1000))
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(500)  # 500 tokens over the bound: ~5 s at 100 tokens/s
     assert err.value.headers["Retry-After"] == "5"
     # Twice the drain rate halves the wait: computed, not a constant.
     for _ in range(10):
         c.record_finished(100)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(500)
     assert err.value.headers["Retry-After"] == "3"  # ceil(2.5)
 
@@ -93,7 +92,7 @@ def test_retry_after_follows_measured_drain_rate():
 def test_retry_after_without_measurements_uses_fallback_and_is_clamped():
     c, clock = ctl(max_queued_requests=1, fallback_retry_after=2, max_retry_after=60)
     c.admit(1)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(1)
     assert err.value.headers["Retry-After"] == "2"
     assert c.retry_after(10**9, 0) == 2
@@ -114,7 +113,7 @@ def test_old_finishes_leave_the_window():
 def test_batch_requests_leave_headroom_for_interactive():
     c, _ = ctl(max_queued_requests=10, batch_share=0.5)
     c.update(EngineStats(num_waiting=5))
-    with pytest.raises(ControlError):
+    with pytest.raises(APIError):
         c.admit(1, priority=1)
     c.admit(1, priority=0)
 
@@ -122,7 +121,7 @@ def test_batch_requests_leave_headroom_for_interactive():
 def test_draining_refuses():
     c, _ = ctl()
     c.draining = True
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         c.admit(1)
     assert err.value.status == 503 and err.value.code == "draining"
 
@@ -143,7 +142,7 @@ def test_priority_may_be_lowered_never_raised():
     assert resolve_priority(_key("interactive"), 5) == 5
     assert resolve_priority(None, None) == 0
     for bad in ("urgent", 1.5, True, 10**6):
-        with pytest.raises(ControlError) as err:
+        with pytest.raises(APIError) as err:
             resolve_priority(None, bad)
         assert err.value.status == 400 and err.value.param == "priority"
 
@@ -156,11 +155,6 @@ def test_deadline_from_header_or_timeout_capped():
     assert resolve_deadline(None, 3600, 300, now=100.0) == 400.0  # capped by the max queue wait
     assert resolve_deadline(None, 3600, None, now=100.0) == 3700.0
     for header, timeout in (("abc", None), ("-5", None), (None, 0), (None, "3")):
-        with pytest.raises(ControlError) as err:
+        with pytest.raises(APIError) as err:
             resolve_deadline(header, timeout, 300, now=100.0)
         assert err.value.status == 400
-
-
-def test_deadline_error_shape():
-    e = deadline_exceeded_error("r1")
-    assert e.status == 504 and e.body()["error"]["type"] == "timeout"

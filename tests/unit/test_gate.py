@@ -6,12 +6,12 @@ import pytest
 
 from stoker.control.admission import AdmissionController
 from stoker.control.db import open_db
-from stoker.control.errors import ControlError
 from stoker.control.gate import RequestGate
 from stoker.control.keys import KeyStore
 from stoker.control.ledger import UsageLedger
 from stoker.control.limits import RateLimiter
 from stoker.engine.params import RequestTimes
+from stoker.errors import APIError
 from stoker.observe.metrics import Metrics
 
 
@@ -68,13 +68,13 @@ async def test_budget_counts_requests_in_flight(env):
     gate, keys, _ = env
     key, _ = keys.create("k", budget_tokens=50)
     first = await admit(gate, key, "r1", prompt=10, max_tokens=40)  # reserves 50
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await admit(gate, key, "r2")
     assert err.value.code == "insufficient_quota" and err.value.headers["Retry-After"] == "1"
     gate.finish(first, completion_tokens=5, times=RequestTimes(1, 1, 1, 1, 1))  # used 15
     second = await admit(gate, key, "r3")
     gate.finish(second, completion_tokens=20, times=RequestTimes(1, 1, 1, 1, 1))  # used 45 in total
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await admit(gate, key, "r4")  # its 30 would pass 50 whatever settles: only the next period helps
     assert int(err.value.headers["Retry-After"]) > 1
 
@@ -84,7 +84,7 @@ async def test_capacity_refusal_refunds_the_rate_limiter(env):
     gate.admission.max_queued_requests = 1
     key, _ = keys.create("k", rpm=3)
     await admit(gate, key, "r1")
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await admit(gate, key, "r2")
     assert err.value.status == 503
     assert gate.limiter.headers(key)["x-ratelimit-remaining-requests"] == "2"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from stoker.control.errors import ControlError
 from stoker.control.keys import ApiKey
 from stoker.control.limits import RateLimiter, TokenBucket, format_duration
+from stoker.errors import APIError
 
 
 class Clock:
@@ -41,7 +41,7 @@ def test_request_larger_than_tpm_is_refused_as_too_large_without_retry_after():
     clock = Clock()
     lim = RateLimiter(clock)
     k = key(tpm=1000, rpm=10)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         lim.acquire_now(k, 1001)
     e = err.value
     assert e.status == 429 and e.code == "rate_limit_exceeded" and e.reason == "tokens"
@@ -59,7 +59,7 @@ def test_rpm_limit_429_with_retry_after_and_headers():
     k = key(rpm=2)
     lim.acquire_now(k, 10)
     lim.acquire_now(k, 10)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         lim.acquire_now(k, 10)
     e = err.value
     assert e.status == 429 and e.type == "rate_limit_exceeded" and e.reason == "requests"
@@ -77,7 +77,7 @@ def test_tpm_limit_and_reconcile_refunds_unused():
     lim = RateLimiter(clock)
     k = key(tpm=1000)
     lease = lim.acquire_now(k, 900)  # prompt 100 + max_tokens 800
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         lim.acquire_now(k, 200)
     assert err.value.reason == "tokens"
     assert err.value.headers["x-ratelimit-remaining-tokens"] == "100"
@@ -100,7 +100,7 @@ def test_concurrency_limit_and_refund_when_never_run():
     lim = RateLimiter(clock)
     k = key(max_concurrent=1, rpm=10)
     lease = lim.acquire_now(k, 5)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         lim.acquire_now(k, 5)
     assert err.value.reason == "concurrency" and "Retry-After" in err.value.headers
     lim.release(lease, None)  # refused later (e.g. 503): the request is refunded too

@@ -12,9 +12,9 @@ import pytest
 from redis_server import RedisServer
 from test_limits import Clock, key
 
-from stoker.control.errors import ControlError
 from stoker.control.limits import Lease, Limiter, RateLimiter
 from stoker.control.store import RedisRateLimiter
+from stoker.errors import APIError
 from stoker.observe.metrics import STORE_OPERATIONS, Metrics
 
 pytestmark = pytest.mark.timeout(60)
@@ -70,7 +70,7 @@ async def test_rpm_limit_429_with_retry_after_and_headers(make):
     first = await lim.acquire(k, 10)
     assert first.headers["x-ratelimit-remaining-requests"] == "1"
     await lim.acquire(k, 10)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 10)
     e = err.value
     assert e.status == 429 and e.type == "rate_limit_exceeded" and e.reason == "requests"
@@ -87,7 +87,7 @@ async def test_tpm_limit_and_reconcile_refunds_unused(make):
     lim = make(clock)
     k = key(tpm=1000)
     lease = await lim.acquire(k, 900)  # prompt 100 + max_tokens 800
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 200)
     assert err.value.reason == "tokens"
     assert err.value.headers["x-ratelimit-remaining-tokens"] == "100"
@@ -101,7 +101,7 @@ async def test_request_larger_than_tpm_is_refused_without_taking_anything(make):
     clock = Clock()
     lim = make(clock)
     k = key(tpm=100, rpm=5)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 250)  # no wait would admit it: no debt, no Retry-After
     e = err.value
     assert e.status == 429 and e.code == "rate_limit_exceeded" and e.reason == "tokens"
@@ -109,7 +109,7 @@ async def test_request_larger_than_tpm_is_refused_without_taking_anything(make):
     assert e.headers["x-ratelimit-remaining-tokens"] == "100"
     lease = await lim.acquire(k, 100)  # the whole bucket and the request were left alone
     assert lease.headers["x-ratelimit-remaining-requests"] == "4"
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 10)
     assert err.value.headers["Retry-After"] == "6"  # 10 missing at 100/60 per s: an honest wait
     clock.t += 6
@@ -123,7 +123,7 @@ async def test_a_debt_of_years_is_kept(make):
     # Settled far above its estimate (only usage beyond an estimate can put a bucket in debt):
     # a bucket that takes ~2 million years to refill.
     await release(lim, await lim.acquire(k, 1), 2**40)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 1)
     assert int(err.value.headers["Retry-After"]) == 60 * 2**40
 
@@ -142,7 +142,7 @@ async def test_concurrency_limit_and_refund_when_never_run(make):
     lim = make(clock)
     k = key(max_concurrent=1, rpm=10)
     lease = await lim.acquire(k, 5)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 5)
     assert err.value.reason == "concurrency" and err.value.headers["Retry-After"] == "1"
     await release(lim, lease, None)  # refused later (e.g. 503): the request is refunded too
@@ -156,11 +156,11 @@ async def test_a_request_holds_one_concurrency_slot_per_prompt(make):
     lim = make(clock)
     k = key(max_concurrent=4, rpm=10)
     three = await lim.acquire(k, 5, slots=3)  # a list of three prompts
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 5, slots=2)
     assert err.value.reason == "concurrency" and "counts as 2" in err.value.message
     assert err.value.headers["Retry-After"] == "1"
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await lim.acquire(k, 5, slots=5)  # more prompts than the key may ever have in flight
     assert "Limit 4, Requested 5" in err.value.message and "Retry-After" not in err.value.headers
     one = await lim.acquire(k, 5)
@@ -204,7 +204,7 @@ async def test_rpm_holds_exactly_across_two_replicas(redis_server):
         try:
             await lim.acquire(k, 1)
             return True
-        except ControlError as exc:
+        except APIError as exc:
             assert exc.status == 429 and exc.reason == "requests"
             return False
 
@@ -223,7 +223,7 @@ async def test_concurrency_cap_holds_across_two_replicas(redis_server):
     async def attempt(lim: RedisRateLimiter) -> Lease | None:
         try:
             return await lim.acquire(k, 1)
-        except ControlError as exc:
+        except APIError as exc:
             assert exc.reason == "concurrency"
             return None
 
@@ -235,7 +235,7 @@ async def test_concurrency_cap_holds_across_two_replicas(redis_server):
     await owner.settle()
     other = b if owner is a else a
     await other.acquire(k, 1)  # the freed slot is usable from the other replica
-    with pytest.raises(ControlError):
+    with pytest.raises(APIError):
         await a.acquire(k, 1)
     await a.aclose()
     await b.aclose()
@@ -247,10 +247,10 @@ async def test_tpm_is_shared_across_replicas(redis_server):
     b = redis_limiter(redis_server, clock=clock, prefix=a.prefix)
     k = key(tpm=600)
     lease = await a.acquire(k, 500)
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await b.acquire(k, 200)
     assert err.value.headers["Retry-After"] == "10"  # 100 missing at 10 per s
-    with pytest.raises(ControlError) as err:
+    with pytest.raises(APIError) as err:
         await b.acquire(k, 601)  # above the limit itself, on the other replica too
     assert "Requested 601" in err.value.message and "Retry-After" not in err.value.headers
     a.release(lease, 300)  # it used 300: 200 refunded on replica a
@@ -281,12 +281,12 @@ async def test_a_dead_replicas_slots_expire_and_a_live_ones_are_renewed(redis_se
     await live.acquire(k, 1)
     assert dead._renewer is not None
     dead._renewer.cancel()  # the replica dies: nobody renews or releases its lease
-    with pytest.raises(ControlError):
+    with pytest.raises(APIError):
         await live.acquire(k, 1)
     await asyncio.sleep(1.5)  # past the TTL: the dead lease is gone, the live one (renewed every 1/3 s) is not
     assert await live.in_flight(k.id) == 1
     await live.acquire(k, 1)
-    with pytest.raises(ControlError):
+    with pytest.raises(APIError):
         await live.acquire(k, 1)
     await live.aclose()
     await dead._redis.aclose()
@@ -319,7 +319,7 @@ async def test_redis_down_fails_closed_then_recovers_by_itself(tmp_path, caplog)
         assert any("could not release a lease" in r.getMessage() for r in caplog.records)
         await lim.renew()  # `other` is still held: its renewal fails too
         started = time.monotonic()
-        with pytest.raises(ControlError) as err:
+        with pytest.raises(APIError) as err:
             await lim.acquire(k, 1)
         assert time.monotonic() - started < 3  # refused quickly, not hung
         assert err.value.status == 503 and err.value.code == "store_unavailable"

@@ -24,11 +24,11 @@ from redis_server import RedisServer, redis_server_binary
 
 from stoker.control.admission import AdmissionController
 from stoker.control.db import make_engine, open_db
-from stoker.control.errors import ControlError
 from stoker.control.gate import RequestGate
 from stoker.control.keys import KeyStore
 from stoker.control.ledger import UsageLedger
 from stoker.control.limits import RateLimiter
+from stoker.errors import APIError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,7 +231,7 @@ async def test_the_queue_the_limits_and_the_budget_see_one_estimate(tmp_path) ->
     assert adm.estimated_tokens == adm.lease.estimated_tokens == 40 + 4 * 2 * 50
     assert gate.queue().tokens == 2 * 40  # each of the n samples prefills its prompt
     assert gate.limiter.headers(key)["x-ratelimit-remaining-tokens"] == str(10_000 - 440)
-    with pytest.raises(ControlError) as err:  # 440 reserved + 1600 > 2000
+    with pytest.raises(APIError) as err:  # 440 reserved + 1600 > 2000
         await gate.admit(request_id="r2", key=key, model="m", prompt_tokens=400, max_tokens=300, n=2, prompts=2)
     assert err.value.code == "insufficient_quota"
     assert gate.limiter.headers(key)["x-ratelimit-remaining-tokens"] == str(10_000 - 440)  # the refusal took none
