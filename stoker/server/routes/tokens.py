@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -17,6 +16,7 @@ from stoker.server.protocol import (
     TokenizeRequest,
     bad_request,
 )
+from stoker.server.serving import JSONObject
 from stoker.server.serving.prompt import template_ids
 from stoker.server.state import admitted, get_state, run_before_hooks
 from stoker.server.strict_json import StrictJSONResponse, dumps
@@ -25,7 +25,7 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 
 
 @router.get("/v1/models")
-async def list_models(request: Request) -> dict[str, Any]:
+async def list_models(request: Request) -> JSONObject:
     """OpenAI's model list, plus vLLM's root/max_model_len and the version in use:
     its digest (the pin operators compare) and, during a canary, the canary's."""
     state = get_state(request)
@@ -34,7 +34,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     data = []
     for model in state.fleet.models.values() if state.loaded else []:
         stable = model.stable
-        entry: dict[str, Any] = {
+        entry: JSONObject = {
             "id": model.name,
             "object": "model",
             "created": int(stable.ready_at or state.started),
@@ -65,7 +65,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/models/{model_id:path}")
-async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+async def retrieve_model(model_id: str, request: Request) -> JSONObject:
     """OpenAI's model retrieval (the SDK's models.retrieve): the list's entry for one id."""
     listed = await list_models(request)
     for entry in listed["data"]:
@@ -103,14 +103,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         return await offload(_tokenized, body, version.tokenizer, version.max_model_len)
 
 
-def _detokenized(tokens: list[int], tokenizer: Tokenizer, vocab: int) -> dict[str, Any]:
+def _detokenized(tokens: list[int], tokenizer: Tokenizer, vocab: int) -> JSONObject:
     if any(t >= vocab for t in tokens):
         raise bad_request(f"token ids must be in [0, {vocab})", param="tokens")
     return {"prompt": tokenizer.decode(tokens)}
 
 
 @router.post("/detokenize")
-async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+async def detokenize(body: DetokenizeRequest, request: Request) -> JSONObject:
     version = get_state(request).version_for(body.model)
     async with admitted(request, "detokenize", version.name):
         return await offload(_detokenized, body.tokens, version.tokenizer, version.vocab_size or 0)
