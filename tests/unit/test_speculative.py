@@ -179,12 +179,19 @@ def test_verification_is_exact_rejection_sampling() -> None:
     sampler = Sampler()
     g = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=1.0, max_tokens=8)
-    for _ in range(trials):
-        row = SampleRow(params, [1], [], g, [])
-        s = ScheduledRequest(("r", 0), [1, draft], 0, [1], row, num_draft_tokens=1)
-        rows = verification_rows(s)
+    batch = 200  # verifications side by side in one sampler call, as the engine batches them
+    for _ in range(trials // batch):
+        per_request = []
+        for _ in range(batch):
+            row = SampleRow(params, [1], [], g, [])
+            s = ScheduledRequest(("r", 0), [1, draft], 0, [1], row, num_draft_tokens=1)
+            per_request.append(verification_rows(s))
+        rows = [row for request_rows in per_request for row in request_rows]
         sampled = sampler(logits.expand(len(rows), -1).clone(), rows)
-        counts[accept(sampled, [draft])[0].token_id] += 1
+        start = 0
+        for request_rows in per_request:
+            counts[accept(sampled[start : start + len(request_rows)], [draft])[0].token_id] += 1
+            start += len(request_rows)
     observed = torch.tensor([counts[i] for i in range(8)], dtype=torch.float64)
     expected = p.double() * trials
     mask = expected > 5
