@@ -2,7 +2,7 @@
 
     adm = await gate.admit(...)   # model allowed? budget? rate limits? capacity?
     ...  run the request in the engine with adm.priority / adm.deadline ...
-    gate.finish(adm, ...)         # reconcile limits, ledger row, metrics, log line, trace
+    gate.finish(adm, finished)    # reconcile limits; ledger row, metrics, log line, trace
 
 Order of checks at admission: the key's own quota first (403 model, 429
 budget, 429 rate/concurrency), capacity last (503), so a client over its
@@ -16,19 +16,56 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from fastapi import Request
 
 from stoker.control.admission import AdmissionController, QueueView, Ticket
 from stoker.control.budgets import STORE_RETRY_AFTER, BudgetExceeded, DatabaseUnavailable, SharedBudgets
 from stoker.control.cost import RequestCost
 from stoker.control.keys import ApiKey
-from stoker.control.ledger import UsageLedger, UsageRecord, period_end
+from stoker.control.ledger import UsageLedger, period_end
 from stoker.control.limits import Lease, Limiter
 from stoker.engine.params import RequestTimes
 from stoker.errors import APIError
-from stoker.observe.logs import RequestLogger, RequestLogRecord
+from stoker.observe.logs import RequestLogger, RequestRecord
 from stoker.observe.metrics import Metrics
 from stoker.observe.tracing import RequestTracer
+
+
+class FinishedRequest(Protocol):
+    """What the gate reads of a request's end. The server's FinishedRecord
+    (stoker/server/hooks.py) is one; control declares what it needs rather than
+    import the layer above it."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def status(self) -> int: ...
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def completion_tokens(self) -> int: ...
+    @property
+    def cached_tokens(self) -> int: ...
+    @property
+    def finish_reasons(self) -> list[str]: ...
+    @property
+    def times(self) -> list[RequestTimes]: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def stream(self) -> bool: ...
+    @property
+    def http_request(self) -> Request | None: ...
+    @property
+    def draft_tokens(self) -> int: ...
+    @property
+    def accepted_draft_tokens(self) -> int: ...
+    @property
+    def engine_request_id(self) -> str | None: ...
 
 
 @dataclass
@@ -299,45 +336,29 @@ class RequestGate:
 
     # -- the end of a request ----------------------------------------------------
 
-    def finish(
-        self,
-        adm: Admission,
-        *,
-        completion_tokens: int = 0,
-        cached_tokens: int = 0,
-        prompt_tokens: int | None = None,
-        finish_reason: str | None = None,
-        status: int = 200,
-        times: RequestTimes | list[RequestTimes] | None = None,
-        error: str | None = None,
-        stream: bool | None = None,
-        method: str | None = None,
-        path: str | None = None,
-        submitted: bool = True,
-        generation: bool = True,
-        finish_reasons: list[str] | None = None,
-        log_extra: dict[str, Any] | None = None,
-    ) -> None:
+    def finish(self, adm: Admission, finished: FinishedRequest, *, generation: bool = True) -> None:
         """Call exactly once per admission, in a finally block, whatever
         happened (success, error, disconnect, drain); a second call is ignored.
 
-        completion_tokens: tokens generated so far (all n samples), also when cut off.
-        times: the engine's stamps of each finished sample, as far as it got.
-        finish_reasons: one per finished sample (default [finish_reason]).
-        submitted: False if the request failed before reaching the engine.
+        finished: the server's record of the request's end (its FinishedRecord):
+        tokens so far (all n samples, also when cut off), the engine's stamps of each
+        sample as far as it got, one finish reason per finished sample.
         generation: False for work outside the engine's queue (embeddings):
         no vllm: request metrics, no drain-rate sample."""
         if adm.done:
             return
         adm.done = True
         now = time.time()
-        prompt = adm.prompt_tokens if prompt_tokens is None else prompt_tokens
-        samples = [times] if isinstance(times, RequestTimes) else list(times or [])
+        prompt = finished.prompt_tokens
+        completion_tokens = finished.completion_tokens
+        samples = list(finished.times)
         first = samples[0] if samples else None
-        # Metered unless it never reached the engine or was dropped while still
-        # waiting (e.g. at its deadline): then it used no compute.
-        never_scheduled = bool(samples) and all(t.scheduled is None for t in samples) and completion_tokens == 0
-        ran = submitted and not never_scheduled
+        reasons = list(finished.finish_reasons)
+        finish_reason = reasons[0] if reasons else None
+        status, error = finished.status, finished.error
+        # Metered unless it was dropped while still waiting (e.g. at its
+        # deadline): then it used no compute.
+        ran = not (bool(samples) and all(t.scheduled is None for t in samples) and completion_tokens == 0)
         # A request that used nothing is refunded entirely, the request itself included.
         self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
         if adm.reservation is not None and self.ledger is None and self.budgets is not None:
@@ -352,50 +373,35 @@ class RequestGate:
             # In the queue's unit (each sample's prompt), as the ticket counted it.
             queue.record_finished(adm.ticket.prompt_tokens, now)
         self.in_flight -= 1
+        http_request = finished.http_request
+        record = RequestRecord(
+            request_id=adm.request_id,
+            status=status,
+            model=adm.model,
+            key_id=adm.key.id if adm.key else None,
+            key_name=adm.key.name if adm.key else None,
+            method=http_request.method if http_request is not None else None,
+            path=http_request.url.path if http_request is not None else None,
+            prompt_tokens=prompt,
+            cached_tokens=finished.cached_tokens,
+            completion_tokens=completion_tokens,
+            queue_time=_queue_time(first),
+            ttft=_ttft(first),
+            latency=now - adm.arrival,
+            finish_reason=finish_reason,
+            priority=adm.priority,
+            stream=finished.stream,
+            error=error,
+            metered=ran,
+            created_at=now,
+            reservation_id=adm.reservation,
+        )
         if self.ledger is not None:
-            self.ledger.record(
-                UsageRecord(
-                    request_id=adm.request_id,
-                    key_id=adm.key.id if adm.key else None,
-                    model=adm.model,
-                    prompt_tokens=prompt if ran else 0,
-                    cached_tokens=cached_tokens,
-                    completion_tokens=completion_tokens,
-                    status=status,
-                    finish_reason=finish_reason,
-                    queue_time=_queue_time(first),
-                    ttft=_ttft(first),
-                    latency=now - adm.arrival,
-                    created_at=now,
-                    reservation_id=adm.reservation,
-                )
-            )
+            self.ledger.record(record)
         if self.metrics is not None:
-            reasons = finish_reasons if finish_reasons is not None else [finish_reason] if finish_reason else []
             self._finish_metrics(adm, samples, prompt, completion_tokens, reasons, status, error, ran and generation)
         if self.request_log is not None:
-            self.request_log.log(
-                RequestLogRecord(
-                    request_id=adm.request_id,
-                    status=status,
-                    model=adm.model,
-                    key_id=adm.key.id if adm.key else None,
-                    key_name=adm.key.name if adm.key else None,
-                    method=method,
-                    path=path,
-                    prompt_tokens=prompt,
-                    cached_tokens=cached_tokens,
-                    completion_tokens=completion_tokens,
-                    queue_time=_queue_time(first),
-                    ttft=_ttft(first),
-                    latency=now - adm.arrival,
-                    finish_reason=finish_reason,
-                    priority=adm.priority,
-                    stream=stream,
-                    error=error,
-                ),
-                **(log_extra or {}),
-            )
+            self.request_log.log(record, **_log_context(finished))
         if self.tracer is not None and self.tracer.enabled:
             self.tracer.record(
                 request_id=adm.request_id,
@@ -406,7 +412,14 @@ class RequestGate:
                 times=first,
                 error=error if status >= 400 or error else None,
                 attributes=_trace_attrs(
-                    adm.model, adm.key, prompt, completion_tokens, cached_tokens, finish_reason, status, adm.priority
+                    adm.model,
+                    adm.key,
+                    prompt,
+                    completion_tokens,
+                    finished.cached_tokens,
+                    finish_reason,
+                    status,
+                    adm.priority,
                 ),
             )
 
@@ -460,7 +473,7 @@ class RequestGate:
         arrival = arrival if arrival is not None else now
         if self.request_log is not None:
             self.request_log.log(
-                RequestLogRecord(
+                RequestRecord(
                     request_id=request_id,
                     status=exc.status,
                     model=model,
@@ -484,6 +497,25 @@ class RequestGate:
                 error=exc.code or exc.type,
                 attributes=_trace_attrs(model, key, prompt_tokens, None, None, None, exc.status, priority),
             )
+
+
+def _log_context(finished: FinishedRequest) -> dict[str, object]:
+    """The log line's fields beyond the record: which API, the engine's id and, where
+    it speculated, draft tokens and acceptance. None for an admission the server never
+    finished (no endpoint: ControlMiddleware closed it)."""
+    if not finished.endpoint:
+        return {}
+    context: dict[str, object] = {
+        "endpoint": finished.endpoint,
+        "engine_request_id": finished.engine_request_id or finished.request_id or None,
+    }
+    drafted = finished.draft_tokens
+    if drafted:
+        accepted = finished.accepted_draft_tokens
+        context.update(
+            spec_draft_tokens=drafted, spec_accepted_tokens=accepted, spec_acceptance=round(accepted / drafted, 3)
+        )
+    return context
 
 
 def _queue_time(times: RequestTimes | None) -> float | None:

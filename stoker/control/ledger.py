@@ -16,41 +16,37 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from sqlalchemy import Engine, delete, func, select
 
 from stoker.control.db import budget_reservations, usage
+from stoker.observe.logs import RequestRecord
 
 log = logging.getLogger("stoker.ledger")
 
 
-@dataclass
-class UsageRecord:
-    request_id: str
-    key_id: str | None
-    model: str
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    status: int
-    finish_reason: str | None = None
-    queue_time: float | None = None
-    ttft: float | None = None
-    latency: float | None = None
-    created_at: float = 0.0
-    reservation_id: str | None = None
-    """The shared budget reservation this row settles (deleted when the row is written); not a column."""
+def usage_tokens(rec: RequestRecord) -> int:
+    """What a request counts against its key's budget: prompt (when metered) and completion tokens."""
+    return ((rec.prompt_tokens or 0) if rec.metered else 0) + (rec.completion_tokens or 0)
 
-    def row(self) -> dict[str, Any]:
-        out = asdict(self)
-        del out["reservation_id"]
-        return out
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
+def usage_row(rec: RequestRecord) -> dict[str, object]:
+    """The request's row in stoker_usage: its usage columns of the record."""
+    return {
+        "request_id": rec.request_id,
+        "key_id": rec.key_id,
+        "model": rec.model,
+        "prompt_tokens": (rec.prompt_tokens or 0) if rec.metered else 0,
+        "cached_tokens": rec.cached_tokens or 0,
+        "completion_tokens": rec.completion_tokens or 0,
+        "status": rec.status,
+        "finish_reason": rec.finish_reason,
+        "queue_time": rec.queue_time,
+        "ttft": rec.ttft,
+        "latency": rec.latency,
+        "created_at": rec.created_at,
+    }
 
 
 def period_start(period: str, now: float) -> float:
@@ -87,7 +83,7 @@ class UsageLedger:
         self.flush_interval = flush_interval
         self.batch_size = batch_size
         self.max_pending = max_pending
-        self._pending: deque[UsageRecord] = deque()
+        self._pending: deque[RequestRecord] = deque()
         self._cond = threading.Condition()
         self._write_lock = threading.Lock()  # one writer at a time: the thread or a final flush
         self._stop = False
@@ -126,8 +122,8 @@ class UsageLedger:
 
     # -- request path --------------------------------------------------------
 
-    def record(self, rec: UsageRecord) -> None:
-        """Queue one row; never blocks on the database."""
+    def record(self, rec: RequestRecord) -> None:
+        """Queue its usage row; never blocks on the database."""
         if not rec.created_at:
             rec.created_at = time.time()
         # Totals and the pending queue change together (lock order: totals, then
@@ -136,7 +132,7 @@ class UsageLedger:
             if rec.key_id is not None:
                 entry = self._totals.get(rec.key_id)
                 if entry is not None and rec.created_at >= entry[0]:
-                    self._totals[rec.key_id] = (entry[0], entry[1] + rec.total_tokens)
+                    self._totals[rec.key_id] = (entry[0], entry[1] + usage_tokens(rec))
             with self._cond:
                 if len(self._pending) >= self.max_pending:
                     # The database has been failing for a long time; keep memory bounded.
@@ -173,7 +169,9 @@ class UsageLedger:
                 ).scalar_one()
             with self._totals_lock:
                 with self._cond:
-                    pending = sum(r.total_tokens for r in self._pending if r.key_id == key_id and r.created_at >= start)
+                    pending = sum(
+                        usage_tokens(r) for r in self._pending if r.key_id == key_id and r.created_at >= start
+                    )
                 total = int(stored) + pending
                 self._totals[key_id] = (start, total)
         return total
@@ -203,7 +201,7 @@ class UsageLedger:
                     return written
                 try:
                     with self.engine.begin() as conn:
-                        conn.execute(usage.insert(), [r.row() for r in batch])
+                        conn.execute(usage.insert(), [usage_row(r) for r in batch])
                         # Same transaction: a request is counted once, as reserved or as used.
                         settled = [r.reservation_id for r in batch if r.reservation_id]
                         if settled:

@@ -78,7 +78,11 @@ def request_id_of(request: HTTPConnection) -> str:
 
 
 @dataclass
-class RequestLogRecord:
+class RequestRecord:
+    """One request as the control plane saw it end, built once: written whole as its
+    JSON log line (RequestLogger.log) and, once admitted, as its usage row
+    (UsageLedger.record keeps the usage columns)."""
+
     request_id: str
     """The server's id for the request."""
     status: int
@@ -98,6 +102,17 @@ class RequestLogRecord:
     stream: bool | None = None
     error: str | None = None
     """OpenAI error type/code when the request failed (e.g. rate_limit_exceeded)."""
+    # The usage row's own fields, not in the log line:
+    metered: bool = True
+    """Whether it used compute (reached the engine and was not dropped while waiting):
+    its usage row counts its prompt tokens only then."""
+    created_at: float = 0.0
+    """When it finished, the usage row's time (the log line stamps its own ts)."""
+    reservation_id: str | None = None
+    """The shared budget reservation its usage row settles (deleted when the row is written)."""
+
+
+_USAGE_ONLY = frozenset({"metered", "created_at", "reservation_id"})
 
 
 _ALWAYS = frozenset(
@@ -137,11 +152,13 @@ class RequestLogger:
             self.logger.setLevel(logging.INFO)
             self.logger.propagate = False
 
-    def log(self, record: RequestLogRecord, **extra: Any) -> dict[str, Any]:
+    def log(self, record: RequestRecord, **extra: Any) -> dict[str, Any]:
         line: dict[str, Any] = {"ts": round(time.time(), 6), "event": "request"}
         for k, v in asdict(record).items():
             # The core fields are always present (null when unknown) so log
             # pipelines see one schema; optional context only when set.
+            if k in _USAGE_ONLY:
+                continue
             if v is not None or k in _ALWAYS:
                 line[k] = round(v, 6) if isinstance(v, float) else v
         client_id = current_client_request_id()

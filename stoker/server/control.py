@@ -44,7 +44,7 @@ from stoker.control.settings import ControlSettings
 from stoker.engine.params import EngineStats
 from stoker.errors import APIError
 from stoker.observe.cost import CostMeter
-from stoker.observe.logs import RequestIdMiddleware, RequestLogRecord
+from stoker.observe.logs import RequestIdMiddleware, RequestRecord
 from stoker.server.fleet import Fleet
 from stoker.server.hooks import AdmissionInfo, FallbackEvent, FinishedRecord
 from stoker.server.state import OUTSIDE_ENGINE, ServerState
@@ -155,13 +155,21 @@ class ControlMiddleware:
             plane: ControlPlane = scope["app"].state.control
             adm = state.get("admission")
             if adm is not None and not adm.done:
-                plane.gate.finish(adm, status=status["code"], error="request ended without a finish record")
+                unfinished = FinishedRecord(
+                    request_id=adm.request_id,
+                    endpoint="",
+                    model=adm.model,
+                    status=status["code"],
+                    prompt_tokens=adm.prompt_tokens,
+                    error="request ended without a finish record",
+                )
+                plane.gate.finish(adm, unfinished)
             elif adm is None and not state.get("logged") and scope.get("path", "").startswith(LOGGED_PREFIXES):
                 # Refused before admission by the server itself (400, 404, 413, ...):
                 # still one log line per request.
                 key = state.get("api_key")
                 plane.request_log.log(
-                    RequestLogRecord(
+                    RequestRecord(
                         request_id=request_id,
                         status=status["code"],
                         key_id=key.id if key else None,
@@ -216,7 +224,6 @@ def _finished(record: FinishedRecord) -> None:
     if adm is None:
         return
     plane = get_plane(request)
-    reasons = list(record.finish_reasons)
     version = record.model_version
     if version is not None and record.endpoint not in OUTSIDE_ENGINE:
         first = record.times[0] if record.times else None
@@ -227,39 +234,7 @@ def _finished(record: FinishedRecord) -> None:
             first.first_token - first.arrival if first and first.first_token is not None else None,
             first.finished - first.arrival if first and first.finished is not None else None,
         )
-    plane.gate.finish(
-        adm,
-        prompt_tokens=record.prompt_tokens,
-        completion_tokens=record.completion_tokens,
-        cached_tokens=record.cached_tokens,
-        finish_reason=reasons[0] if reasons else None,
-        finish_reasons=reasons,
-        status=record.status,
-        times=list(record.times),
-        error=record.error,
-        stream=record.stream,
-        method=request.method,
-        path=request.url.path,
-        generation=record.endpoint not in OUTSIDE_ENGINE,
-        log_extra={
-            "endpoint": record.endpoint,
-            "engine_request_id": record.engine_request_id or record.request_id or None,
-            **_speculation(record),
-        },
-    )
-
-
-def _speculation(record: FinishedRecord) -> dict[str, float]:
-    """Draft tokens and acceptance for the request log line, where it speculated."""
-    drafted = record.draft_tokens
-    if not drafted:
-        return {}
-    accepted = record.accepted_draft_tokens
-    return {
-        "spec_draft_tokens": drafted,
-        "spec_accepted_tokens": accepted,
-        "spec_acceptance": round(accepted / drafted, 3),
-    }
+    plane.gate.finish(adm, record, generation=record.endpoint not in OUTSIDE_ENGINE)
 
 
 async def _metrics(request: Request) -> Response:

@@ -28,6 +28,7 @@ from stoker.control.plane import AuthRequiredButNoKeys, ControlPlane, ControlSet
 from stoker.engine.params import EngineStats, RequestTimes
 from stoker.observe.logs import RequestIdMiddleware, RequestLogger
 from stoker.observe.tracing import RequestTracer
+from stoker.server.hooks import FinishedRecord
 
 
 def make_app(plane: ControlPlane) -> FastAPI:
@@ -67,15 +68,19 @@ def make_app(plane: ControlPlane) -> FastAPI:
             times = RequestTimes(adm.arrival, t - 0.003, t - 0.002, t, t, [t - 0.002, t - 0.001, t])
             return JSONResponse({"priority": adm.priority, "deadline": adm.deadline}, headers=adm.headers)
         finally:
-            plane.gate.finish(
-                adm,
+            finished = FinishedRecord(
+                request_id=adm.request_id,
+                endpoint="completion",
+                model=body["model"],
+                status=200,
+                prompt_tokens=body["prompt_tokens"],
                 completion_tokens=n,
                 cached_tokens=1,
-                times=times,
-                finish_reason="stop",
-                method=request.method,
-                path=request.url.path,
+                finish_reasons=["stop"],
+                times=[times] if times is not None else [],
+                http_request=request,
             )
+            plane.gate.finish(adm, finished)
 
     return app
 

@@ -10,13 +10,14 @@ import pytest
 from sqlalchemy import func, select
 
 from stoker.control.db import open_db, usage
-from stoker.control.ledger import UsageLedger, UsageRecord, period_end, period_start
+from stoker.control.ledger import UsageLedger, period_end, period_start
+from stoker.observe.logs import RequestRecord
 
 
 def rec(
     i: int, key_id: str | None = "k1", prompt: int = 10, completion: int = 5, at: float | None = None
-) -> UsageRecord:
-    return UsageRecord(
+) -> RequestRecord:
+    return RequestRecord(
         request_id=f"r{i}",
         key_id=key_id,
         model="m",

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from stoker.observe.logs import (
     RequestIdMiddleware,
     RequestLogger,
-    RequestLogRecord,
+    RequestRecord,
     client_request_id_from,
 )
 
@@ -25,7 +25,7 @@ def test_one_json_line_with_the_fields():
     logger.setLevel(logging.INFO)
     logger.propagate = False
     RequestLogger(logger=logger).log(
-        RequestLogRecord(
+        RequestRecord(
             request_id="r1",
             status=200,
             model="m",
@@ -53,14 +53,14 @@ def test_core_fields_always_present():
     logger.handlers[:] = [logging.StreamHandler(stream)]
     logger.propagate = False
     logger.setLevel(logging.INFO)
-    line = RequestLogger(logger=logger).log(RequestLogRecord(request_id="r", status=401))
+    line = RequestLogger(logger=logger).log(RequestRecord(request_id="r", status=401))
     assert line["ttft"] is None and line["key_id"] is None and "method" not in line
 
 
 def test_default_logger_writes_raw_json_to_its_stream():
     stream = io.StringIO()
     logging.getLogger("stoker.requests").handlers.clear()
-    RequestLogger(stream=stream).log(RequestLogRecord(request_id="r2", status=429, error="rate_limit_exceeded"))
+    RequestLogger(stream=stream).log(RequestRecord(request_id="r2", status=429, error="rate_limit_exceeded"))
     assert json.loads(stream.getvalue())["error"] == "rate_limit_exceeded"
     logging.getLogger("stoker.requests").handlers.clear()
 
@@ -82,7 +82,7 @@ def test_middleware_gives_the_server_id_and_echoes_the_clients():
 
     @app.get("/x")
     async def x(request: __import__("fastapi").Request) -> dict:
-        RequestLogger(logger=logger).log(RequestLogRecord(request_id=request.state.request_id, status=200))
+        RequestLogger(logger=logger).log(RequestRecord(request_id=request.state.request_id, status=200))
         return {"rid": request.state.request_id, "client": request.state.client_request_id}
 
     app.add_middleware(RequestIdMiddleware)

@@ -25,15 +25,29 @@ from sqlalchemy import func, select
 from stoker.control.admission import AdmissionController
 from stoker.control.budgets import BudgetExceeded, SharedBudgets
 from stoker.control.db import SCHEMA_VERSION, budget_reservations, make_engine, metadata, migrate, open_db, schema_table
-from stoker.control.gate import RequestGate
+from stoker.control.gate import Admission, RequestGate
 from stoker.control.keys import KeyStore
-from stoker.control.ledger import UsageLedger, UsageRecord
+from stoker.control.ledger import UsageLedger
 from stoker.control.limits import RateLimiter
 from stoker.errors import APIError
+from stoker.observe.logs import RequestRecord
 from stoker.observe.metrics import Metrics
+from stoker.server.hooks import FinishedRecord
 
 pytestmark = pytest.mark.timeout(120)
 CHAT = [{"role": "user", "content": "hi"}]
+
+
+def ended(adm: Admission, completion_tokens: int) -> FinishedRecord:
+    """The server's record of adm's end: its prompt and completion_tokens."""
+    return FinishedRecord(
+        request_id=adm.request_id,
+        endpoint="completion",
+        model=adm.model,
+        status=200,
+        prompt_tokens=adm.prompt_tokens,
+        completion_tokens=completion_tokens,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +154,11 @@ def test_ledger_row_settles_its_reservation_and_dead_replica_rows_lapse(pg) -> N
         live.reserve(key.id, 500, "day", 1)
     live.release(last)
     ledger = UsageLedger(engine)
-    ledger.record(UsageRecord("r1", key.id, "m", 100, 0, 50, 200, reservation_id=rid))
+    ledger.record(
+        RequestRecord(
+            "r1", 200, "m", key.id, prompt_tokens=100, cached_tokens=0, completion_tokens=50, reservation_id=rid
+        )
+    )
     ledger.flush()
     with engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(budget_reservations)).scalar_one() == 0
@@ -184,7 +202,7 @@ async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_ope
         await gate.admit(request_id="r2", key=key, model="m", prompt_tokens=10, max_tokens=20)
     assert refused.value.status == 429 and refused.value.reason != "budget"
     assert reserved() == 1  # the refused request's reservation is gone
-    gate.finish(first, completion_tokens=20)
+    gate.finish(first, ended(first, completion_tokens=20))
     ledger.flush()
     assert reserved() == 0 and ledger.summary(key.id)["total_tokens"] == 30
 
@@ -199,7 +217,7 @@ async def test_gate_releases_a_reservation_refused_later_and_fails_closed_or_ope
     gate.on_store_failure = "open"
     adm = await gate.admit(request_id="r4", key=unbudgeted, model="m", prompt_tokens=1, max_tokens=1)
     assert adm.reservation is None
-    gate.finish(adm, completion_tokens=1)
+    gate.finish(adm, ended(adm, completion_tokens=1))
     # Both counted, the 503 and the admission without a budget check alike.
     reserve = {"store": "db", "operation": "budget_reserve"}
     assert metrics.registry.get_sample_value("stoker:store_failures_total", reserve) == 2
