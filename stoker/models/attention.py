@@ -5,9 +5,9 @@ chunks. A backend turns the runner's backend-neutral view of the step
 (`AttentionInputs`) into its own metadata once per step, then serves every layer
 from it. Two backends exist:
 
-- `CPUPagedAttention`: the C kernels read the paged cache in place (decodes
-  always; prefill chunks where the build has the AVX-512 prefill kernel, else
-  causal SDPA over gathered blocks);
+- `CPUPagedAttention`: the C kernels read the paged cache in place, decodes
+  and prefill chunks alike; they are the fused decoder's own attention
+  (csrc/attention.h), built for the ISA path in use (STOKER_QUANT_ISA);
 - `TorchSDPAAttention`: gather + `scaled_dot_product_attention` on any torch
   device and dtype (the fallback when the C kernels are unavailable or disabled,
   and the shape a CUDA backend would take).
@@ -30,12 +30,19 @@ import torch
 import torch.nn.functional as F
 
 from stoker.models.cpu_kernels import (
-    load_paged_attention,
+    paged_attention_isa,
+    paged_attention_supported,
     paged_decode_attention,
     paged_prefill_attention,
-    prefill_kernel_supported,
 )
-from stoker.models.kv_quant import dequantize_rows, is_quantized, quantize_queries, quantize_rows
+from stoker.models.kv_quant import (
+    BF16_QUERY_CACHES,
+    KV_FORMATS,
+    dequantize_rows,
+    is_quantized,
+    quantize_queries,
+    quantize_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,7 @@ class PrefillChunk:
     """The blocks that cover context_len tokens."""
     causal_mask: torch.Tensor | None = None
     """[query_len, context_len] bool; None when the chunk is the whole context or
-    when the C prefill kernel serves it (it reads the cache in place)."""
+    when the C kernels serve it (they read the cache in place)."""
 
 
 @dataclass
@@ -88,6 +95,10 @@ class AttentionMetadata:
 class AttentionBackend(Protocol):
     name: str
     """Logged once at start: which path serves attention."""
+    runs_in_fused_stack: bool
+    """Whether the fused C decoder (fused_decoder.py) may serve a step's attention
+    inside its one call for all layers: true where this backend's kernels are the
+    ones that stack runs (csrc/attention.h), so a step computes the same either way."""
 
     def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
         """Once per step: tensors and masks every layer's call reuses."""
@@ -167,6 +178,7 @@ class TorchSDPAAttention:
     """Gather the blocks, mask, and let torch's SDPA do the rest (any device/dtype)."""
 
     name = "torch-sdpa"
+    runs_in_fused_stack = False
 
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device or torch.device("cpu")
@@ -272,23 +284,24 @@ class TorchSDPAAttention:
 
 class CPUPagedAttention(TorchSDPAAttention):
     """The C kernels read K/V from the paged cache in place: no gather, no mask.
-    Prefill chunks take the C kernel where the build has it (AVX-512), else SDPA."""
+    A prefill row computes exactly what a decode row at its position does. The
+    fused decoder stack runs these same kernels inside its one call per step."""
+
+    runs_in_fused_stack = True
 
     def __init__(self, head_dim: int) -> None:
         super().__init__(torch.device("cpu"))
-        self.direct_prefill = prefill_kernel_supported(head_dim)
-        self.name = "cpu-paged-c" + ("" if self.direct_prefill else " (prefill: torch-sdpa)")
+        self.name = f"cpu-paged-c ({paged_attention_isa()} path)"
 
     def build_metadata(self, inputs: AttentionInputs) -> AttentionMetadata:
         tables = _padded_tables(inputs, self.device)
-        prefills = inputs.prefills if self.direct_prefill else [self._with_mask(c) for c in inputs.prefills]
         return AttentionMetadata(
             inputs.slot_mapping,
             len(inputs.decode_block_tables),
             tables[0] if tables else None,
             tables[1] if tables else None,
             None,
-            prefills,
+            inputs.prefills,
             backend=self,
         )
 
@@ -318,8 +331,6 @@ class CPUPagedAttention(TorchSDPAAttention):
         scale: float,
         out: torch.Tensor,
     ) -> None:
-        if not self.direct_prefill:
-            return super().prefill(q, k, v, k_cache, v_cache, chunk, scale, out)
         # The kernel writes straight into the step's output rows: no temporary, no copy.
         if not paged_prefill_attention(
             q.contiguous(), k_cache, v_cache, chunk.block_ids, chunk.context_len, scale, out
@@ -330,15 +341,15 @@ class CPUPagedAttention(TorchSDPAAttention):
 def select_attention_backend(
     device: torch.device, kv_dtype: torch.dtype, model_dtype: torch.dtype, head_dim: int
 ) -> AttentionBackend:
-    """The C kernels where they can read the cache (CPU, float32/bf16 activations,
-    a cache of the model's dtype or int8/fp8 rows, a compiler at hand); torch SDPA
-    everywhere else."""
+    """The C kernels where they can read the cache (CPU, float32 activations over
+    any cache they read, bf16 ones over a bf16 or int8/fp8 cache, a head size
+    they take, a compiler at hand); torch SDPA everywhere else."""
     backend: AttentionBackend
     if (
         device.type == "cpu"
-        and model_dtype in (torch.float32, torch.bfloat16)
-        and (kv_dtype == model_dtype or is_quantized(kv_dtype))
-        and load_paged_attention() is not None
+        and kv_dtype in KV_FORMATS
+        and (model_dtype == torch.float32 or (model_dtype == torch.bfloat16 and kv_dtype in BF16_QUERY_CACHES))
+        and paged_attention_supported(head_dim)
     ):
         backend = CPUPagedAttention(head_dim)
     else:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from stoker.models.kv_quant import BF16_QUERY_CACHES, KV_FORMATS
+
 log = logging.getLogger("stoker.kernels")
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -92,19 +94,42 @@ def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -
 
 
 @cache
-def load_paged_attention() -> ctypes.CDLL | None:
-    lib = _build("paged_attention")
+def _paged_attention_library(isa: str) -> ctypes.CDLL | None:
+    """paged_attention.c built for the ISA path `isa`, as the quantized matmuls and the
+    fused decoder are (one attention, attention.h, whichever path calls it)."""
+    from stoker.models.quant import kernels  # imports this module: not at the top
+
+    lib = kernels.build_for_isa("paged_attention", isa)
     if lib is None:
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
-    fn = lib.paged_prefill_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 3
-    lib.paged_prefill_supported.restype = ctypes.c_int
-    lib.paged_prefill_supported.argtypes = [ctypes.c_int]
+    i, f, p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    lib.paged_decode_attention.restype = i
+    lib.paged_decode_attention.argtypes = [p] * 6 + [i] * 6 + [f] + [i] * 3
+    lib.paged_prefill_attention.restype = i
+    lib.paged_prefill_attention.argtypes = [p] * 5 + [i] * 6 + [f] + [i] * 3
+    lib.paged_attention_supported.restype = i
+    lib.paged_attention_supported.argtypes = [i]
     return lib
+
+
+def load_paged_attention() -> ctypes.CDLL | None:
+    """The paged-attention kernels for the ISA path in use (STOKER_QUANT_ISA, re-read on
+    every call and logged once per path by quant_isa); None without a compiler."""
+    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+        return None
+    try:
+        from stoker.models.quant import kernels
+    except ImportError as exc:
+        log.warning("paged attention kernels unavailable (%s)", exc)
+        return None
+    return _paged_attention_library(kernels.quant_isa())
+
+
+def paged_attention_isa() -> str:
+    """The ISA path load_paged_attention builds for now (what the attention backend logs)."""
+    from stoker.models.quant import kernels
+
+    return str(kernels.quant_isa())
 
 
 @cache
@@ -121,10 +146,10 @@ def load_fused_ops() -> ctypes.CDLL | None:
     return lib
 
 
-def prefill_kernel_supported(head_dim: int) -> bool:
-    """Whether the C prefill kernel serves this head size here (it needs AVX-512)."""
+def paged_attention_supported(head_dim: int) -> bool:
+    """Whether the C attention kernels are here and serve this head size (a multiple of 8, at most 512)."""
     lib = load_paged_attention()
-    return lib is not None and bool(lib.paged_prefill_supported(head_dim))
+    return lib is not None and bool(lib.paged_attention_supported(head_dim))
 
 
 def paged_decode_attention(
@@ -169,6 +194,8 @@ def paged_decode_attention(
         kv_type,
         torch.get_num_threads(),
     )
+    if failed == 1:
+        raise MemoryError("the C attention kernel could not allocate its scratch memory")
     return None if failed else out
 
 
@@ -183,7 +210,8 @@ def paged_prefill_attention(
 ) -> bool:
     """Causal attention of one sequence's chunk q [n, heads, head_dim] (its last
     n positions of context_len) over the paged cache, written into `out` (same
-    shape, contiguous). False if the kernel cannot serve this call."""
+    shape, contiguous). False if the kernel cannot serve this call. Each row
+    computes exactly what paged_decode_attention does for a sequence ending there."""
     lib = load_paged_attention()
     kv_type = _kv_type(q, k_cache, v_cache)
     if lib is None or kv_type is None or block_ids.dtype != torch.int64:
@@ -216,19 +244,16 @@ def paged_prefill_attention(
     return bool(rc == 0)
 
 
-# paged_attention.c's KV_* codes for the cache dtypes it reads.
-_KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3}
-
-
 def _kv_type(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> int | None:
     """The C code of the caches' dtype if the attention kernels can serve q over them:
-    fp32/bf16 q with caches of q's dtype or quantized rows, all contiguous on the CPU."""
+    fp32 q over any cache they read, bf16 q over bf16 or quantized rows, all
+    contiguous on the CPU."""
     if not _cpu_float(q) or k_cache.dtype != v_cache.dtype or not (k_cache.is_cpu and v_cache.is_cpu):
         return None
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         return None
-    code = _KV_TYPES.get(k_cache.dtype)
-    if code is None or (code < 2 and k_cache.dtype != q.dtype):
+    code = KV_FORMATS.get(k_cache.dtype)
+    if code is None or (q.dtype == torch.bfloat16 and k_cache.dtype not in BF16_QUERY_CACHES):
         return None
     return code
 

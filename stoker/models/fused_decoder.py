@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stoker.models.attention import AttentionMetadata
-from stoker.models.kv_quant import row_width
+from stoker.models.kv_quant import KV_FORMATS, row_width
 from stoker.models.quant.weights import GGMLLinear, LinearWeight, kernels
 
 if TYPE_CHECKING:
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.models")
 
 MAX_PARTS = 4  # as in decoder_layer.c
-# The cache row formats decoder_layer.c reads (its KV_F32, KV_INT8, KV_BF16, KV_FP8, KV_F16).
-KV_FORMATS = {torch.float32: 0, torch.int8: 1, torch.bfloat16: 2, torch.float8_e4m3fn: 3, torch.float16: 4}
 _i, _f, _p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 

@@ -11,8 +11,8 @@ after its values.
 
 Symmetric, per row: scale = max|x| / QMAX, q = round(x / scale) (int8: to
 nearest even, as torch.round and C's lrintf; fp8: torch's conversion), and
-x ~ q * scale. The C kernels (csrc/paged_attention.c, csrc/decoder_layer.c)
-compute the same thing; this module is the reference they are tested against.
+x ~ q * scale. The C kernels (csrc/kv_format.h, shared by paged_attention.c and
+decoder_layer.c) compute the same thing; this module is the reference they are tested against.
 
 Against an int8 cache the queries are rounded through int8 as well, per
 (token, head) row and the same way (`quantize_queries`), as llama.cpp does
@@ -29,6 +29,20 @@ SCALE_BYTES = 4
 
 QUANTIZED_KV_DTYPES: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 """One-byte cache dtypes and the largest magnitude each stores (QMAX)."""
+
+KV_FORMATS: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.int8: 1,
+    torch.bfloat16: 2,
+    torch.float8_e4m3fn: 3,
+    torch.float16: 4,
+}
+"""Every cache dtype the C kernels read, and the code they know it by: the KV_*
+enum of csrc/kv_format.h, which holds the row codecs (a test keeps the two
+equal). A new KV dtype is a code there, its codec cases, and a line here."""
+
+BF16_QUERY_CACHES = frozenset({torch.bfloat16, torch.int8, torch.float8_e4m3fn})
+"""The caches the C attention reads under bf16 queries (float32 queries: any of KV_FORMATS)."""
 
 
 def is_quantized(dtype: torch.dtype) -> bool:

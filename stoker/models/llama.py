@@ -70,10 +70,11 @@ class LlamaModel:
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
+            qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if config.attention_bias else None
             self.layers.append(
                 DecoderLayer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=linear([a + f"{x}_proj.weight" for x in "qkv"], [a + f"{x}_proj.bias" for x in "qkv"]),
+                    qkv=linear([a + f"{x}_proj.weight" for x in "qkv"], qkv_bias),
                     q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
                     k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
                     o_proj=linear([a + "o_proj.weight"]),
@@ -102,8 +103,8 @@ class LlamaModel:
         self.fused = fused if isinstance(fused, FusedDecoder) else None
         if self.fused is not None:
             log.info(
-                "decoder layers: fused C path (one call per step for all %d layers, attention included:"
-                " the attention backend below is only its fallback)",
+                "decoder layers: fused C path (one call per step for all %d layers, running the"
+                " attention backend's C kernels inside it where that backend is cpu-paged-c)",
                 config.num_layers,
             )
         else:
@@ -120,7 +121,7 @@ class LlamaModel:
         """Runs the flattened batch; returns float32 logits for logits_indices only."""
         cfg = self.config
         hidden = self.embed(input_ids)
-        if self.fused is not None and self.fused.serves(kv_caches):
+        if self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches):
             hidden = self.fused(hidden.contiguous(), positions, kv_caches, meta)
             return self._logits(hidden, logits_indices)
         n = hidden.shape[0]

@@ -114,8 +114,8 @@ def test_prefill_kernel_matches_naive_causal(
 ) -> None:
     """Several chunks in one step: whole prompts and chunks after a cached
     context, with lengths around the kernel's 16-row and 16-key tiles."""
-    if not cpu_kernels.prefill_kernel_supported(head_dim):
-        pytest.skip("no AVX-512 C kernel on this machine")
+    if not cpu_kernels.paged_attention_supported(head_dim):
+        pytest.skip("no C compiler")
     lens = [1, 16, 33, 70, 41]  # whole contexts
     chunk_lens = [1, 16, 17, 31, 9]  # the last tokens of each are this step's queries
     k_cache, v_cache, tables, keys, values = _setup(dtype, lens, seed=2, D=head_dim, BS=block_size, KVH=kv_heads)
@@ -125,7 +125,6 @@ def test_prefill_kernel_matches_naive_causal(
         chunks.append(PrefillChunk(start, n, ctx, torch.tensor(table), None))
         start += n
     backend = CPUPagedAttention(head_dim)
-    assert backend.direct_prefill
     meta = backend.build_metadata(_inputs([], [], chunks, block_size))
     empty = torch.empty(0, kv_heads, head_dim)
     out = paged_attention(q, empty, empty, k_cache, v_cache, meta, head_dim**-0.5)
@@ -137,7 +136,7 @@ def test_prefill_kernel_matches_naive_causal(
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
 def test_prefill_chunk_with_cached_context_is_causal(backend: str) -> None:
-    """Either backend (the C one through its kernel or, without AVX-512, the mask it builds)."""
+    """Either backend (the C one reads the cache in place, SDPA through the mask it builds)."""
     if backend == "cpu" and cpu_kernels.load_paged_attention() is None:
         pytest.skip("no C compiler")
     lens = [11]
@@ -167,17 +166,21 @@ def test_whole_prompt_prefill_matches_sdpa() -> None:
 
 
 def test_backend_selection() -> None:
-    """The C kernels serve float CPU caches of the model's dtype; anything else gets torch SDPA."""
+    """The C kernels serve float32 activations over every cache they read (the fused
+    decoder's too) and bf16 ones over bf16 or quantized rows; anything else gets torch SDPA."""
     cpu = torch.device("cpu")
     if cpu_kernels.load_paged_attention() is not None:
-        assert isinstance(select_attention_backend(cpu, torch.float32, torch.float32, 64), CPUPagedAttention)
+        for kv in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn):
+            assert isinstance(select_attention_backend(cpu, kv, torch.float32, 64), CPUPagedAttention)
+        assert isinstance(select_attention_backend(cpu, torch.bfloat16, torch.bfloat16, 64), CPUPagedAttention)
+        assert type(select_attention_backend(cpu, torch.float32, torch.float32, 20)) is TorchSDPAAttention
     chosen = select_attention_backend(cpu, torch.float16, torch.float16, 64)
     assert type(chosen) is TorchSDPAAttention
-    assert type(select_attention_backend(cpu, torch.bfloat16, torch.float32, 64)) is TorchSDPAAttention
+    assert type(select_attention_backend(cpu, torch.float32, torch.bfloat16, 64)) is TorchSDPAAttention
 
 
 def _clear_kernel_caches() -> None:
-    for loader in (cpu_kernels._build, cpu_kernels.load_paged_attention, cpu_kernels.load_fused_ops):
+    for loader in (cpu_kernels._build, cpu_kernels._paged_attention_library, cpu_kernels.load_fused_ops):
         loader.cache_clear()
 
 

@@ -96,7 +96,7 @@ def test_greedy_tokens_match_transformers(tiny, engine_args: dict) -> None:
 def c_kernels_off(monkeypatch: pytest.MonkeyPatch):
     from stoker.models import cpu_kernels
 
-    loaders = (cpu_kernels._build, cpu_kernels.load_paged_attention, cpu_kernels.load_fused_ops)
+    loaders = (cpu_kernels._build, cpu_kernels._paged_attention_library, cpu_kernels.load_fused_ops)
     monkeypatch.setenv("STOKER_DISABLE_C_KERNELS", "1")
     for loader in loaders:
         loader.cache_clear()
