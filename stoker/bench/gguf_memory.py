@@ -17,7 +17,6 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 
 def _status() -> dict[str, int]:
@@ -31,7 +30,7 @@ def _status() -> dict[str, int]:
     return out
 
 
-def measure(gguf: Path, tokens: int, kv_cache_tokens: int) -> dict[str, Any]:
+def measure(gguf: Path, tokens: int, kv_cache_tokens: int) -> dict[str, object]:
     from stoker import LLM, SamplingParams  # imported before the first reading: not part of the model
 
     before = _status()

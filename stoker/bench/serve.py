@@ -14,7 +14,6 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 from urllib.parse import urlparse
 
 import httpx
@@ -63,7 +62,7 @@ class BenchConfig:
     timeout: float = 600.0
     warmup: int = 1
     seed: int = 0
-    extra_body: dict[str, Any] = field(default_factory=dict)
+    extra_body: dict[str, object] = field(default_factory=dict)
 
 
 def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
@@ -78,8 +77,12 @@ def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
     return targets
 
 
-def build_payload(spec: RequestSpec, cfg: BenchConfig, model: str | None) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": model or "default", "stream": True, "stream_options": {"include_usage": True}}
+def build_payload(spec: RequestSpec, cfg: BenchConfig, model: str | None) -> dict[str, object]:
+    payload: dict[str, object] = {
+        "model": model or "default",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if cfg.endpoint == "chat":
         payload["messages"] = as_messages(spec)
     else:
@@ -101,7 +104,7 @@ def _headers(cfg: BenchConfig) -> dict[str, str]:
 async def send_request(
     client: httpx.AsyncClient,
     url: str,
-    payload: dict[str, Any],
+    payload: dict[str, object],
     headers: dict[str, str],
     index: int,
     t_run: float,
@@ -231,7 +234,7 @@ async def run_bench(
     on_done: Callback | None = None,
     on_run: Callable[[Target, Stage, int, int], None] | None = None,
     slo: dict[str, float] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[dict[str, object]]:
     """Every stage against every target, targets alternating within each
     repetition (A, B, A, B ...). Returns one dict per run, for stats and report.
 
@@ -241,7 +244,7 @@ async def run_bench(
     make = workload if callable(workload) else (lambda k: workload)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(cfg.timeout, connect=min(cfg.timeout, 30.0))
-    runs: list[dict[str, Any]] = []
+    runs: list[dict[str, object]] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         for target in cfg.targets:
             if target.model is None:

@@ -13,7 +13,7 @@ import random
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -132,7 +132,7 @@ class RequestSpec:
     the load generator converts between them for the other endpoint."""
 
     prompt: str | None = None
-    messages: list[dict[str, Any]] | None = None
+    messages: list[dict[str, object]] | None = None
     input_len: int | None = None
     """Prompt tokens as counted locally (content only), when known."""
     output_len: int | None = None
@@ -298,7 +298,7 @@ def as_prompt(spec: RequestSpec) -> str:
     return "\n".join(f"{m['role']}: {m.get('content', '')}" for m in spec.messages or []) + "\nassistant:"
 
 
-def as_messages(spec: RequestSpec) -> list[dict[str, Any]]:
+def as_messages(spec: RequestSpec) -> list[dict[str, object]]:
     if spec.messages is not None:
         return spec.messages
     return [{"role": "user", "content": spec.prompt or ""}]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
+from fastapi import Request
 from sqlalchemy.exc import DBAPIError
 
 from stoker.control.admission import AdmissionController
@@ -241,7 +241,7 @@ class ControlPlane:
 
     async def admit_http(
         self,
-        request: Any,
+        request: Request,
         key: ApiKey | None,
         *,
         model: str,

@@ -35,7 +35,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 import redis
@@ -133,7 +133,7 @@ class RedisRateLimiter:
         self._release = self._redis.register_script(RELEASE)
         self._renew = self._redis.register_script(RENEW)
         self._held: dict[str, _Held] = {}
-        self._pending: set[asyncio.Task[Any]] = set()
+        self._pending: set[asyncio.Task[None]] = set()
         self._renewer: asyncio.Task[None] | None = None
         self.unreachable_since: float | None = None
         """time.time() of the first failure of the current outage; None while Redis answers."""

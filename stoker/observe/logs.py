@@ -152,8 +152,8 @@ class RequestLogger:
             self.logger.setLevel(logging.INFO)
             self.logger.propagate = False
 
-    def log(self, record: RequestRecord, **extra: Any) -> dict[str, Any]:
-        line: dict[str, Any] = {"ts": round(time.time(), 6), "event": "request"}
+    def log(self, record: RequestRecord, **extra: object) -> dict[str, object]:
+        line: dict[str, object] = {"ts": round(time.time(), 6), "event": "request"}
         for k, v in asdict(record).items():
             # The core fields are always present (null when unknown) so log
             # pipelines see one schema; optional context only when set.

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import pairwise
-from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -487,7 +486,7 @@ class Metrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-def _observe_latest(histogram: Any, recent: list[float], new: int) -> None:
+def _observe_latest(histogram: Histogram, recent: list[float], new: int) -> None:
     """Observe the `new` latest values (the engine keeps a bounded window of them)."""
     for value in recent[len(recent) - min(new, len(recent)) :]:
         histogram.observe(value)

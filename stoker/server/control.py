@@ -110,7 +110,7 @@ def settings_from(state: ServerState) -> ControlSettings:
     given = state.extras.get("control_config")
     if isinstance(given, ControlSettings):
         return given
-    values: dict[str, Any] = {}
+    values: dict[str, object] = {}
     for name, info in ControlSettings.model_fields.items():
         raw = os.environ.get(f"STOKER_{name.upper()}")
         if raw is not None:
