@@ -4,27 +4,26 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Iterator
-from typing import Any
 
 from stoker.engine.request import Request
 
-# Keys mix floats, ints and priorities; they only need to compare with each other.
-SortKey = Callable[[Request], tuple[Any, ...]]
+# Keys are numbers (priority, deadline, arrival time, arrival order), compared in order.
+SortKey = Callable[[Request], tuple[float, ...]]
 
 
-def fcfs_key(request: Request) -> tuple[Any, ...]:
+def fcfs_key(request: Request) -> tuple[float, ...]:
     return (request.arrival_time, request.arrival_seq)
 
 
-def priority_key(request: Request) -> tuple[Any, ...]:
+def priority_key(request: Request) -> tuple[float, ...]:
     return request.sort_key()
 
 
-def fcfs_victim_key(request: Request) -> tuple[Any, ...]:
+def fcfs_victim_key(request: Request) -> tuple[float, ...]:
     return fcfs_key(request)
 
 
-def priority_victim_key(request: Request) -> tuple[Any, ...]:
+def priority_victim_key(request: Request) -> tuple[float, ...]:
     """Preemption picks the lowest class, then the latest arrival (deadlines order
     the queue but do not make a running request a victim)."""
     return (request.priority, request.arrival_time, request.arrival_seq)
@@ -36,7 +35,7 @@ class RequestQueue:
 
     def __init__(self, key: SortKey) -> None:
         self._key = key
-        self._keys: list[tuple[Any, ...]] = []
+        self._keys: list[tuple[float, ...]] = []
         self._items: list[Request] = []
 
     def add(self, request: Request) -> None:
