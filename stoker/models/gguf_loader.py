@@ -59,33 +59,6 @@ def _cached(target: Path, build: Callable[[Path], None]) -> Path:
     return target
 
 
-_GGUF_LAYER_PARTS: dict[str, str] = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_GGUF_TOP: dict[str, str] = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _hf_name(gguf_name: str) -> str | None:
-    """GGUF tensor name -> Hugging Face name; None for tensors HF has no place for (rope_freqs)."""
-    base, _, kind = gguf_name.rpartition(".")
-    if base.startswith("blk."):
-        _, layer, part = base.split(".", 2)
-        hf = _GGUF_LAYER_PARTS.get(part)
-        return f"model.layers.{layer}.{hf}.{kind}" if hf else None
-    hf = _GGUF_TOP.get(base)
-    return f"{hf}.{kind}" if hf else None
-
-
 def _gguf_meta(path: str) -> dict[str, Any]:
     """ModelConfig fields and a tensor index (offset, type, shape) from the header, cached."""
 
@@ -109,16 +82,15 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         f = reader.fields.get(key)
         return default if f is None else f.contents()
 
-    arch = field("general.architecture")
-    hf_arch = gguf_architecture(arch)
-    # llama.cpp files Mistral under "llama"; transformers tells them apart by name, so do we.
-    if arch == "llama" and "mistral" in str(field("general.name", "")).lower():
-        hf_arch = "MistralForCausalLM"
+    family = gguf_architecture(field("general.architecture"), str(field("general.name", "")))
+    assert family.gguf is not None  # gguf_architecture returns only families GGUF files hold
+    facts = family.gguf
+    prefix = facts.architecture
 
     tensors = [
         {
             "gguf": t.name,
-            "hf": _hf_name(t.name),
+            "hf": facts.tensors.hf_name(t.name),
             "type": int(t.tensor_type),
             "dtype": t.data.dtype.str,
             "shape": list(t.data.shape),
@@ -127,30 +99,30 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         for t in reader.tensors
     ]
     rows: dict[str, int] = {str(t["gguf"]): int(t["shape"][0]) for t in tensors}  # type: ignore[index]
-    heads = int(field(f"{arch}.attention.head_count"))
-    hidden = int(field(f"{arch}.embedding_length"))
-    scaling_type = field(f"{arch}.rope.scaling.type")
+    heads = int(field(f"{prefix}.attention.head_count"))
+    hidden = int(field(f"{prefix}.embedding_length"))
+    scaling_type = field(f"{prefix}.rope.scaling.type")
     rope_scaling = None
     if scaling_type not in (None, "none"):
-        rope_scaling = {"rope_type": scaling_type, "factor": field(f"{arch}.rope.scaling.factor", 1.0)}
-        original = field(f"{arch}.rope.scaling.original_context_length")
+        rope_scaling = {"rope_type": scaling_type, "factor": field(f"{prefix}.rope.scaling.factor", 1.0)}
+        original = field(f"{prefix}.rope.scaling.original_context_length")
         if original is not None:
             rope_scaling["original_max_position_embeddings"] = int(original)
     eos = [field(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     config = ModelConfig(
-        architecture=hf_arch,
+        architecture=family.hf_name,
         vocab_size=int(
-            rows.get("token_embd.weight") or field(f"{arch}.vocab_size") or len(field("tokenizer.ggml.tokens"))
+            rows.get("token_embd.weight") or field(f"{prefix}.vocab_size") or len(field("tokenizer.ggml.tokens"))
         ),
         hidden_size=hidden,
-        intermediate_size=int(field(f"{arch}.feed_forward_length")),
-        num_layers=int(field(f"{arch}.block_count")),
+        intermediate_size=int(field(f"{prefix}.feed_forward_length")),
+        num_layers=int(field(f"{prefix}.block_count")),
         num_heads=heads,
-        num_kv_heads=int(field(f"{arch}.attention.head_count_kv", heads)),
-        head_dim=int(field(f"{arch}.attention.key_length") or rows.get("blk.0.attn_q.weight", hidden) // heads),
-        max_position_embeddings=int(field(f"{arch}.context_length")),
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon")),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=int(field(f"{prefix}.attention.head_count_kv", heads)),
+        head_dim=int(field(f"{prefix}.attention.key_length") or rows.get("blk.0.attn_q.weight", hidden) // heads),
+        max_position_embeddings=int(field(f"{prefix}.context_length")),
+        rms_norm_eps=float(field(f"{prefix}.attention.layer_norm_rms_epsilon")),
+        rope_theta=float(field(f"{prefix}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in rows,
         attention_bias="blk.0.attn_q.bias" in rows,
@@ -159,8 +131,8 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
         eos_token_ids=[int(e) for e in eos if e is not None],
         name=gguf_model_name(path),
     )
-    # Only the "llama" converter interleaves q/k rows for its rotary layout.
-    return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": arch == "llama"}
+    permute_qk = facts.qk_rows == "interleaved"
+    return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": permute_qk}
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

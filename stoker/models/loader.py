@@ -24,7 +24,7 @@ from stoker.models.gguf_loader import gguf_tokenizer, keeps_quantized, load_gguf
 from stoker.models.identity import is_gguf, model_name
 from stoker.models.quant.hf_quantize import QUANTIZE_AT_LOAD, check_quantization, quantize_weights
 from stoker.models.quant.weights import WeightLike
-from stoker.models.registry import SUPPORTED_ARCHITECTURES, architecture
+from stoker.models.registry import SUPPORTED_ARCHITECTURES, Architecture, architecture
 from stoker.models.tokenizer import Tokenizer, load_hf_tokenizer
 
 __all__ = [
@@ -82,7 +82,7 @@ def load_tokenizer(path: str) -> Tokenizer:
 def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
     folder = Path(path)
     raw = _read_json(folder / "config.json")
-    arch = _check_architecture(raw)
+    family = _check_architecture(raw)
     from transformers import AutoConfig
 
     # AutoConfig applies transformers' own defaults and legacy-key handling (rope_scaling,
@@ -92,7 +92,7 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
     theta, scaling = _rope(hf)
     heads = int(hf.num_attention_heads)
     config = ModelConfig(
-        architecture=arch,
+        architecture=family.hf_name,
         vocab_size=int(hf.vocab_size),
         hidden_size=int(hf.hidden_size),
         intermediate_size=int(hf.intermediate_size),
@@ -105,9 +105,8 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
         rope_theta=theta,
         rope_scaling=scaling,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v biases; its config has no switch for them.
-        attention_bias=arch == "Qwen2ForCausalLM" or bool(getattr(hf, "attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        attention_bias=family.qkv_bias or bool(getattr(hf, "attention_bias", False)),
+        qk_norm=family.qk_norm,
         bos_token_id=hf.bos_token_id if hf.bos_token_id is not None else tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=model_name(path),
@@ -120,10 +119,9 @@ def _load_folder(path: str, dtype: torch.dtype, device: str) -> LoadedModel:
     return LoadedModel(config=config, weights=weights, tokenizer=tokenizer)
 
 
-def _check_architecture(raw: dict[str, Any]) -> str:
+def _check_architecture(raw: dict[str, Any]) -> Architecture:
     archs = raw.get("architectures") or []
-    arch = archs[0] if archs else None
-    return architecture(arch).hf_name
+    return architecture(archs[0] if archs else None)
 
 
 def _rope(hf: Any) -> tuple[float, dict[str, Any] | None]:

@@ -159,7 +159,7 @@ def _byte_tokens() -> list[str]:
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
 
 
-def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> dict[str, torch.Tensor]:
+def write_tiny_gguf(path: Path, arch: str, seed: int = 0, general_name: str = "tiny") -> dict[str, torch.Tensor]:
     """A 2-layer GGUF laid out as llama.cpp's converter would; returns the HF-layout tensors."""
     from gguf import GGMLQuantizationType, GGUFWriter
     from gguf.quants import dequantize, quantize
@@ -168,7 +168,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0) -> dict[str, torch.Ten
     heads, kv_heads, head_dim, hidden, ffn = 4, 2, 16, 64, 128
     gen = torch.Generator().manual_seed(seed)
     w = GGUFWriter(str(path), arch)
-    w.add_name("tiny")
+    w.add_name(general_name)
     for key, value in [
         ("block_count", 2),
         ("context_length", 512),
