@@ -121,10 +121,11 @@ def settings_from(state: ServerState) -> ControlSettings:
 
 
 class ControlMiddleware:
-    """Arrival time, and the key's x-ratelimit-* headers on admitted responses,
-    inside RequestIdMiddleware (which gives the request its id and answers X-Request-Id). Also a safety net: an
-    admission still open when the response is over is finished here, so a
-    code path that forgot the finished hook cannot leak a concurrency slot."""
+    """Arrival time, and the key's x-ratelimit-* headers on admitted responses;
+    it runs inside RequestIdMiddleware, which gives the request its id and
+    answers X-Request-Id. Also a safety net: an admission still open when the
+    response is over is finished here, so a code path that forgot the finished
+    hook cannot leak a concurrency slot."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -157,7 +158,7 @@ class ControlMiddleware:
             if adm is not None and not adm.done:
                 unfinished = FinishedRecord(
                     request_id=adm.request_id,
-                    endpoint="",
+                    endpoint="",  # no route finished it: its log line names no endpoint
                     model=adm.model,
                     status=status["code"],
                     prompt_tokens=adm.prompt_tokens,
