@@ -4,8 +4,8 @@
     async def chat(..., key: ApiKey | None = Depends(require_key)): ...
 
 They find the ControlPlane at request.app.state.control. Every failure is an
-APIError in OpenAI's error shape (the server renders it; a bare app needs
-stoker.control.errors.install_error_handler): 401 for a missing, malformed, unknown,
+APIError in OpenAI's error shape (rendered by the server's handlers,
+stoker.server.app.install_error_handlers): 401 for a missing, malformed, unknown,
 wrong, revoked or expired key; 403 for a key without the needed scope (and,
 at admission, for a model the key may not use). In open mode (no key has
 ever existed in the database) inference routes pass with key None, and so do

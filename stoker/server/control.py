@@ -37,7 +37,6 @@ from stoker.control.auth import (
     require_operator,
     require_scope,
 )
-from stoker.control.errors import install_error_handler
 from stoker.control.keys import SCOPE_ROUTER
 from stoker.control.plane import ControlPlane
 from stoker.control.settings import ControlSettings
@@ -337,7 +336,6 @@ def install(app: FastAPI, state: ServerState) -> ControlPlane:
         raise
     app.state.control = plane
     state.extras["control"] = plane
-    install_error_handler(app)
     app.include_router(admin_router)
     app.add_api_route(
         "/metrics", _metrics, methods=["GET"], dependencies=[Depends(require_metrics_access)], include_in_schema=False

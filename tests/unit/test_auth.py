@@ -22,19 +22,19 @@ from sqlalchemy import func, select
 from stoker.control.admin import router as admin_router
 from stoker.control.auth import require_key, require_metrics_access
 from stoker.control.db import usage
-from stoker.control.errors import install_error_handler
 from stoker.control.keys import ApiKey
 from stoker.control.plane import AuthRequiredButNoKeys, ControlPlane, ControlSettings
 from stoker.engine.params import EngineStats, RequestTimes
 from stoker.observe.logs import RequestIdMiddleware, RequestLogger
 from stoker.observe.tracing import RequestTracer
+from stoker.server.app import install_error_handlers
 from stoker.server.hooks import FinishedRecord
 
 
 def make_app(plane: ControlPlane) -> FastAPI:
     app = FastAPI()
     app.state.control = plane
-    install_error_handler(app)
+    install_error_handlers(app)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(admin_router)
 
@@ -220,11 +220,11 @@ async def test_admin_api(setup):
     )
     assert_openai_error(await client.get("/admin/keys/nope", headers=auth(admin)), 404)
     assert_openai_error(await client.delete("/admin/keys/nope", headers=auth(admin)), 404, "key_not_found")
-    assert (await client.post("/admin/keys", json={"name": "x", "bogus": 1}, headers=auth(admin))).status_code == 422
-    # true is not a limit of 1 token a minute, nor 1 an admin flag (this harness has no 400 handler)
+    assert (await client.post("/admin/keys", json={"name": "x", "bogus": 1}, headers=auth(admin))).status_code == 400
+    # true is not a limit of 1 token a minute, nor 1 an admin flag
     for bad in ({"tpm": True}, {"rpm": False}, {"admin": 1}, {"expires_at": True}):
         answer = await client.post("/admin/keys", json={"name": "x", **bad}, headers=auth(admin))
-        assert answer.status_code == 422, (bad, answer.text)
+        assert answer.status_code == 400, (bad, answer.text)
 
 
 async def test_rate_limit_429_and_headers(setup):
