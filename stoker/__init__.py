@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING
 
 from stoker.engine.params import RequestOutput, SamplingParams
@@ -9,7 +10,10 @@ from stoker.engine.params import RequestOutput, SamplingParams
 if TYPE_CHECKING:
     from stoker.engine.llm import LLM
 
-__version__ = "0.1.0"
+try:  # pyproject.toml's version is the one place it is written
+    __version__ = version("stoker")
+except PackageNotFoundError:  # a source tree on PYTHONPATH that was never installed
+    __version__ = "0+unknown"
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+import stoker
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
 from stoker.errors import APIError
@@ -340,7 +341,9 @@ def create_app(
             state.embedder.close()
         await fleet.shutdown()
 
-    app = FastAPI(title="stoker", version="0.1.0", lifespan=lifespan, default_response_class=StrictJSONResponse)
+    app = FastAPI(
+        title="stoker", version=stoker.__version__, lifespan=lifespan, default_response_class=StrictJSONResponse
+    )
     app.state.stoker = state
     install_error_handlers(app)
     for router in (

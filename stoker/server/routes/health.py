@@ -60,4 +60,4 @@ async def ready(request: Request) -> StrictJSONResponse:
 
 @router.get("/version")
 async def version() -> dict[str, str]:
-    return {"version": getattr(stoker, "__version__", "0.1.0")}
+    return {"version": stoker.__version__}

@@ -121,7 +121,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     engine = state.engine.config
     info = state.engine.info
     body.update(
-        version=getattr(stoker, "__version__", "0.1.0"),
+        version=stoker.__version__,
         max_total_num_tokens=info.kv_capacity_tokens if info else None,
         max_running_requests=engine.max_num_seqs,
         page_size=engine.block_size,
