@@ -3,7 +3,7 @@
     python deploy/prometheus/to_prometheusrule.py > deploy/k8s/base/prometheusrule.yaml
 
 The rule file is the one source of the rules; this keeps the Kubernetes copy from
-drifting (tests/unit/test_deploy.py compares the committed copy with this output).
+drifting (tests/unit/project/test_deploy.py compares the committed copy with this output).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ loaders need, and the protocol their model classes meet.
 An entry says everything that differs between families: which projections carry
 a bias, whether q and k are normed, how a GGUF file names the family, its tensors
 and its q/k row order. Loaders and the model builder read these facts; none of
-them compares architecture names (tests/unit/test_registry.py keeps it so).
+them compares architecture names (tests/unit/models/test_registry.py keeps it so).
 Adding an architecture is one entry here plus its tests, and a model file if it
 is not a Llama variant (docs/architecture.md has the recipe).
 """
