@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from stoker.control.admin import router as admin_router
@@ -47,6 +47,7 @@ from stoker.observe.logs import RequestIdMiddleware, RequestRecord
 from stoker.server.fleet import Fleet
 from stoker.server.hooks import AdmissionInfo, FallbackEvent, FinishedRecord
 from stoker.server.state import OUTSIDE_ENGINE, ServerState
+from stoker.server.strict_json import StrictJSONResponse
 
 log = logging.getLogger("stoker.control")
 
@@ -100,7 +101,7 @@ class AccessMiddleware:
                 else:
                     request.state.detailed, _ = await optional_key(request)
             except APIError as exc:
-                await JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(scope, receive, send)
+                await StrictJSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
