@@ -1,0 +1,516 @@
+"""The disk tier under the prefix cache: one file per full KV block.
+
+A block is filed under DIR/<layout key>/<first hash byte>/<block hash>.kv, so
+blocks of another model, KV dtype, block size or layout version never meet
+(their folders differ) and several servers pointing at one DIR share the
+blocks of the model they serve. A file is
+
+    header   magic "STKV", format version, layout key, block hash, parent hash,
+             number of tokens, payload length (HEADER below, little endian)
+    tokens   the block's token ids, int64 each
+    payload  K and V of every layer for the block, the cache's own bytes
+    crc32    of everything before it (zlib)
+
+CRC-32 rather than a cryptographic digest: it guards against torn and
+flipped bytes (a crash, a bad disk), which it catches at memory speed; it
+cannot guard against someone who may write to DIR, and neither could an
+unkeyed SHA-256 (they would write a matching one). DIR is created 0700 and
+files 0600 for that reason: they hold prompts' token ids. A read also checks
+that the block hash is the chained hash of (parent hash, tokens) and that the
+layout key is ours; a file that fails any check is removed and never served.
+
+Writes go to a temporary name and are renamed into place, so a reader sees a
+whole file or none. fsync policy: none per block. A killed process loses
+nothing the kernel already holds; after a power loss a renamed file may be
+short or zeroed, which the length and checksum checks drop. A block is a cache
+entry, so losing the newest ones costs a recompute, never a wrong answer.
+
+LRU within the size: an index of the files this process knows, oldest use
+first, rebuilt by scanning at start and every RESCAN_S (so blocks other
+processes add count too); a read refreshes the file's mtime, which is what a
+scan orders by. A file another process deleted is a miss; eviction tolerates
+it. Pinned prefixes (pin files under <layout key>/pins/) are never evicted.
+
+Degrade, don't fail: a write that fails (disk full, read-only, gone) puts the
+store in a degraded state (one log line, DiskTierStats.degraded) and writes
+pause for DEGRADED_RETRY_S; reads that fail are misses. Nothing raises into
+the step loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from stoker.engine.kv_cache import chain_hash
+
+log = logging.getLogger("stoker.engine.kv_disk")
+
+LAYOUT_VERSION = 1
+"""Bump when the KV tensors' layout changes (row format, order of layers), so old files stop matching."""
+FORMAT_VERSION = 1
+MAGIC = b"STKV"
+HEADER = struct.Struct("<4sHH32s32s32sIQ")
+"""magic, format version, flags (bit 0: has a parent), layout key, block hash, parent hash, tokens, payload bytes."""
+CHECKSUM = struct.Struct("<I")
+SUFFIX = ".kv"
+TEMP_PREFIX = ".tmp-"
+STALE_TEMP_S = 600.0
+"""A temporary file older than this was left by a killed writer (a live one renames within seconds)."""
+RESCAN_S = 30.0
+DEGRADED_RETRY_S = 60.0
+MAX_PENDING_WRITES = 4096
+"""Blocks queued for the writer; beyond it a write is dropped (counted), never waited for."""
+LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class DiskLayout:
+    """Everything that makes a block's bytes valid besides its tokens."""
+
+    model_digest: str
+    kv_dtype: str
+    block_size: int
+    block_bytes: int
+    layout_version: int = LAYOUT_VERSION
+
+    @property
+    def key(self) -> bytes:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+
+
+@dataclass(frozen=True)
+class StoredBlock:
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    payload: bytes | bytearray
+
+
+@dataclass(frozen=True)
+class PinnedPrefix:
+    label: str
+    num_tokens: int
+    num_blocks: int
+    created: float
+    """Unix time of the pin."""
+    blocks_on_disk: int
+
+
+@dataclass(frozen=True)
+class DiskTierStats:
+    hits: int = 0
+    """Blocks read from disk (cumulative)."""
+    misses: int = 0
+    """Blocks looked for on disk and not found, or dropped as corrupt (cumulative)."""
+    bytes_read: int = 0
+    bytes_written: int = 0
+    pending_writes: int = 0
+    """Blocks queued for the writer now."""
+    writes_dropped: int = 0
+    """Blocks not written: the queue was full or the store degraded (cumulative)."""
+    evictions: int = 0
+    corrupt_dropped: int = 0
+    """Files removed because they were truncated, failed their checksum or held another layout or hash."""
+    bytes_used: int = 0
+    capacity_bytes: int = 0
+    degraded: str | None = None
+    """Why writes are paused (the OS error), None while healthy."""
+
+
+@dataclass(frozen=True)
+class _PinRecord:
+    label: str
+    num_tokens: int
+    created: float
+    block_hashes: list[bytes]
+
+
+class DiskBlockStore:
+    """Block files in one layout's folder of `directory`, at most `capacity_bytes` of them."""
+
+    def __init__(self, directory: Path, capacity_bytes: int, layout: DiskLayout) -> None:
+        self.layout = layout
+        self.capacity_bytes = capacity_bytes
+        self._key = layout.key
+        self.root = Path(directory) / self._key.hex()[:32]
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (self.root / "pins").mkdir(mode=0o700, exist_ok=True)
+        self._lock = threading.Lock()
+        self._index: OrderedDict[bytes, int] = OrderedDict()
+        """Block hash -> file size, least recently used first."""
+        self._used = 0
+        self._pinned: set[bytes] = set()
+        self._counts = dict.fromkeys(
+            ("hits", "misses", "bytes_read", "bytes_written", "writes_dropped", "evictions", "corrupt_dropped"), 0
+        )
+        self._degraded: str | None = None
+        self._degraded_since = 0.0
+        self._last_scan = 0.0
+        self._queue: queue.Queue[StoredBlock | None] = queue.Queue(MAX_PENDING_WRITES)
+        self._queued: set[bytes] = set()
+        self.on_written: Callable[[StoredBlock], None] | None = None
+        self.on_evicted: Callable[[bytes], None] | None = None
+        """Called from the writer thread; the engine turns them into KV events of medium DISK."""
+        self.scan()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-kv-read")
+        self._writer = threading.Thread(target=self._write_loop, name="stoker-kv-write", daemon=True)
+        self._writer.start()
+
+    # ------------------------------------------------------------ lookups
+
+    def path(self, block_hash: bytes) -> Path:
+        return self.root / block_hash[:1].hex() / (block_hash.hex() + SUFFIX)
+
+    def contains(self, block_hash: bytes) -> bool:
+        with self._lock:
+            if block_hash in self._index:
+                return True
+        try:
+            size = self.path(block_hash).stat().st_size  # another process may have written it
+        except OSError:
+            return False
+        self._add(block_hash, size)
+        return True
+
+    def read(self, block_hash: bytes) -> StoredBlock | None:
+        """The block, verified; None (a miss) when absent, unreadable or corrupt (then removed)."""
+        path = self.path(block_hash)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            self._forget(block_hash)
+            self._count("misses")
+            return None
+        block = self._decode(data, block_hash)
+        if block is None:
+            log.warning("KV disk tier: dropped corrupt block file %s", path.name)
+            self._remove(block_hash)
+            self._count("corrupt_dropped")
+            self._count("misses")
+            return None
+        self._count("hits")
+        self._count("bytes_read", len(data))
+        with self._lock:
+            if block_hash in self._index:
+                self._index.move_to_end(block_hash)
+        try:
+            os.utime(path)  # the LRU order a later scan (this or another process) sees
+        except OSError:
+            pass
+        return block
+
+    def read_chain(self, hashes: Sequence[bytes], cancel: threading.Event | None = None) -> Future[list[StoredBlock]]:
+        """In the reader thread: the blocks of `hashes` in order, up to the first that is missing or bad."""
+        return self._reader.submit(self._read_chain, list(hashes), cancel)
+
+    def _read_chain(self, hashes: list[bytes], cancel: threading.Event | None) -> list[StoredBlock]:
+        out: list[StoredBlock] = []
+        parent = None
+        for block_hash in hashes:
+            if cancel is not None and cancel.is_set():
+                break
+            block = self.read(block_hash)
+            if block is None or (out and block.parent_hash != parent):
+                break
+            out.append(block)
+            parent = block_hash
+        return out
+
+    def _decode(self, data: bytes, block_hash: bytes) -> StoredBlock | None:
+        if len(data) < HEADER.size + CHECKSUM.size:
+            return None
+        magic, version, flags, key, stored_hash, parent, num_tokens, payload_len = HEADER.unpack_from(data)
+        tokens_end = HEADER.size + 8 * num_tokens
+        if (
+            magic != MAGIC
+            or version != FORMAT_VERSION
+            or key != self._key
+            or stored_hash != block_hash
+            or num_tokens != self.layout.block_size
+            or payload_len != self.layout.block_bytes
+            or len(data) != tokens_end + payload_len + CHECKSUM.size
+            or CHECKSUM.unpack_from(data, len(data) - CHECKSUM.size)[0] != zlib.crc32(memoryview(data)[:-4])
+        ):
+            return None
+        tokens = tuple(struct.unpack_from(f"<{num_tokens}q", data, HEADER.size))
+        parent_hash = parent if flags & 1 else None
+        if chain_hash(parent_hash, tokens) != block_hash:
+            return None
+        return StoredBlock(block_hash, parent_hash, tokens, data[tokens_end : tokens_end + payload_len])
+
+    def encode(self, block: StoredBlock) -> bytes:
+        flags = 1 if block.parent_hash is not None else 0
+        header = HEADER.pack(
+            MAGIC,
+            FORMAT_VERSION,
+            flags,
+            self._key,
+            block.block_hash,
+            block.parent_hash or bytes(32),
+            len(block.token_ids),
+            len(block.payload),
+        )
+        body = header + struct.pack(f"<{len(block.token_ids)}q", *block.token_ids) + bytes(block.payload)
+        return body + CHECKSUM.pack(zlib.crc32(body))
+
+    # ------------------------------------------------------------- writes
+
+    def submit(self, block: StoredBlock) -> bool:
+        """Queue a block for the writer; False (dropped, counted) when it is full or writes are paused.
+        A block already on disk or queued is not written again (True)."""
+        if len(block.payload) != self.layout.block_bytes or len(block.token_ids) != self.layout.block_size:
+            raise ValueError(f"a block of {len(block.payload)} bytes does not match the layout {self.layout}")
+        with self._lock:
+            if block.block_hash in self._index or block.block_hash in self._queued:
+                return True
+            if self._paused():
+                self._counts["writes_dropped"] += 1
+                return False
+            try:
+                self._queue.put_nowait(block)
+            except queue.Full:
+                self._counts["writes_dropped"] += 1
+                return False
+            self._queued.add(block.block_hash)
+        return True
+
+    def flush(self) -> None:
+        """Wait until every queued block is written (tests, shutdown)."""
+        self._queue.join()
+
+    def write(self, block: StoredBlock) -> bool:
+        """Write one block now (the writer thread's work): temp file, then rename. False if it failed."""
+        if self.contains(block.block_hash):
+            return True
+        final = self.path(block.block_hash)
+        temp = final.parent / f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
+        data = self.encode(block)
+        try:
+            final.parent.mkdir(mode=0o700, exist_ok=True)
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(temp, final)
+        except OSError as exc:
+            try:
+                temp.unlink(missing_ok=True)
+            except OSError:
+                pass  # the folder itself is gone or not a folder
+            self._degrade(exc)
+            return False
+        self._count("bytes_written", len(data))
+        self._add(block.block_hash, len(data))
+        if self.on_written is not None:
+            self.on_written(block)
+        self._evict_to_size()
+        return True
+
+    def _write_loop(self) -> None:
+        while True:
+            block = self._queue.get()
+            try:
+                if block is None:
+                    return
+                if not self._paused():
+                    self.write(block)
+                else:
+                    self._count("writes_dropped")
+                if time.monotonic() - self._last_scan > RESCAN_S:
+                    self.scan()
+            except Exception:  # the writer must outlive any one block
+                log.exception("KV disk tier: writing a block failed")
+            finally:
+                if block is not None:
+                    with self._lock:
+                        self._queued.discard(block.block_hash)
+                self._queue.task_done()
+
+    def _paused(self) -> bool:
+        if self._degraded is None:
+            return False
+        if time.monotonic() - self._degraded_since < DEGRADED_RETRY_S:
+            return True
+        self._degraded = None  # try again; a failure pauses for another period
+        return False
+
+    def _degrade(self, exc: OSError) -> None:
+        reason = f"{exc.strerror or exc} ({self.root})"
+        if self._degraded is None:
+            log.error("KV disk tier: writes paused for %.0fs, serving from RAM: %s", DEGRADED_RETRY_S, reason)
+        self._degraded, self._degraded_since = reason, time.monotonic()
+
+    # ------------------------------------------------------------ the index
+
+    def scan(self) -> None:
+        """Rebuild the index from the folder: every block file, oldest mtime first; stale temp files removed."""
+        found: list[tuple[float, bytes, int]] = []
+        now = time.time()
+        try:
+            subfolders = [p for p in self.root.iterdir() if p.is_dir() and p.name != "pins"]
+        except OSError:
+            subfolders = []
+        for folder in subfolders:
+            try:
+                entries = list(os.scandir(folder))
+            except OSError:
+                continue
+            for entry in entries:
+                try:
+                    st = entry.stat()
+                except OSError:
+                    continue  # deleted by another process since the listing
+                if entry.name.startswith(TEMP_PREFIX):
+                    if now - st.st_mtime > STALE_TEMP_S:
+                        Path(entry.path).unlink(missing_ok=True)
+                    continue
+                if entry.name.endswith(SUFFIX):
+                    try:
+                        found.append((st.st_mtime, bytes.fromhex(entry.name[: -len(SUFFIX)]), st.st_size))
+                    except ValueError:
+                        continue
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((h, size) for _, h, size in found)
+            self._used = sum(self._index.values())
+            self._pinned = {h for pin in self._read_pins() for h in pin.block_hashes}
+            self._last_scan = time.monotonic()
+        self._evict_to_size()
+
+    def _add(self, block_hash: bytes, size: int) -> None:
+        with self._lock:
+            if block_hash not in self._index:
+                self._used += size
+            self._index[block_hash] = size
+
+    def _forget(self, block_hash: bytes) -> None:
+        with self._lock:
+            self._used -= self._index.pop(block_hash, 0)
+
+    def _remove(self, block_hash: bytes) -> None:
+        self._forget(block_hash)
+        self.path(block_hash).unlink(missing_ok=True)
+
+    def _evict_to_size(self) -> None:
+        while True:
+            with self._lock:
+                if self._used <= self.capacity_bytes:
+                    return
+                victim = next((h for h in self._index if h not in self._pinned), None)
+                if victim is None:
+                    return  # only pinned blocks left: they stay, over the size if need be
+                self._used -= self._index.pop(victim)
+                self._counts["evictions"] += 1
+            try:
+                self.path(victim).unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only disk: the index forgets it all the same
+            if self.on_evicted is not None:
+                self.on_evicted(victim)
+
+    def _count(self, name: str, amount: int = 1) -> None:
+        with self._lock:
+            self._counts[name] += amount
+
+    # --------------------------------------------------------------- pins
+
+    def _pin_path(self, label: str) -> Path:
+        if not LABEL.match(label):
+            raise ValueError(f"pin label {label!r}: 1 to 64 characters of letters, digits, '.', '_', '-'")
+        return self.root / "pins" / f"{label}.json"
+
+    def pin(self, label: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
+        """Keep these blocks on disk whatever the LRU says (replacing a pin of the same label)."""
+        path = self._pin_path(label)
+        record = {
+            "label": label,
+            "num_tokens": num_tokens,
+            "created": time.time(),
+            "block_hashes": [h.hex() for h in block_hashes],
+        }
+        temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
+        temp.write_text(json.dumps(record))
+        os.replace(temp, path)
+        with self._lock:
+            self._pinned.update(block_hashes)
+
+    def unpin(self, label: str) -> bool:
+        path = self._pin_path(label)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        with self._lock:
+            self._pinned = {h for pin in self._read_pins() for h in pin.block_hashes}
+        self._evict_to_size()
+        return True
+
+    def pins(self) -> list[PinnedPrefix]:
+        return [
+            PinnedPrefix(p.label, p.num_tokens, len(p.block_hashes), p.created, sum(map(self.contains, p.block_hashes)))
+            for p in self._read_pins()
+        ]
+
+    def _read_pins(self) -> list[_PinRecord]:
+        out = []
+        try:
+            paths = sorted((self.root / "pins").glob("*.json"))
+        except OSError:
+            return []
+        for path in paths:
+            try:
+                record = json.loads(path.read_text())
+                out.append(
+                    _PinRecord(
+                        str(record["label"]),
+                        int(record["num_tokens"]),
+                        float(record["created"]),
+                        [bytes.fromhex(h) for h in record["block_hashes"]],
+                    )
+                )
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # deleted meanwhile, or not a pin file
+        return out
+
+    # -------------------------------------------------------------- state
+
+    def stats(self) -> DiskTierStats:
+        with self._lock:
+            c = self._counts
+            return DiskTierStats(
+                hits=c["hits"],
+                misses=c["misses"],
+                bytes_read=c["bytes_read"],
+                bytes_written=c["bytes_written"],
+                writes_dropped=c["writes_dropped"],
+                evictions=c["evictions"],
+                corrupt_dropped=c["corrupt_dropped"],
+                pending_writes=self._queue.qsize(),
+                bytes_used=self._used,
+                capacity_bytes=self.capacity_bytes,
+                degraded=self._degraded,
+            )
+
+    def close(self) -> None:
+        """Write what is queued, then stop the threads."""
+        self._queue.put(None)
+        self._writer.join()
+        self._reader.shutdown(wait=True)
