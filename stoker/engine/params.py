@@ -15,6 +15,50 @@ class FinishReason(str, Enum):
     ABORT = "abort"  # cancelled by the caller, a deadline, or a drain
 
 
+@dataclass(frozen=True)
+class ReasoningParams:
+    """A thinking model's reply: thinking first, then the answer, kept apart
+    (stoker/engine/reasoning.py runs the phases). The server builds it from the
+    model's markers; with it, EngineCoreOutput.new_text carries the answer alone."""
+
+    end_token_ids: tuple[int, ...]
+    """The marker that ends the thinking ("</think>"); non-empty."""
+    start_token_ids: tuple[int, ...] = ()
+    """The marker that opens it ("<think>"): output that starts with it thinks;
+    empty, or output that starts otherwise, answers with no thinking."""
+    thinking_open: bool = False
+    """The prompt already opened the thinking (a template that ends with
+    "<think>"): the first output token thinks."""
+    budget: int | None = None
+    """Most thinking tokens (the start marker not counted); once spent the
+    engine writes end_token_ids itself and the answer follows. 0: no thinking
+    (the end marker comes first). None: unbounded but for max_tokens."""
+
+    def __post_init__(self) -> None:
+        # msgspec decodes tuples as given; lists from other callers become tuples.
+        object.__setattr__(self, "end_token_ids", tuple(self.end_token_ids))
+        object.__setattr__(self, "start_token_ids", tuple(self.start_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first invalid field (token ids against the
+        vocabulary are checked by the engine, which knows its size)."""
+
+        def token_ids(value: tuple[int, ...]) -> bool:
+            return all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)
+
+        if not self.end_token_ids or not token_ids(self.end_token_ids):
+            raise ValueError(f"reasoning.end_token_ids must be non-empty token ids, got {self.end_token_ids!r}")
+        if not token_ids(self.start_token_ids):
+            raise ValueError(f"reasoning.start_token_ids must be token ids, got {self.start_token_ids!r}")
+        if not isinstance(self.thinking_open, bool):
+            raise ValueError(f"reasoning.thinking_open must be a boolean, got {self.thinking_open!r}")
+        if self.budget is not None and (
+            isinstance(self.budget, bool) or not isinstance(self.budget, int) or self.budget < 0
+        ):
+            raise ValueError(f"reasoning.budget must be a non-negative integer, got {self.budget!r}")
+
+
 @dataclass
 class SamplingParams:
     """How to sample one prompt. Field names and meanings follow vLLM/OpenAI."""
@@ -60,6 +104,10 @@ class SamplingParams:
     """Most draft tokens verified per step for this request: None follows the
     engine (--num-speculative-tokens, adaptive); 0 turns speculation off for it.
     Output is the same either way (verification is exact); only speed changes."""
+    reasoning: ReasoningParams | None = None
+    """A thinking model's markers and budget: thinking and answer come apart
+    (new_reasoning_text, new_text), the grammar and stop strings apply to the
+    answer only, and a spent budget ends the thinking. None: all output is answer."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -135,6 +183,10 @@ class SamplingParams:
             bad("prompt_logprobs", "must be between 0 and 20")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             bad("grammar", "must be a non-empty grammar string")
+        if self.reasoning is not None:
+            if not isinstance(self.reasoning, ReasoningParams):
+                bad("reasoning", "must be ReasoningParams")
+            self.reasoning.validate()
 
     @property
     def greedy(self) -> bool:
@@ -202,6 +254,12 @@ class EngineCoreOutput:
     """On the finishing delta: speculative tokens verified for this sample."""
     num_accepted_draft_tokens: int = 0
     """On the finishing delta: how many of them were accepted."""
+    new_reasoning_text: str = ""
+    """With SamplingParams.reasoning: the thinking text of this delta, markers
+    left out (new_text is then the answer's text alone)."""
+    num_reasoning_tokens: int = 0
+    """With SamplingParams.reasoning, on every delta: this sample's thinking
+    tokens so far, markers included (usage's reasoning_tokens)."""
 
     @property
     def finished(self) -> bool:
@@ -220,6 +278,10 @@ class CompletionOutput:
     num_draft_tokens: int = 0
     """Speculative tokens verified for this sample (set when it finishes)."""
     num_accepted_draft_tokens: int = 0
+    reasoning_text: str = ""
+    """With SamplingParams.reasoning: the thinking, markers left out (text is the answer)."""
+    num_reasoning_tokens: int = 0
+    """With SamplingParams.reasoning: thinking tokens, markers included."""
 
     @property
     def finished(self) -> bool:
@@ -246,6 +308,8 @@ class RequestOutput:
         out = self.outputs[delta.index]
         out.token_ids.extend(delta.new_token_ids)
         out.text += delta.new_text
+        out.reasoning_text += delta.new_reasoning_text
+        out.num_reasoning_tokens = max(out.num_reasoning_tokens, delta.num_reasoning_tokens)
         if delta.new_logprobs is not None:
             if out.logprobs is None:
                 out.logprobs = []
@@ -309,6 +373,23 @@ class EngineStats:
     """KV event batches sent on --kv-events-endpoint (cumulative)."""
     kv_events_dropped: int = 0
     """KV event batches dropped because the socket's queue was full (cumulative)."""
+    kv_disk_hits: int = 0
+    """Blocks read from the disk tier (--kv-cache-disk) into RAM (cumulative)."""
+    kv_disk_misses: int = 0
+    """Blocks looked for on the disk tier and not served: absent, or dropped as corrupt (cumulative)."""
+    kv_disk_bytes_read: int = 0
+    kv_disk_bytes_written: int = 0
+    kv_disk_pending_writes: int = 0
+    """Blocks queued for the disk tier's writer now."""
+    kv_disk_writes_dropped: int = 0
+    """Blocks not written: the writer's queue was full or writes were paused (cumulative)."""
+    kv_disk_evictions: int = 0
+    """Block files removed to stay within --kv-cache-disk-size (cumulative)."""
+    kv_disk_corrupt_dropped: int = 0
+    """Block files removed as truncated, corrupt or of another layout (cumulative)."""
+    kv_disk_bytes_used: int = 0
+    kv_disk_degraded: str | None = None
+    """Why the disk tier's writes are paused (disk full, read-only, gone); None while healthy or off."""
 
     @property
     def kv_usage(self) -> float:
