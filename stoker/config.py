@@ -4,10 +4,11 @@ and STOKER_* environment variables are all views of these models."""
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator, model_validator
 
 from stoker.zmq_address import check_endpoint
 
@@ -166,11 +167,50 @@ class EngineConfig(BaseModel):
     then [-1, empty]. Needs kv_events_endpoint."""
     kv_events_buffer_steps: int = Field(10_000, ge=1, le=1_000_000)
     """Latest KV event batches held for replay (vLLM's buffer_steps)."""
+    kv_cache_disk: str | None = None
+    """Folder of the prefix cache's disk tier: a full KV block that leaves RAM (evicted, or its request finished)
+    is written there, and a prompt whose prefix misses RAM but is on disk reads its blocks back instead of
+    computing them, also after a restart. Must exist and be writable; several servers of the same model may share
+    it. Files hold prompts' token ids: keep it private (created 0700). See docs/operations.md. None: off."""
+    kv_cache_disk_size: ByteSize | None = None
+    """Most bytes the disk tier keeps (e.g. 20GB, 512MiB); least recently used blocks are removed beyond it.
+    At least one block, at most the disk's size. None: a tenth of the disk holding kv_cache_disk."""
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
     def _kv_events_endpoint(cls, value: str | None) -> str | None:
         return None if value in (None, "") else check_endpoint(value)
+
+    @field_validator("kv_cache_disk")
+    @classmethod
+    def _kv_cache_disk(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if not os.path.isdir(value):
+            raise ValueError(f"{value}: no such folder (create it first)")
+        if not os.access(value, os.W_OK | os.X_OK):
+            raise ValueError(f"{value}: this user cannot write there")
+        return os.path.abspath(value)
+
+    @model_validator(mode="after")
+    def _kv_cache_disk_size(self) -> EngineConfig:
+        if self.kv_cache_disk is None:
+            if self.kv_cache_disk_size is not None:
+                raise ValueError("kv_cache_disk_size (--kv-cache-disk-size) needs kv_cache_disk (--kv-cache-disk)")
+            return self
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_cache_disk (--kv-cache-disk) is a tier of the prefix cache; it needs enable_prefix_caching"
+            )
+        disk = shutil.disk_usage(self.kv_cache_disk).total
+        if self.kv_cache_disk_size is None:
+            self.kv_cache_disk_size = ByteSize(disk // 10)
+        elif self.kv_cache_disk_size > disk:
+            raise ValueError(
+                f"kv_cache_disk_size (--kv-cache-disk-size) {self.kv_cache_disk_size.human_readable()} is larger "
+                f"than the disk holding {self.kv_cache_disk} ({ByteSize(disk).human_readable()})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _speculation(self) -> EngineConfig:

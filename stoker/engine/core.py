@@ -17,6 +17,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from pathlib import Path
 
 import llguidance
 import torch
@@ -26,6 +27,8 @@ from stoker.engine.detokenizer import IncrementalDetokenizer, stop_matcher, stop
 from stoker.engine.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from stoker.engine.grammar_compiler import GrammarCompiler
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
+from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, DiskTierStats, block_file_bytes
+from stoker.engine.kv_disk_tier import DiskTier
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
 from stoker.engine.outputs import ScheduledRequest, SchedulerOutput
@@ -36,6 +39,7 @@ from stoker.engine.params import (
     FinishReason,
     SamplingParams,
 )
+from stoker.engine.pins import PrefixAnswer, PrefixCommand, PrefixPins
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.sampler import SampleRow, prepare
@@ -46,6 +50,7 @@ from stoker.engine.spec.ngram import NgramProposer
 from stoker.engine.spec.policy import SpeculationPolicy, row_costs
 from stoker.engine.spec.speculator import Speculator
 from stoker.engine.structured import SequenceGrammar
+from stoker.models.digest import model_digest
 from stoker.models.loader import load_model, weights_stay_quantized
 from stoker.models.quant.weights import GGMLTensor, describe, quant_isa
 from stoker.models.registry import build_model
@@ -122,6 +127,10 @@ class EngineCore:
             kv_log.cleared()  # a new engine starts empty: subscribers drop what a previous one held
         self.kv = KVCacheManager(num_blocks, block_size, config.enable_prefix_caching, kv_log)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
+        self.disk: DiskTier | None = None
+        if config.kv_cache_disk:
+            self.disk = self._disk_tier(config, model_path, kv_dtype, per_block, kv_log)
+        self.pins = PrefixPins(self.disk.store if self.disk is not None else None, block_size)
         self.speculator: Speculator | None = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
             policy = SpeculationPolicy(
@@ -136,6 +145,7 @@ class EngineCore:
             self.eos_token_ids,
             self.max_model_len,
             self.speculator,
+            self.disk,
         )
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
@@ -166,6 +176,42 @@ class EngineCore:
             kv_size.rule,
             self.load_seconds,
         )
+
+    def _disk_tier(
+        self, config: EngineConfig, model_path: str, kv_dtype: torch.dtype, block_bytes: int, kv_log: KVEventLog | None
+    ) -> DiskTier:
+        """The prefix cache's disk tier, its folder keyed by what makes a block's bytes valid."""
+        assert config.kv_cache_disk is not None and config.kv_cache_disk_size is not None
+        started = time.perf_counter()
+        layout = DiskLayout(
+            model_digest(model_path),
+            str(kv_dtype).removeprefix("torch."),
+            config.block_size,
+            block_bytes,
+        )
+        file_bytes = block_file_bytes(layout)
+        if config.kv_cache_disk_size < file_bytes:
+            raise ValueError(
+                f"--kv-cache-disk-size {config.kv_cache_disk_size} is below one KV block of this model "
+                f"({file_bytes} bytes)"
+            )
+        store = DiskBlockStore(Path(config.kv_cache_disk), config.kv_cache_disk_size, layout)
+        stats = store.stats()
+        log.info(
+            "KV disk tier: %s, %.1f of %.1f MiB used (%d blocks of %.2f MiB), opened in %.1fs",
+            store.root,
+            stats.bytes_used / 2**20,
+            config.kv_cache_disk_size / 2**20,
+            stats.bytes_used // file_bytes,
+            file_bytes / 2**20,
+            time.perf_counter() - started,
+        )
+        return DiskTier(store, self.runner.kv_caches, self.kv.pool, config.block_size, kv_log)
+
+    def close(self) -> None:
+        """Write the disk tier's queued blocks and stop its threads (a graceful shutdown)."""
+        if self.disk is not None:
+            self.disk.close()
 
     def measure_row_costs(self) -> None:
         """auto chooses draft lengths from what steps of 1 .. k + 1 rows cost on
@@ -266,6 +312,10 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be below the vocabulary size {vocab}")
         if params.logit_bias and any(t >= vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be below the vocabulary size {vocab}")
+        if params.reasoning is not None and any(
+            t >= vocab for t in params.reasoning.end_token_ids + params.reasoning.start_token_ids
+        ):
+            raise ValueError(f"reasoning marker token ids must be below the vocabulary size {vocab}")
         # Each sample samples from its own generator, so its tokens never depend on
         # the batch: seeded by the request's seed (+ index), else by the next draw
         # of a stream started from EngineConfig.seed (--seed), so the same requests
@@ -388,6 +438,8 @@ class EngineCore:
                 # Nothing else to run: wait a little for the worker rather than spin
                 # (the process loop comes back to read its input between waits).
                 wait([w.ready for w in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
+            elif self.disk is not None:
+                self.disk.wait(PREPARE_POLL_S)  # a request waits for its blocks from disk
             return outputs
         self.num_steps += 1
         started = time.perf_counter()
@@ -399,7 +451,7 @@ class EngineCore:
         if self.kv_events is not None:
             self.publish_kv_events()
         self.busy_seconds += time.perf_counter() - started
-        return outputs + deltas
+        return self.pins.settle(outputs + deltas)
 
     def _expire_deadlines(self) -> list[EngineCoreOutput]:
         now = time.time()
@@ -422,6 +474,7 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         waiting = self.scheduler.waiting
+        disk = self.disk.store.stats() if self.disk is not None else DiskTierStats()
         spec = self.speculator
         return EngineStats(
             num_running=len(self.scheduler.running),
@@ -449,7 +502,30 @@ class EngineCore:
             spec_accepted_per_position=list(spec.accepted_per_position) if spec else [],
             kv_events_published=self.kv_events.num_published if self.kv_events else 0,
             kv_events_dropped=self.kv_events.num_dropped if self.kv_events else 0,
+            kv_disk_hits=disk.hits,
+            kv_disk_misses=disk.misses,
+            kv_disk_bytes_read=disk.bytes_read,
+            kv_disk_bytes_written=disk.bytes_written,
+            kv_disk_pending_writes=disk.pending_writes,
+            kv_disk_writes_dropped=disk.writes_dropped,
+            kv_disk_evictions=disk.evictions,
+            kv_disk_corrupt_dropped=disk.corrupt_dropped,
+            kv_disk_bytes_used=disk.bytes_used,
+            kv_disk_degraded=disk.degraded,
         )
+
+    def prefix_command(self, command: PrefixCommand) -> None:
+        """Pin, unpin or list pinned prefixes; the answer comes from take_prefix_answers,
+        a pin's once its prefix is computed (a prompt-only request, scheduled as any other)."""
+        request = self.pins.handle(command)
+        if request is not None:
+            try:
+                self.add_request(request)
+            except ValueError as exc:
+                self.pins.refused(request, str(exc))
+
+    def take_prefix_answers(self) -> list[PrefixAnswer]:
+        return self.pins.take_answers()
 
     def reset_prefix_cache(self) -> int:
         """Drop the prefix cache's unused blocks (those no request holds); returns how many."""
@@ -461,6 +537,8 @@ class EngineCore:
     def publish_kv_events(self) -> None:
         """One batch for what the cache changed since the last one (once per step)."""
         assert self.kv_events is not None and self.kv.pool.events is not None
+        if self.disk is not None:
+            self.disk.record_events()
         events = self.kv.pool.events.take()
         if events:
             self.kv_events.publish(events)

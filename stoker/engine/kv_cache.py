@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from stoker.engine.kv_events import KVEventLog
@@ -53,6 +53,9 @@ class BlockPool:
         self.events = events
         """Where hash-index changes are recorded for publishing (--kv-events-endpoint); None: not recorded.
         Events follow `cached`, the index lookups use: a key is stored when it enters it, removed when it leaves."""
+        self.spill: Callable[[Block], None] | None = None
+        """Called with a hashed block as it leaves RAM (freed by its last holder, or taken from the free
+        queue for reuse) while its bytes are intact: the disk tier's copy-out (--kv-cache-disk). None: off."""
 
     @property
     def num_blocks(self) -> int:
@@ -68,6 +71,8 @@ class BlockPool:
         out = []
         for _ in range(count):
             _, block = self.free_queue.popitem(last=False)
+            if self.spill is not None and block.block_hash is not None:
+                self.spill(block)
             self._evict(block)
             block.ref_count = 1
             out.append(block)
@@ -102,6 +107,8 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = block
+                if self.spill is not None and block.block_hash is not None:
+                    self.spill(block)
 
     def cache_block(self, block: Block, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
         block_hash = chain_hash(parent_hash, token_ids)

@@ -93,12 +93,18 @@ class DiskLayout:
         return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
 
 
+def block_file_bytes(layout: DiskLayout) -> int:
+    """Size of one block's file: header, token ids, payload, checksum."""
+    return HEADER.size + 8 * layout.block_size + layout.block_bytes + CHECKSUM.size
+
+
 @dataclass(frozen=True)
 class StoredBlock:
     block_hash: bytes
     parent_hash: bytes | None
     token_ids: tuple[int, ...]
-    payload: bytes | bytearray
+    payload: bytes | bytearray | memoryview
+    """K and V of every layer, layout.block_bytes; read blocks hold a writable view (torch.frombuffer takes it)."""
 
 
 @dataclass(frozen=True)
@@ -187,11 +193,16 @@ class DiskBlockStore:
         self._add(block_hash, size)
         return True
 
+    def known(self, block_hash: bytes) -> bool:
+        """On disk as far as this process knows, or queued for writing: no system call (the step loop asks)."""
+        with self._lock:
+            return block_hash in self._index or block_hash in self._queued
+
     def read(self, block_hash: bytes) -> StoredBlock | None:
         """The block, verified; None (a miss) when absent, unreadable or corrupt (then removed)."""
         path = self.path(block_hash)
         try:
-            data = path.read_bytes()
+            data = _read_whole(path)
         except OSError:
             self._forget(block_hash)
             self._count("misses")
@@ -231,7 +242,7 @@ class DiskBlockStore:
             parent = block_hash
         return out
 
-    def _decode(self, data: bytes, block_hash: bytes) -> StoredBlock | None:
+    def _decode(self, data: bytearray, block_hash: bytes) -> StoredBlock | None:
         if len(data) < HEADER.size + CHECKSUM.size:
             return None
         magic, version, flags, key, stored_hash, parent, num_tokens, payload_len = HEADER.unpack_from(data)
@@ -251,7 +262,7 @@ class DiskBlockStore:
         parent_hash = parent if flags & 1 else None
         if chain_hash(parent_hash, tokens) != block_hash:
             return None
-        return StoredBlock(block_hash, parent_hash, tokens, data[tokens_end : tokens_end + payload_len])
+        return StoredBlock(block_hash, parent_hash, tokens, memoryview(data)[tokens_end : tokens_end + payload_len])
 
     def encode(self, block: StoredBlock) -> bytes:
         flags = 1 if block.parent_hash is not None else 0
@@ -514,3 +525,11 @@ class DiskBlockStore:
         self._queue.put(None)
         self._writer.join()
         self._reader.shutdown(wait=True)
+
+
+def _read_whole(path: Path) -> bytearray:
+    """The file's bytes in a writable buffer; a file shortened meanwhile comes back short (and fails its checks)."""
+    with open(path, "rb", buffering=0) as f:
+        data = bytearray(os.fstat(f.fileno()).st_size)
+        count = f.readinto(data)
+    return data if count == len(data) else data[:count]

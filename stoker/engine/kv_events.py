@@ -61,8 +61,9 @@ log = logging.getLogger("stoker.engine.kv_events")
 
 MEDIUM = "GPU"
 """The tier vLLM names its device cache. The router files blocks by medium and
-ranks anything else as a slower tier, so stoker's one tier (CPU memory or GPU)
-is reported as vLLM's primary one."""
+ranks anything else as a slower tier, so stoker's RAM tier (CPU memory or GPU)
+is reported as vLLM's primary one; blocks on the disk tier (--kv-cache-disk)
+are stored and removed under medium "DISK" (kv_disk_tier.DISK_MEDIUM)."""
 
 SEND_HWM = 10_000
 """Batches ZeroMQ may queue per subscriber before a send would block; beyond it, batches are dropped."""
@@ -125,24 +126,31 @@ class KVEventLog:
         """False: BlockStored events carry an empty token_ids (the field stays: subscribers require it)."""
         self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
-    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> None:
+    def stored(
+        self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], medium: str = MEDIUM
+    ) -> None:
         key = wire_hash(block_hash)
         parent = wire_hash(parent_hash) if parent_hash is not None else None
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockStored) and parent is not None and last.block_hashes[-1] == parent:
+        if (
+            isinstance(last, BlockStored)
+            and last.medium == medium
+            and parent is not None
+            and last.block_hashes[-1] == parent
+        ):
             last.block_hashes.append(key)
             if self.include_token_ids:
                 last.token_ids.extend(token_ids)
         else:
             tokens = list(token_ids) if self.include_token_ids else []
-            self.events.append(BlockStored([key], parent, tokens, self.block_size))
+            self.events.append(BlockStored([key], parent, tokens, self.block_size, medium=medium))
 
-    def removed(self, block_hash: bytes) -> None:
+    def removed(self, block_hash: bytes, medium: str = MEDIUM) -> None:
         last = self.events[-1] if self.events else None
-        if isinstance(last, BlockRemoved):
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.block_hashes.append(wire_hash(block_hash))
         else:
-            self.events.append(BlockRemoved([wire_hash(block_hash)]))
+            self.events.append(BlockRemoved([wire_hash(block_hash)], medium=medium))
 
     def cleared(self) -> None:
         # Whatever came before is moot once everything is gone.

@@ -33,6 +33,7 @@ from stoker.engine.params import (
     EngineStats,
     SamplingParams,
 )
+from stoker.engine.pins import NO_DISK_TIER, PrefixAnswer, PrefixCommand
 
 if TYPE_CHECKING:
     from stoker.engine.core import EngineCore
@@ -68,6 +69,7 @@ ADD = b"add"
 ABORT = b"abort"
 SHUTDOWN = b"shutdown"
 RESET_PREFIX_CACHE = b"reset_prefix_cache"
+PREFIXES = b"prefixes"
 # engine -> front end
 READY = b"ready"
 OUTPUTS = b"out"
@@ -75,6 +77,7 @@ STATS = b"stats"
 REJECT = b"reject"
 FATAL = b"fatal"
 PREFIX_CACHE_RESET = b"prefix_cache_reset"
+PREFIX_ANSWER = b"prefix_answer"
 
 STATS_INTERVAL_S = 0.2
 """How often a busy engine pushes a stats snapshot; idle transitions push at once."""
@@ -125,6 +128,8 @@ info_decoder = msgspec.msgpack.Decoder(EngineInfo)
 rejection_decoder = msgspec.msgpack.Decoder(Rejection)
 ticket_decoder = msgspec.msgpack.Decoder(int)
 reset_decoder = msgspec.msgpack.Decoder(PrefixCacheReset)
+prefix_command_decoder = msgspec.msgpack.Decoder(PrefixCommand)
+prefix_answer_decoder = msgspec.msgpack.Decoder(PrefixAnswer)
 
 
 if TYPE_CHECKING:
@@ -265,6 +270,9 @@ def _loop(
     poller = zmq.Poller()
     poller.register(inp, zmq.POLLIN)
     take_rejections: Callable[[], list[tuple[str, str]]] | None = getattr(core, "take_rejections", None)
+    # Pinned prefixes (EngineCore's; a test core without them answers that it has no disk tier).
+    prefix_command: Callable[[PrefixCommand], None] | None = getattr(core, "prefix_command", None)
+    take_prefix_answers: Callable[[], list[PrefixAnswer]] = getattr(core, "take_prefix_answers", list)
     last_stats = 0.0
     while True:
         busy = core.has_unfinished_requests()
@@ -300,7 +308,17 @@ def _loop(
                 reset = PrefixCacheReset(ticket_decoder.decode(payload), num_blocks)
                 out.send_multipart([PREFIX_CACHE_RESET, encoder.encode(reset)])
                 stats_due = True
+            elif kind == PREFIXES:
+                command = prefix_command_decoder.decode(payload)
+                if prefix_command is None:
+                    answer = PrefixAnswer(command.ticket, error=NO_DISK_TIER)
+                    out.send_multipart([PREFIX_ANSWER, encoder.encode(answer)])
+                else:
+                    prefix_command(command)  # a pin becomes a request, answered once it has run
             elif kind == SHUTDOWN:
+                close: Callable[[], None] | None = getattr(core, "close", None)
+                if close is not None:
+                    close()  # EngineCore: the disk tier writes what it has queued
                 return
         if core.has_unfinished_requests():
             if not busy:
@@ -314,6 +332,8 @@ def _loop(
                     out.send_multipart([REJECT, encoder.encode(Rejection(request_id, message))])
             if not core.has_unfinished_requests():
                 stats_due = True  # went idle: the front end should see the freed blocks now
+        for answer in take_prefix_answers():
+            out.send_multipart([PREFIX_ANSWER, encoder.encode(answer)])
         now = time.monotonic()
         if stats_due or now - last_stats >= STATS_INTERVAL_S:
             out.send_multipart([STATS, encoder.encode(core.stats())])

@@ -20,6 +20,7 @@ from collections import deque
 import torch
 
 from stoker.engine.kv_cache import Block, KVCacheManager
+from stoker.engine.kv_disk_tier import DiskTier, Fetch
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
@@ -41,6 +42,7 @@ class Scheduler:
         eos_token_ids: frozenset[int] = frozenset(),
         max_model_len: int = 2**31,
         speculator: Speculator | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -50,6 +52,8 @@ class Scheduler:
         self._eos_list = sorted(eos_token_ids)
         self.max_model_len = max_model_len
         self.speculator = speculator
+        self.disk = disk
+        """The prefix cache's disk tier (--kv-cache-disk): waiting requests' blocks are read from it."""
         self.waiting = make_queue(policy)
         self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
@@ -84,6 +88,8 @@ class Scheduler:
         self.kv.free(request)
         if self.speculator is not None:
             self.speculator.forget(request.key)
+        if self.disk is not None:
+            self.disk.forget(request.key)
 
     def abort(self, request: Request, error: str | None = None) -> EngineCoreOutput:
         """Finish a sequence from outside the step (cancel, deadline, drain)."""
@@ -251,6 +257,12 @@ class Scheduler:
             cached: list[Block] = []
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 cached = self.kv.find_cached_prefix(request)
+                if self.disk is not None:
+                    fetched = self.disk.fetch(request, cached)
+                    if fetched is Fetch.WAITING:
+                        continue  # its blocks are being read from disk; the others go ahead
+                    if fetched is Fetch.LOADED:
+                        cached = self.kv.find_cached_prefix(request)
             computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget[0])
             slots_full = len(self.running) >= self.max_num_seqs

@@ -1,0 +1,206 @@
+"""The engine's side of the disk tier: moving blocks between the KV tensors and
+a DiskBlockStore (stoker/engine/kv_disk.py), for the block pool and the scheduler.
+
+Spill: when a hashed block leaves RAM (its last holder frees it, or the free
+queue hands it to someone else) and the store does not know it yet, its bytes
+are copied out of the KV tensors on the step loop (K then V of each layer, the
+cache's own dtype and rows, scales included) and queued; the store's writer
+thread does the file work.
+
+Fetch: a waiting request whose prompt continues past its RAM hits with a block
+the store holds has its chain read by the store's reader thread; the request
+waits (others are scheduled meanwhile) until the read is done or
+LOAD_TIMEOUT_S passes. The blocks read are copied into free blocks and indexed
+in the RAM prefix cache with their hashes, so the scheduler's ordinary lookup
+finds them: they count as cached tokens like any hit. A read that fails or
+times out only means the request computes those tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from enum import Enum, auto
+
+import torch
+
+from stoker.engine.kv_cache import Block, BlockPool, chain_hash
+from stoker.engine.kv_disk import DiskBlockStore, StoredBlock
+from stoker.engine.kv_events import KVEventLog
+from stoker.engine.outputs import RequestKey
+from stoker.engine.request import Request
+
+log = logging.getLogger("stoker.engine.kv_disk")
+
+LOAD_TIMEOUT_S = 10.0
+"""Longest a request waits for its blocks from disk before computing them instead (a slow or hung disk)."""
+
+DISK_MEDIUM = "DISK"
+"""The medium KV events name for blocks on the disk tier (the RAM tier is kv_events.MEDIUM)."""
+
+
+class Fetch(Enum):
+    NOTHING = auto()
+    """No blocks to read: schedule the request as it is."""
+    WAITING = auto()
+    """Its blocks are being read: leave it waiting this step."""
+    LOADED = auto()
+    """Blocks were added to the RAM prefix cache: look its prefix up again."""
+
+
+@dataclass
+class _Load:
+    future: Future[list[StoredBlock]]
+    cancel: threading.Event
+    started: float
+
+
+class DiskTier:
+    def __init__(
+        self,
+        store: DiskBlockStore,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        pool: BlockPool,
+        block_size: int,
+        events: KVEventLog | None = None,
+    ) -> None:
+        self.store = store
+        self.kv_caches = kv_caches
+        self.pool = pool
+        self.block_size = block_size
+        self._loads: dict[RequestKey, _Load] = {}
+        self._tried: dict[RequestKey, int] = {}
+        """The RAM hit count a request's disk lookup started from; not looked up again from there."""
+        self.num_hit_blocks = 0
+        """Blocks loaded into RAM for requests (cumulative)."""
+        self.num_load_timeouts = 0
+        self._events = events
+        self._disk_events: deque[tuple[bytes, StoredBlock | None]] = deque()
+        """From the writer thread: (hash, block written) or (hash, None) evicted; drained on the step loop."""
+        if events is not None:
+            store.on_written = lambda block: self._disk_events.append((block.block_hash, block))
+            store.on_evicted = lambda block_hash: self._disk_events.append((block_hash, None))
+        pool.spill = self.spill
+
+    # --------------------------------------------------------------- spill
+
+    def spill(self, block: Block) -> None:
+        if block.block_hash is None or block.token_ids is None or self.store.known(block.block_hash):
+            return
+        payload = bytearray(self.store.layout.block_bytes)
+        out = torch.frombuffer(payload, dtype=torch.uint8)
+        offset = 0
+        for k, v in self.kv_caches:
+            for tensor in (k, v):
+                part = tensor[block.block_id].view(torch.uint8).reshape(-1)
+                out[offset : offset + part.numel()].copy_(part)
+                offset += part.numel()
+        self.store.submit(StoredBlock(block.block_hash, block.parent_hash, block.token_ids, payload))
+
+    def _load_into(self, block: Block, stored: StoredBlock) -> None:
+        src = torch.frombuffer(stored.payload, dtype=torch.uint8)
+        offset = 0
+        for k, v in self.kv_caches:
+            for tensor in (k, v):
+                part = tensor[block.block_id].view(torch.uint8).reshape(-1)
+                part.copy_(src[offset : offset + part.numel()])
+                offset += part.numel()
+
+    # --------------------------------------------------------------- fetch
+
+    def fetch(self, request: Request, cached: list[Block]) -> Fetch:
+        key = request.key
+        load = self._loads.get(key)
+        if load is None:
+            return self._start(request, cached)
+        if not load.future.done():
+            if time.monotonic() - load.started < LOAD_TIMEOUT_S:
+                return Fetch.WAITING
+            load.cancel.set()
+            del self._loads[key]
+            self.num_load_timeouts += 1
+            log.warning("KV disk tier: a read took over %.0fs; computing the prefix instead", LOAD_TIMEOUT_S)
+            return Fetch.NOTHING
+        del self._loads[key]
+        try:
+            stored = load.future.result()
+        except Exception:  # a reader failure is a miss, never a failed request
+            log.exception("KV disk tier: reading blocks failed")
+            return Fetch.NOTHING
+        return Fetch.LOADED if self._install(stored, cached) else Fetch.NOTHING
+
+    def _start(self, request: Request, cached: list[Block]) -> Fetch:
+        key = request.key
+        if self._tried.get(key, -1) >= len(cached):
+            return Fetch.NOTHING
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
+        parent = cached[-1].block_hash if cached else None
+        hashes = []
+        for i in range(len(cached), max_blocks):
+            parent = chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(parent)
+        if not hashes or not self.store.contains(hashes[0]):
+            self._tried[key] = len(cached)
+            return Fetch.NOTHING
+        if self._loads:
+            # One read at a time (there is one reader): requests sharing a prefix then read it
+            # once, the next one finding it in RAM when its turn comes.
+            return Fetch.WAITING
+        self._tried[key] = len(cached)
+        cancel = threading.Event()
+        self._loads[key] = _Load(self.store.read_chain(hashes, cancel), cancel, time.monotonic())
+        return Fetch.WAITING
+
+    def _install(self, stored: list[StoredBlock], cached: list[Block]) -> bool:
+        """Copy read blocks into free ones and index them as cached; the request's
+        RAM hits are held meanwhile so the allocation cannot take them."""
+        self.pool.touch(cached)
+        try:
+            count = min(len(stored), self.pool.num_free)
+            blocks = self.pool.allocate(count)
+            for block, read in zip(blocks, stored):
+                self._load_into(block, read)
+                self.pool.cache_block(block, read.parent_hash, read.token_ids)
+            self.pool.free(list(reversed(blocks)))
+        finally:
+            self.pool.free(list(reversed(cached)))
+        self.num_hit_blocks += count
+        return count > 0
+
+    def forget(self, key: RequestKey) -> None:
+        """The request left the scheduler: stop its read, drop what was tried."""
+        load = self._loads.pop(key, None)
+        if load is not None:
+            load.cancel.set()
+        self._tried.pop(key, None)
+
+    def wait(self, timeout: float) -> None:
+        """An otherwise idle step: wait a little for a read rather than spin."""
+        if self._loads:
+            wait([load.future for load in self._loads.values()], timeout, FIRST_COMPLETED)
+
+    @property
+    def loading(self) -> bool:
+        return bool(self._loads)
+
+    def record_events(self) -> None:
+        """Blocks the writer stored or evicted since the last call, as KV events of medium DISK."""
+        if self._events is None:
+            return
+        while self._disk_events:
+            block_hash, block = self._disk_events.popleft()
+            if block is None:
+                self._events.removed(block_hash, DISK_MEDIUM)
+            else:
+                self._events.stored(block_hash, block.parent_hash, block.token_ids, DISK_MEDIUM)
+
+    def close(self) -> None:
+        for load in self._loads.values():
+            load.cancel.set()
+        self.store.close()
