@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -25,6 +25,7 @@ import zmq.asyncio
 from stoker.config import EngineConfig
 from stoker.engine import process as proto
 from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats
+from stoker.engine.pins import PrefixAnswer, PrefixCommand
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class AsyncEngineClient:
         self._restart_task: asyncio.Task[None] | None = None
         self._resets: dict[int, asyncio.Future[int]] = {}
         """Prefix-cache resets awaiting the engine's answer, by ticket."""
+        self._prefix_answers: dict[int, asyncio.Future[PrefixAnswer]] = {}
+        """Pinned-prefix commands awaiting the engine's answer, by ticket (the same numbering)."""
         self._next_ticket = 0
         self._dir = tempfile.mkdtemp(prefix="stoker-ipc-")
         self._ctx = zmq.Context()
@@ -232,7 +235,9 @@ class AsyncEngineClient:
 
     def _fail_resets(self, error: BaseException) -> None:
         resets, self._resets = self._resets, {}
-        for future in resets.values():
+        answers, self._prefix_answers = self._prefix_answers, {}
+        futures: list[asyncio.Future[int] | asyncio.Future[PrefixAnswer]] = [*resets.values(), *answers.values()]
+        for future in futures:
             if not future.done():
                 future.set_exception(error)
 
@@ -260,6 +265,11 @@ class AsyncEngineClient:
                 future = self._resets.pop(reset.ticket, None)
                 if future is not None and not future.done():
                     future.set_result(reset.num_blocks)
+            elif kind == proto.PREFIX_ANSWER:
+                answer = proto.prefix_answer_decoder.decode(payload)
+                waiting = self._prefix_answers.pop(answer.ticket, None)
+                if waiting is not None and not waiting.done():
+                    waiting.set_result(answer)
             elif kind == proto.READY:
                 if not engine.ready.done():
                     engine.ready.set_result(proto.info_decoder.decode(payload))
@@ -344,6 +354,33 @@ class AsyncEngineClient:
             raise EngineUnavailableError(f"the engine did not reset its prefix cache within {timeout:.0f} s") from None
         finally:
             self._resets.pop(ticket, None)
+
+    async def prefixes(
+        self,
+        action: Literal["pin", "unpin", "list"],
+        label: str = "",
+        token_ids: list[int] | None = None,
+        timeout: float = 10.0,
+    ) -> PrefixAnswer:
+        """Pin a prefix (computed first, as a prompt-only request), unpin one, or list
+        them (docs/prefix-cache.md). EngineUnavailableError if the engine is not ready,
+        dies meanwhile, or does not answer within timeout (a pin still running then
+        completes in the engine all the same)."""
+        engine = self._engine
+        if not self.ready or engine is None:
+            raise EngineUnavailableError("the engine is not ready; please retry")
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        future: asyncio.Future[PrefixAnswer] = asyncio.get_running_loop().create_future()
+        self._prefix_answers[ticket] = future
+        command = PrefixCommand(ticket, action, label, list(token_ids or []))
+        engine.inp.send_multipart([proto.PREFIXES, proto.encoder.encode(command)], zmq.NOBLOCK)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(f"the engine did not answer the {action} within {timeout:.0f} s") from None
+        finally:
+            self._prefix_answers.pop(ticket, None)
 
     def abort_all_soft(self) -> None:
         """Ask the engine to abort everything in flight but keep the streams open,
