@@ -35,7 +35,9 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         server.stop()
 
 
-def call(server: ServerProcess, method: str, path: str = "", key: str | None = "admin", **kwargs: object) -> httpx.Response:
+def call(
+    server: ServerProcess, method: str, path: str = "", key: str | None = "admin", **kwargs: object
+) -> httpx.Response:
     headers = auth(KEYS[key]) if key else {}
     return httpx.request(method, f"{server.url}/admin/prefixes{path}", headers=headers, timeout=30, **kwargs)  # type: ignore[arg-type]
 
