@@ -124,7 +124,7 @@ class DiskTier:
             load.cancel.set()
             del self._loads[key]
             self.num_load_timeouts += 1
-            log.warning("KV disk tier: a read took over %.0fs; computing the prefix instead", LOAD_TIMEOUT_S)
+            log.warning("KV disk tier: a read took over %.1fs; computing the prefix instead", LOAD_TIMEOUT_S)
             return Fetch.NOTHING
         del self._loads[key]
         try:

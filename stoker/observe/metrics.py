@@ -100,7 +100,35 @@ _CUMULATIVE = (
     "spec_accepted_tokens",
     "kv_events_published",
     "kv_events_dropped",
+    "kv_disk_hits",
+    "kv_disk_misses",
+    "kv_disk_bytes_read",
+    "kv_disk_bytes_written",
+    "kv_disk_writes_dropped",
+    "kv_disk_evictions",
+    "kv_disk_corrupt_dropped",
 )
+
+_KV_DISK_COUNTERS = {
+    "kv_disk_hits": ("stoker:kv_disk_hits", "KV blocks read from the disk tier (--kv-cache-disk) into RAM."),
+    "kv_disk_misses": (
+        "stoker:kv_disk_misses",
+        "KV blocks looked for on the disk tier and not served (absent, or dropped as corrupt).",
+    ),
+    "kv_disk_bytes_read": ("stoker:kv_disk_read_bytes", "Bytes of block files read from the disk tier."),
+    "kv_disk_bytes_written": ("stoker:kv_disk_written_bytes", "Bytes of block files written to the disk tier."),
+    "kv_disk_writes_dropped": (
+        "stoker:kv_disk_writes_dropped",
+        "KV blocks not written to the disk tier: its queue was full or its writes were paused.",
+    ),
+    "kv_disk_evictions": ("stoker:kv_disk_evictions", "Block files removed to stay within --kv-cache-disk-size."),
+    "kv_disk_corrupt_dropped": (
+        "stoker:kv_disk_corrupt_dropped",
+        "Block files removed as truncated, corrupt, or of another model or layout (never served).",
+    ),
+}
+"""The disk tier's counters: EngineStats field -> (metric, help). The RAM tier keeps vLLM's names
+(vllm:prefix_cache_queries / _hits, which count blocks loaded from disk as hits too)."""
 
 
 class Metrics:
@@ -196,6 +224,21 @@ class Metrics:
         )
 
         # -- stoker ----------------------------------------------------------
+        self.kv_disk_counters = {
+            field: Counter(metric, text, m, registry=r) for field, (metric, text) in _KV_DISK_COUNTERS.items()
+        }
+        self.kv_disk_pending_writes = Gauge(
+            "stoker:kv_disk_pending_writes", "KV blocks queued for the disk tier's writer.", m, registry=r
+        )
+        self.kv_disk_used_bytes = Gauge(
+            "stoker:kv_disk_used_bytes", "Bytes of block files on the disk tier.", m, registry=r
+        )
+        self.kv_disk_degraded = Gauge(
+            "stoker:kv_disk_degraded",
+            "1 while the disk tier's writes are paused (disk full, read-only, gone) and blocks are served from RAM only.",
+            m,
+            registry=r,
+        )
         self.kv_events_published = Counter(
             "stoker:kv_events_published", "KV event batches published on --kv-events-endpoint.", m, registry=r
         )
@@ -398,6 +441,12 @@ class Metrics:
         self.constrained_requests.labels(name).inc(delta["constrained_requests"])
         self.kv_events_published.labels(name).inc(delta["kv_events_published"])
         self.kv_events_dropped.labels(name).inc(delta["kv_events_dropped"])
+        for field, counter in self.kv_disk_counters.items():
+            counter.labels(name).inc(delta[field])
+        if gauges:
+            self.kv_disk_pending_writes.labels(name).set(stats.kv_disk_pending_writes)
+            self.kv_disk_used_bytes.labels(name).set(stats.kv_disk_bytes_used)
+            self.kv_disk_degraded.labels(name).set(1 if stats.kv_disk_degraded else 0)
         _observe_latest(self.grammar_mask_time.labels(name), stats.grammar_mask_seconds, delta["grammar_mask_steps"])
         _observe_latest(
             self.grammar_compile_time.labels(name), stats.grammar_compile_seconds, delta["grammar_compiles"]

@@ -5,6 +5,8 @@ every KV cache dtype, and the blocks count as cached tokens."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,11 @@ from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
 from stoker.config import EngineConfig
-from stoker.engine.kv_disk_tier import LOAD_TIMEOUT_S
+from stoker.engine.kv_cache import BlockPool
+from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, StoredBlock, block_file_bytes
+from stoker.engine import kv_disk_tier
+from stoker.engine.kv_disk_tier import DISK_MEDIUM, DiskTier
+from stoker.engine.kv_events import MEDIUM, BlockRemoved, BlockStored, KVEventLog
 from stoker.engine.params import RequestOutput
 from stoker.models.kv_quant import KV_FORMATS
 
@@ -148,4 +154,64 @@ def test_config_bounds(tmp_path: Path) -> None:
         EngineConfig(kv_cache_disk_size="1GB")
     with pytest.raises(ValueError, match="needs enable_prefix_caching"):
         EngineConfig(kv_cache_disk=str(tmp_path), enable_prefix_caching=False)
-    assert LOAD_TIMEOUT_S > 0
+
+
+def test_a_hung_disk_read_is_given_up_and_the_prefix_computed(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    llm = engine(tiny, tmp_path)
+    cold = llm.generate(prompts()[:1], GREEDY)
+    llm.engine.close()
+    restarted = engine(tiny, tmp_path)
+    assert restarted.engine.disk is not None
+    store = restarted.engine.disk.store
+    release = threading.Event()
+    hung = store._read_chain
+
+    def read_chain_that_hangs(hashes: list[bytes], cancel: threading.Event | None) -> list[StoredBlock]:
+        release.wait(30)
+        return hung(hashes, cancel)
+
+    monkeypatch.setattr(store, "_read_chain", read_chain_that_hangs)
+    monkeypatch.setattr(kv_disk_tier, "LOAD_TIMEOUT_S", 0.3)
+    started = time.monotonic()
+    again = restarted.generate(prompts()[:1], GREEDY)
+    release.set()
+    assert time.monotonic() - started < 10
+    assert again[0].num_cached_tokens == 0 and tokens(again) == tokens(cold)
+    assert restarted.engine.disk.num_load_timeouts == 1
+    restarted.engine.close()
+
+
+def test_kv_events_name_the_disk_medium(tmp_path: Path) -> None:
+    """A block the writer stores (and later evicts) is announced as medium DISK,
+    never merged into the RAM tier's events; its file holds the block's K then V bytes."""
+    k = torch.arange(8 * BLOCK_SIZE * 2, dtype=torch.float32).view(8, BLOCK_SIZE, 1, 2)
+    v = k + 1000
+    layout = DiskLayout("sha256:test", "float32", BLOCK_SIZE, 2 * BLOCK_SIZE * 2 * 4)
+    events = KVEventLog(BLOCK_SIZE)
+    pool = BlockPool(8, events=events)
+    store = DiskBlockStore(tmp_path, 2 * block_file_bytes(layout), layout)
+    tier = DiskTier(store, [(k, v)], pool, BLOCK_SIZE, events)
+    parent = None
+    blocks = []
+    for i in range(3):
+        (block,) = pool.allocate(1)
+        parent = pool.cache_block(block, parent, tuple(range(i * BLOCK_SIZE, (i + 1) * BLOCK_SIZE)))
+        pool.free([block])  # leaves RAM: spilled
+        blocks.append(block)
+    store.flush()
+    tier.record_events()
+    taken = events.take()
+    ram = [e for e in taken if isinstance(e, BlockStored) and e.medium == MEDIUM]
+    disk_stored = [e for e in taken if isinstance(e, BlockStored) and e.medium == DISK_MEDIUM]
+    disk_removed = [e for e in taken if isinstance(e, BlockRemoved) and e.medium == DISK_MEDIUM]
+    assert sum(len(e.block_hashes) for e in ram) == 3
+    assert sum(len(e.block_hashes) for e in disk_stored) == 3
+    assert sum(len(e.block_hashes) for e in disk_removed) == 1  # the store holds two blocks
+    last = blocks[-1]
+    assert last.block_hash is not None
+    read = store.read(last.block_hash)
+    assert read is not None
+    assert bytes(read.payload) == k[last.block_id].numpy().tobytes() + v[last.block_id].numpy().tobytes()
+    tier.close()

@@ -196,3 +196,38 @@ def test_speculative_decoding_counters_follow_the_engine():
     m.engine_restarted()
     m.update_from_engine_stats(EngineStats(spec_drafts=1, spec_draft_tokens=4, spec_accepted_tokens=4))
     assert value(m, "vllm:spec_decode_num_accepted_tokens_total") == 13
+
+
+def test_disk_tier_counters_and_gauges_follow_the_engine():
+    m = Metrics("smol")
+    m.update_from_engine_stats(EngineStats(kv_disk_hits=3, kv_disk_bytes_written=1000, kv_disk_pending_writes=4))
+    m.update_from_engine_stats(
+        EngineStats(
+            kv_disk_hits=5,
+            kv_disk_misses=2,
+            kv_disk_bytes_read=700,
+            kv_disk_bytes_written=1500,
+            kv_disk_evictions=1,
+            kv_disk_corrupt_dropped=1,
+            kv_disk_writes_dropped=6,
+            kv_disk_bytes_used=9000,
+            kv_disk_degraded="No space left on device",
+        )
+    )
+    got = {
+        name: value(m, name, model_name="smol")
+        for name, _ in samples(m)
+        if name.startswith("stoker:kv_disk") and not name.endswith("_created")
+    }
+    assert got == {
+        "stoker:kv_disk_hits_total": 5,
+        "stoker:kv_disk_misses_total": 2,
+        "stoker:kv_disk_read_bytes_total": 700,
+        "stoker:kv_disk_written_bytes_total": 1500,
+        "stoker:kv_disk_evictions_total": 1,
+        "stoker:kv_disk_corrupt_dropped_total": 1,
+        "stoker:kv_disk_writes_dropped_total": 6,
+        "stoker:kv_disk_pending_writes": 0,
+        "stoker:kv_disk_used_bytes": 9000,
+        "stoker:kv_disk_degraded": 1,
+    }
