@@ -15,9 +15,9 @@ from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
 from stoker.config import EngineConfig
+from stoker.engine import kv_disk_tier
 from stoker.engine.kv_cache import BlockPool
 from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, StoredBlock, block_file_bytes
-from stoker.engine import kv_disk_tier
 from stoker.engine.kv_disk_tier import DISK_MEDIUM, DiskTier
 from stoker.engine.kv_events import MEDIUM, BlockRemoved, BlockStored, KVEventLog
 from stoker.engine.params import RequestOutput
@@ -183,9 +183,11 @@ def test_a_hung_disk_read_is_given_up_and_the_prefix_computed(
     restarted.engine.close()
 
 
-def test_kv_events_name_the_disk_medium(tmp_path: Path) -> None:
+@pytest.mark.parametrize("copies", ["numpy", "torch"])
+def test_kv_events_name_the_disk_medium(tmp_path: Path, copies: str) -> None:
     """A block the writer stores (and later evicts) is announced as medium DISK,
-    never merged into the RAM tier's events; its file holds the block's K then V bytes."""
+    never merged into the RAM tier's events; its file holds the block's K then V
+    bytes, which load back in place. `torch`: the copies a cache off the CPU takes."""
     k = torch.arange(8 * BLOCK_SIZE * 2, dtype=torch.float32).view(8, BLOCK_SIZE, 1, 2)
     v = k + 1000
     layout = DiskLayout("sha256:test", "float32", BLOCK_SIZE, 2 * BLOCK_SIZE * 2 * 4)
@@ -193,6 +195,8 @@ def test_kv_events_name_the_disk_medium(tmp_path: Path) -> None:
     pool = BlockPool(8, events=events)
     store = DiskBlockStore(tmp_path, 2 * block_file_bytes(layout), layout)
     tier = DiskTier(store, [(k, v)], pool, BLOCK_SIZE, events)
+    if copies == "torch":
+        tier._host_views = None
     parent = None
     blocks = []
     for i in range(3):
@@ -214,4 +218,9 @@ def test_kv_events_name_the_disk_medium(tmp_path: Path) -> None:
     read = store.read(last.block_hash)
     assert read is not None
     assert bytes(read.payload) == k[last.block_id].numpy().tobytes() + v[last.block_id].numpy().tobytes()
+    want_k, want_v = k[last.block_id].clone(), v[last.block_id].clone()
+    k[last.block_id] = 0
+    v[last.block_id] = 0
+    tier._load_into(last, read)
+    assert torch.equal(k[last.block_id], want_k) and torch.equal(v[last.block_id], want_v)
     tier.close()
