@@ -29,7 +29,7 @@ from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
 from stoker.server.responses_store import ResponseStore
-from stoker.server.routes import anthropic, embeddings, health, models, openai, responses, tokens, workers
+from stoker.server.routes import anthropic, embeddings, health, models, openai, prefixes, responses, tokens, workers
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import GrammarChecker
@@ -355,6 +355,7 @@ def create_app(
         tokens.router,
         workers.router,
         models.router,
+        prefixes.router,
     ):
         app.include_router(router)
     for name in EXTENSIONS:
