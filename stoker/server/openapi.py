@@ -87,6 +87,7 @@ ROUTE_ERRORS = {
         "409": "The call conflicts with what is loaded: another load in progress, no canary to promote, roll "
         "back or resize, the last model served, or not enough memory."
     },
+    "/admin/prefixes": {"409": "The model has no disk tier for its prefix cache (start it with --kv-cache-disk)."},
 }
 
 
@@ -143,6 +144,10 @@ LINKS: dict[tuple[str, str, str], dict[str, Link]] = {
         "RollBackCanary": Link("post", "/admin/models/{name}/rollback", {"name": "$response.body#/name"}),
         "SetCanaryShare": Link("put", "/admin/models/{name}/canary", {"name": "$response.body#/name"}),
         "UnloadModel": Link("delete", "/admin/models/{name}", {"name": "$response.body#/name"}),
+    },
+    ("post", "/admin/prefixes", "201"): {
+        "ListPrefixes": Link("get", "/admin/prefixes"),
+        "UnpinPrefix": Link("delete", "/admin/prefixes/{label}", {"label": "$response.body#/label"}),
     },
 }
 
