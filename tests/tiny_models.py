@@ -115,3 +115,31 @@ def set_config(folder: Path, **updates: object) -> None:
     config = json.loads(path.read_text())
     config.update(updates)
     path.write_text(json.dumps(config, indent=2))
+
+
+FIXTURES = Path(__file__).parent / "fixtures"
+THINKING_TEMPLATES = {"qwen3": "qwen3_chat_template.jinja", "deepseek_r1": "deepseek_r1_distill_chat_template.jinja"}
+"""Real chat templates of thinking families (tests/fixtures/), by the parser that reads them."""
+
+
+def make_thinking_model(family: str, tmp_path: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """A tiny random-weight Qwen3 that thinks as family does: the real chat template
+    of that family, and <think> and </think> added to the tokenizer as the two new
+    tokens (ids 49152 and 49153, not special, as Qwen3 and the R1 distills hold them)."""
+    import transformers
+
+    base = make_tiny_hf_model("qwen3", Path(tmp_path) / "base", seed=seed)
+    folder = Path(tmp_path) / f"thinking-{family}-s{seed}"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = (FIXTURES / THINKING_TEMPLATES[family]).read_text()
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    old = model.get_input_embeddings().weight.shape[0]
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # the new rows random like the rest, not transformers' init
+        for weights in (model.get_input_embeddings().weight, model.get_output_embeddings().weight):
+            weights[old:] = 0.1 * torch.randn(weights[old:].shape, generator=gen)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -3,8 +3,9 @@ top of chat: the request, its translation into a chat request, and the
 message built from a finished sample, as vLLM offers it for clients such as
 the anthropic SDK.
 
-Text, tools and JSON output (output_config.format, the SDK's messages.parse);
-image and document blocks, extended thinking and server tools are a 400
+Text, tools, JSON output (output_config.format, the SDK's messages.parse) and
+a thinking model's thinking (the `thinking` parameter, thinking blocks;
+docs/reasoning.md); image and document blocks and server tools are a 400
 naming the field. Errors keep stoker's one error body
 ({"error": {"message", "type", ...}}), which the anthropic SDK reads by its
 status code and message as well.
@@ -15,11 +16,12 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from stoker.json_types import Boolean, Integer
 from stoker.server.bounds import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_STRINGS
 from stoker.server.protocol import (
+    INT32,
     ChatCompletionRequest,
     FunctionDefinition,
     MaxTokens,
@@ -31,6 +33,7 @@ from stoker.server.protocol import (
     bad_request,
     chat_request_from,
 )
+from stoker.server.reasoning import signature
 from stoker.server.serving.job import Usage
 
 
@@ -60,7 +63,43 @@ class ToolResultBlock(BaseModel):
     is_error: Boolean | None = None
 
 
-ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock
+class ThinkingBlock(BaseModel):
+    """Thinking the assistant did (in its earlier turns): its template may show it again."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+    """Accepted as sent, not checked (docs/reasoning.md)."""
+
+
+class RedactedThinkingBlock(BaseModel):
+    """Thinking another server encrypted: accepted, and left out of the prompt."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["redacted_thinking"]
+    data: str
+
+
+ContentBlock = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock
+
+
+class ThinkingConfig(BaseModel):
+    """thinking: a thinking model thinks within budget_tokens (enabled), not at
+    all (disabled), or as it would (adaptive). Models that do not think ignore it."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: Annotated[Integer, Field(ge=1, le=INT32)] | None = None
+    """With enabled, required: most thinking tokens, below max_tokens (Anthropic's own minimum of 1024 is not kept)."""
+
+    @model_validator(mode="after")
+    def _budget_when_enabled(self) -> ThinkingConfig:
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking of type enabled needs budget_tokens")
+        if self.type != "enabled" and self.budget_tokens is not None:
+            raise ValueError(f"thinking of type {self.type} takes no budget_tokens")
+        return self
 
 
 class Message(BaseModel):
@@ -94,7 +133,7 @@ class OutputConfig(BaseModel):
     model_config = ConfigDict(extra="allow")
     format: JsonOutputFormat | None = None
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
-    """Accepted and ignored: it steers extended thinking, which this server does not do."""
+    """Accepted and ignored: a thinking model's budget is thinking.budget_tokens here."""
 
 
 ANTHROPIC_USER_ID_CHARS = 256
@@ -109,7 +148,7 @@ class Metadata(BaseModel):
 
 
 class MessagesRequest(RequestBody):
-    _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers", "container")
+    _unsupported: ClassVar[tuple[str, ...]] = ("mcp_servers", "container")
 
     model: ModelName | None = None
     max_tokens: MaxTokens
@@ -124,18 +163,27 @@ class MessagesRequest(RequestBody):
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
     output_config: OutputConfig | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _budget_below_max_tokens(self) -> MessagesRequest:
+        budget = self.thinking.budget_tokens if self.thinking is not None else None
+        if budget is not None and budget >= self.max_tokens:
+            raise ValueError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({self.max_tokens})")
+        return self
 
 
 class CountTokensRequest(RequestBody):
     """count_tokens takes the request's prompt half."""
 
-    _unsupported: ClassVar[tuple[str, ...]] = ("thinking", "mcp_servers")
+    _unsupported: ClassVar[tuple[str, ...]] = ("mcp_servers",)
 
     model: ModelName | None = None
     messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: str | Annotated[list[TextBlock], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     tools: Annotated[list[Tool], Field(max_length=128)] | None = None
     tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
 
 
 def _text(content: str | list[TextBlock]) -> str:
@@ -161,13 +209,16 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 if isinstance(b, ToolUseBlock)
             ]
             turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or (None if calls else "")}
+            thinking = "".join(b.thinking for b in message.content if isinstance(b, ThinkingBlock))
+            if thinking:
+                turn["reasoning_content"] = thinking
             messages.append({**turn, "tool_calls": calls} if calls else turn)
             continue
         for block in message.content:
             if isinstance(block, ToolResultBlock):
                 messages.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _text(block.content)})
-            elif isinstance(block, ToolUseBlock):
-                raise bad_request("tool_use blocks belong to assistant turns", param="messages")
+            elif isinstance(block, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock):
+                raise bad_request(f"{block.type} blocks belong to assistant turns", param="messages")
         if texts:
             messages.append({"role": "user", "content": "".join(texts)})
     return messages
@@ -176,6 +227,10 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
 def as_chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that serves this message (or counts its prompt)."""
     chat: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
+    if body.thinking is not None and body.thinking.type == "disabled":
+        chat["reasoning_effort"] = "none"
+    elif body.thinking is not None and body.thinking.budget_tokens is not None:
+        chat["reasoning_budget"] = body.thinking.budget_tokens
     if isinstance(body, MessagesRequest):
         chat["max_tokens"] = body.max_tokens
         for name in ("temperature", "top_p", "top_k"):
@@ -223,6 +278,11 @@ def tool_use_block(call: dict[str, Any]) -> dict[str, Any]:
         "name": call["function"]["name"],
         "input": arguments if isinstance(arguments, dict) else {"value": arguments},
     }
+
+
+def thinking_block(thinking: str) -> dict[str, Any]:
+    """A reply's thinking as a thinking content block, signed (stoker.server.reasoning.signature)."""
+    return {"type": "thinking", "thinking": thinking, "signature": signature(thinking)}
 
 
 def stop_reason(finish_reason: str | None, matched: int | str | None, called: bool) -> tuple[str, str | None]:

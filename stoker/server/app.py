@@ -28,6 +28,7 @@ from stoker.server.bounds import MAX_JSON_DEPTH, offload
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
+from stoker.server.reasoning import parse_parser_choices
 from stoker.server.responses_store import ResponseStore
 from stoker.server.routes import anthropic, embeddings, health, models, openai, prefixes, responses, tokens, workers
 from stoker.server.state import ServerState
@@ -234,7 +235,9 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         print(
             f"stoker: serving {version.name} ({version.spec.path}, {version.digest}) on "
             f"{scheme}://{state.config.host}:{state.config.port}{embedding}; KV cache {info.kv_capacity_tokens} tokens, "
-            f"context {info.max_model_len}; engine loaded in {info.load_seconds:.1f} s, "
+            f"context {info.max_model_len}"
+            f"{f'; thinks ({version.reasoning.parser} parser)' if version.reasoning else ''}; "
+            f"engine loaded in {info.load_seconds:.1f} s, "
             f"ready in {time.monotonic() - start:.1f} s",
             flush=True,
         )
@@ -320,6 +323,7 @@ def create_app(
         model_roots=config.model_root,
         max_models=config.max_models,
         check_timeout=config.model_check_timeout,
+        reasoning_parsers=parse_parser_choices(config.reasoning_parser),
     )
     responses_store = ResponseStore(
         config.responses_store_size, config.responses_store_per_key, config.responses_store_entry_bytes

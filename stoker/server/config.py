@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
+from stoker.server.reasoning import parse_parser_choices
+
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
 # Settings models of the server's extensions (stoker.control, ...), by the
@@ -59,6 +61,8 @@ class ServerConfig(BaseModel):
     """Embedding model for /v1/embeddings: the bundled all-MiniLM-L6-v2 or a sentence-transformers folder; none disables."""
     embedding_batch_size: int = Field(32, ge=1, le=1024)
     """Most embedding inputs run in one forward pass."""
+    rerank_batch_size: int = Field(32, ge=1, le=1024)
+    """Most (query, document) pairs a reranker scores in one forward pass, across concurrent requests."""
     shutdown_timeout: float = Field(30.0, ge=0)
     """Seconds in-flight requests may take to finish after SIGTERM; past it they end with finish_reason "abort"."""
     responses_store_size: int = Field(1000, ge=0)
@@ -117,8 +121,14 @@ class ServerConfig(BaseModel):
     """Folders POST /admin/models may load from (repeat --model-root; a YAML list; env: separated by spaces); symlinks are resolved first, and only regular files and folders load. Empty: the folders holding the models given at start."""
     model_check_timeout: float = Field(900.0, gt=0)
     """Seconds reading a model's files before it loads (their size, and the sha256 digest, which reads every byte: ~1 s per 1.5 GB) may take; past it the load is refused."""
+    reasoning_parser: list[str] = Field(default_factory=list)
+    """How thinking models' thinking is kept apart from their answers (docs/reasoning.md): auto, qwen3, deepseek_r1 or none for every model, or NAME=PARSER for one (repeat the flag; a YAML list; env: separated by spaces). auto: a model whose chat template writes <think>/</think> and whose tokenizer holds them as tokens thinks; others do not. A parser whose markers are not tokens of the model's tokenizer stops the start. Empty: auto."""
+    reasoning_budget: int | None = Field(None, ge=0, le=2**31 - 1)
+    """Thinking tokens a request may spend when it names no budget (reasoning_effort, reasoning_budget, thinking.budget_tokens); then the engine ends the thinking and the answer follows. 0: no thinking. None: only max_tokens bounds it."""
+    reasoning_field: Literal["both", "reasoning_content", "reasoning"] = "both"
+    """The chat field(s) that carry a reply's thinking, on messages and stream deltas: reasoning_content (DeepSeek's and vLLM's older name), reasoning (vLLM's newer one) or both."""
 
-    @field_validator("models", "fallback", "allowed_hosts", "model_root", mode="before")
+    @field_validator("models", "fallback", "allowed_hosts", "model_root", "reasoning_parser", mode="before")
     @classmethod
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value
@@ -128,6 +138,12 @@ class ServerConfig(BaseModel):
     def _split_hosts(cls, value: list[str]) -> list[str]:
         """One flag may name several hosts, space-separated, as the variable does (no host holds a space)."""
         return [host for item in value for host in item.split()]
+
+    @field_validator("reasoning_parser", mode="after")
+    @classmethod
+    def _parsers(cls, value: list[str]) -> list[str]:
+        parse_parser_choices(value)
+        return value
 
     @field_validator("embedding_model", mode="before")
     @classmethod

@@ -46,6 +46,14 @@ from stoker.models.identity import model_name
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.config import ServerConfig
 from stoker.server.protocol import unavailable
+from stoker.server.reasoning import (
+    ParserChoices,
+    ParserName,
+    ReasoningMarkers,
+    check_model_names,
+    parse_parser_choices,
+    resolve_markers,
+)
 from stoker.server.structured import GrammarChecker
 
 log = logging.getLogger("stoker.server")
@@ -261,6 +269,10 @@ def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSp
         )
     chains = parse_fallbacks(server.fallback)
     check_fallbacks([s.name for s in specs], chains)
+    try:
+        check_model_names(parse_parser_choices(server.reasoning_parser), [s.name for s in specs])
+    except ValueError as exc:
+        raise FleetError(str(exc)) from None
     return specs, chains
 
 
@@ -353,6 +365,10 @@ class ModelVersion:
     holds: int = 0
     """Requests routed to this version that may not have reached its engine
     yet (tokenizing, in admission): a retiring version waits for them too."""
+    reasoning_parser: ParserName = "auto"
+    """Its --reasoning-parser (docs/reasoning.md)."""
+    reasoning: ReasoningMarkers | None = None
+    """Its thinking markers under that parser, resolved with its chat tokenizer; None: it does not think."""
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: GrammarChecker | None = None
 
@@ -387,6 +403,10 @@ class ModelVersion:
         tokenizer = self.engine.tokenizer
         if isinstance(tokenizer, Tokenizer):
             _ = tokenizer.hf
+            try:  # the thinking markers its template and tokenizer hold: a parser that does not fit stops the load
+                self.reasoning = resolve_markers(self.reasoning_parser, tokenizer, self.name)
+            except ValueError as exc:
+                raise FleetError(str(exc)) from None
 
     @property
     def max_model_len(self) -> int:
@@ -518,6 +538,7 @@ class Fleet:
         model_roots: Sequence[str] = (),
         max_models: int = 8,
         check_timeout: float = 900.0,
+        reasoning_parsers: ParserChoices | None = None,
     ) -> None:
         check_fallbacks([s.name for s in specs], fallbacks)
         self.base_config = base_config
@@ -528,6 +549,7 @@ class Fleet:
         """Real paths of the folders the admin API may load from."""
         self.max_models = max_models
         self.check_timeout = check_timeout
+        self.reasoning_parsers = reasoning_parsers or ParserChoices()
         self._pending: list[PendingLoad] = []
         self._make_engine = make_engine
         self._make_grammars = make_grammars
@@ -545,7 +567,10 @@ class Fleet:
         self._numbers[spec.name] = number
         update: dict[str, Any] = {"model": spec.path, "served_model_name": spec.name if spec.named else None}
         config = self.base_config.model_copy(update=update)
-        return ModelVersion(spec.name, number, spec, self._make_engine(config), self._make_grammars)
+        parser = self.reasoning_parsers.for_model(spec.name)
+        return ModelVersion(
+            spec.name, number, spec, self._make_engine(config), self._make_grammars, reasoning_parser=parser
+        )
 
     async def _measure(self, spec: ModelSpec) -> int:
         """The model's weights on disk, measured in a bounded worker."""

@@ -32,6 +32,7 @@ from stoker.server.bounds import (
     MAX_TOOLS,
     MAX_TOP_LOGPROBS,
 )
+from stoker.server.reasoning import ReasoningEffort, check_thinking_fields
 
 INT32 = 2**31 - 1
 # The largest 64-bit value a JSON double holds exactly (2**63 - 1 rounds up to
@@ -243,11 +244,17 @@ class ChatMessage(OpenObject):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     name: Name | None = None
+    reasoning_content: str | None = None
+    """An assistant turn's thinking, as a thinking model's template reads it (Qwen3's keeps the latest turns')."""
+    reasoning: str | None = None
+    """The same under vLLM's newer name: taken as reasoning_content when that is not given."""
 
     @model_validator(mode="after")
     def _content_unless_assistant(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for role {self.role!r}")
+        if self.reasoning_content is None and self.reasoning is not None:
+            self.reasoning_content = self.reasoning
         return self
 
 
@@ -324,11 +331,16 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     """Default: "auto" with tools, "none" without (as OpenAI)."""
     parallel_tool_calls: Boolean | None = None
     """With tool_choice "required": whether the reply may hold several calls (default true)."""
+    reasoning_effort: ReasoningEffort | None = None
+    """A thinking model's thinking budget by name (docs/reasoning.md's table); none: no thinking. Ignored by models that do not think."""
+    reasoning_budget: Annotated[Integer, Field(ge=0, le=INT32)] | None = None
+    """stoker: most thinking tokens for this reply (wins over reasoning_effort's); then the model answers. Default: --reasoning-budget."""
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        check_thinking_fields(self.reasoning_effort, self.chat_template_kwargs)
         return self
 
 

@@ -24,6 +24,7 @@ from stoker.server.protocol import (
     SamplingFields,
     chat_request_from,
 )
+from stoker.server.reasoning import ReasoningEffort
 from stoker.server.serving.job import Usage
 
 
@@ -61,7 +62,33 @@ class FunctionCallOutputItem(BaseModel):
     output: str
 
 
-InputItem = FunctionCallItem | FunctionCallOutputItem | InputMessage
+class ReasoningText(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """Thinking the model did earlier, sent back with the conversation: it goes
+    to the assistant turn after it (as its reasoning_content)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["reasoning"]
+    summary: Annotated[list[ReasoningText], Field(max_length=MAX_CONTENT_PARTS)] = []
+    content: Annotated[list[ReasoningText], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+
+
+InputItem = FunctionCallItem | FunctionCallOutputItem | ReasoningItem | InputMessage
+
+
+class ReasoningOptions(BaseModel):
+    """reasoning: how much a thinking model thinks (docs/reasoning.md)."""
+
+    model_config = ConfigDict(extra="allow")
+    effort: ReasoningEffort | None = None
+    """As chat's reasoning_effort: a thinking budget by name; none: no thinking."""
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    """Accepted: stoker writes no summary; the reasoning item carries the thinking itself."""
 
 
 class FunctionTool(FunctionDefinition):
@@ -125,7 +152,6 @@ class ResponsesRequest(SamplingFields):
         "conversation",
         "background",
         "prompt",
-        "reasoning",
         "max_tool_calls",
     )
 
@@ -150,6 +176,7 @@ class ResponsesRequest(SamplingFields):
     include: Annotated[list[Literal["message.output_text.logprobs"]], Field(max_length=MAX_INCLUDE)] | None = None
     """Extra output: "message.output_text.logprobs", each output token's logprob (with top_logprobs alternatives)."""
     top_logprobs: Annotated[Integer, Field(ge=0, le=20)] | None = None
+    reasoning: ReasoningOptions | None = None
 
     @property
     def wants_logprobs(self) -> bool:
@@ -174,7 +201,11 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
     messages: list[dict[str, Any]] = []
+    thinking: list[str] = []  # reasoning items waiting for the assistant turn they belong to
     for item in body.input:
+        if isinstance(item, ReasoningItem):
+            thinking += [part.text for part in item.content or item.summary]
+            continue
         if isinstance(item, FunctionCallItem):
             call = {
                 "id": item.call_id,
@@ -186,6 +217,9 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            if thinking:
+                messages[-1]["reasoning_content"] = "".join(thinking)
+                thinking = []
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
         else:
@@ -195,6 +229,9 @@ def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
                 else [{"type": "text", "text": part.text} for part in item.content]
             )
             messages.append({"role": item.role, "content": content})
+            if item.role == "assistant" and thinking:
+                messages[-1]["reasoning_content"] = "".join(thinking)
+                thinking = []
     return messages
 
 
@@ -222,6 +259,8 @@ def as_chat_request(body: ResponsesRequest, earlier: list[dict[str, Any]] | None
         chat["tool_choice"] = body.tool_choice
     if body.parallel_tool_calls is not None:
         chat["parallel_tool_calls"] = body.parallel_tool_calls
+    if body.reasoning is not None and body.reasoning.effort is not None:
+        chat["reasoning_effort"] = body.reasoning.effort
     text_format = body.text.format if body.text is not None else None
     if text_format is not None and text_format.type == "json_object":
         chat["response_format"] = {"type": "json_object"}
@@ -250,6 +289,12 @@ def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
+def reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """The thinking as OpenAI's reasoning output item: its text whole, no summary."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
+
+
 def function_call_item(call: dict[str, Any]) -> dict[str, Any]:
     """A chat tool call as a function_call output item."""
     return {
@@ -268,7 +313,9 @@ def usage(chat_usage: Usage) -> dict[str, Any]:
         "input_tokens": chat_usage["prompt_tokens"],
         "input_tokens_details": {"cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
         "output_tokens": chat_usage["completion_tokens"],
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {
+            "reasoning_tokens": chat_usage.get("completion_tokens_details", {"reasoning_tokens": 0})["reasoning_tokens"]
+        },
         "total_tokens": chat_usage["total_tokens"],
     }
 
@@ -307,6 +354,10 @@ def response_object(
         "model": model,
         "output": output,
         "parallel_tool_calls": True if body.parallel_tool_calls is None else body.parallel_tool_calls,
+        "reasoning": {
+            "effort": body.reasoning.effort if body.reasoning else None,
+            "summary": body.reasoning.summary if body.reasoning else None,
+        },
         "previous_response_id": body.previous_response_id,
         "store": stored,
         "temperature": 1.0 if body.temperature is None else body.temperature,

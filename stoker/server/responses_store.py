@@ -136,4 +136,9 @@ def output_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         message["tool_calls"] = calls
     elif not text:
         message["content"] = ""
+    thinking = "".join(
+        part["text"] for item in output if item["type"] == "reasoning" for part in item.get("content") or []
+    )
+    if thinking:  # a thinking model's template may show it again (Qwen3's does within one query)
+        message["reasoning_content"] = thinking
     return [message]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -15,12 +16,14 @@ from stoker.server.anthropic_api import (
     MessagesRequest,
     as_chat_request,
     stop_reason,
+    thinking_block,
     tool_use_block,
     usage,
 )
 from stoker.server.bounds import offload
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
+from stoker.server.reasoning import signature
 from stoker.server.serving import JSONObject
 from stoker.server.serving.generate import STREAMED, Generation, Renderer, generate, named_sse
 from stoker.server.serving.job import Job
@@ -52,7 +55,7 @@ async def message_attempt(
     body: MessagesRequest, request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
     chat = as_chat_request(body)
-    job, plan = await chat_job(chat, version, "messages")
+    job, plan = await chat_job(chat, version, "messages", state.config.reasoning_budget)
     return await generate(Generation(request, state, version, job, MessageRenderer(plan), body.stream, chat))
 
 
@@ -64,6 +67,8 @@ class MessageRenderer(Renderer):
     plan: ToolPlan
     started: bool = False
     """message_start went out."""
+    thinking: Literal["no", "open", "closed"] = "no"
+    """The thinking block (index 0): not sent, open with its text going out as it comes, or done."""
     streaming_text: bool = False
     """A text block is open and its text goes out as it comes."""
 
@@ -75,7 +80,8 @@ class MessageRenderer(Renderer):
     def content_of(self, sample: CompletionOutput) -> tuple[list[JSONObject], str, str | None]:
         """The sample's content blocks, stop_reason and stop_sequence."""
         text, calls = parse_reply(sample.text, self.plan)
-        blocks = [{"type": "text", "text": text}] if text or not calls else []
+        blocks = [thinking_block(sample.reasoning_text)] if sample.reasoning_text else []
+        blocks += [{"type": "text", "text": text}] if text or not calls else []
         blocks += [tool_use_block(call) for call in calls]
         finish = sample.finish_reason.value if sample.finish_reason else None
         reason, sequence = stop_reason(finish, sample.stop_reason, bool(calls))
@@ -96,6 +102,25 @@ class MessageRenderer(Renderer):
     def final(self, job: Job) -> JSONObject:
         return self.message(job, *self.content_of(job.outputs[0].outputs[0]))
 
+    def thinking_events(self, job: Job, d: EngineCoreOutput) -> list[JSONObject]:
+        """The thinking block as the thinking comes, signed and closed when the answer starts."""
+        events: list[JSONObject] = []
+        if d.new_reasoning_text:
+            if self.thinking == "no":
+                self.thinking = "open"
+                opened = {"type": "thinking", "thinking": "", "signature": ""}
+                events.append({"type": "content_block_start", "index": 0, "content_block": opened})
+            delta = {"type": "thinking_delta", "thinking": d.new_reasoning_text}
+            events.append({"type": "content_block_delta", "index": 0, "delta": delta})
+        if self.thinking == "open" and (d.new_text or d.finished):
+            self.thinking = "closed"
+            signed = {"type": "signature_delta", "signature": signature(job.outputs[0].outputs[0].reasoning_text)}
+            events += [
+                {"type": "content_block_delta", "index": 0, "delta": signed},
+                {"type": "content_block_stop", "index": 0},
+            ]
+        return events
+
     def events(self, job: Job, prompt_index: int, d: EngineCoreOutput) -> list[JSONObject]:
         events: list[JSONObject] = []
         if not self.started:
@@ -103,17 +128,21 @@ class MessageRenderer(Renderer):
             opening = self.message(job, [], None, None)
             opening["usage"]["output_tokens"] = 0
             events += [{"type": "message_start", "message": opening}, {"type": "ping"}]
+        events += self.thinking_events(job, d)
+        at = 0 if self.thinking == "no" else 1  # the text follows the thinking block
         if not self.plan.active and not self.streaming_text and (d.new_text or d.finished):
             self.streaming_text = True
-            events.append({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})
+            events.append({"type": "content_block_start", "index": at, "content_block": {"type": "text", "text": ""}})
         if not self.plan.active and d.new_text:
             events.append(
-                {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": d.new_text}}
+                {"type": "content_block_delta", "index": at, "delta": {"type": "text_delta", "text": d.new_text}}
             )
         if not d.finished:
             return events
         blocks, reason, sequence = self.content_of(job.outputs[0].outputs[0])
         for index, block in enumerate(blocks):
+            if block["type"] == "thinking":  # streamed as it came
+                continue
             if block["type"] == "text" and self.streaming_text:
                 events.append({"type": "content_block_stop", "index": index})
                 continue

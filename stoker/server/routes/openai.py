@@ -15,6 +15,7 @@ from stoker.server.caps import check_prompts
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
 from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request, flatten_prompts
+from stoker.server.reasoning import ReasoningField, reasoning_fields
 from stoker.server.serving import JSONObject
 from stoker.server.serving.generate import STREAMED, Generation, Renderer, generate
 from stoker.server.serving.job import Job
@@ -96,9 +97,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 async def chat_attempt(
     body: ChatCompletionRequest, request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
-    job, plan = await chat_job(body, version, "chat")
+    job, plan = await chat_job(body, version, "chat", state.config.reasoning_budget)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    renderer = ChatRenderer(version, plan, include_usage)
+    reasoning = state.config.reasoning_field if job.params.reasoning is not None else None
+    renderer = ChatRenderer(version, plan, include_usage, reasoning)
     return await generate(Generation(request, state, version, job, renderer, body.stream, body))
 
 
@@ -109,8 +111,16 @@ class ChatRenderer(Renderer):
     version: ModelVersion
     plan: ToolPlan
     include_usage: bool
+    reasoning: ReasoningField | None = None
+    """The field(s) that carry the thinking (--reasoning-field); None: the reply has no thinking apart."""
     sent_role: set[int] = field(default_factory=set)
     """Samples whose first chunk (the one with the role) went out."""
+    opened_call: set[int] = field(default_factory=set)
+    """Samples whose named call (id, name) went out."""
+
+    def thinking(self, text: str | None) -> JSONObject:
+        """The thinking as the reply's fields carry it (none where the reply has no thinking apart)."""
+        return reasoning_fields(text, self.reasoning) if self.reasoning is not None else {}
 
     def head(self, job: Job) -> JSONObject:
         return {
@@ -125,7 +135,7 @@ class ChatRenderer(Renderer):
 
     def message(self, c: CompletionOutput) -> tuple[JSONObject, str | None]:
         content, calls = parse_reply(c.text, self.plan)
-        msg: JSONObject = {"role": "assistant", "content": content}
+        msg: JSONObject = {"role": "assistant", "content": content, **self.thinking(c.reasoning_text or None)}
         if calls:
             msg["tool_calls"] = calls
         return msg, ("tool_calls" if calls and c.finish_reason is FinishReason.STOP else _reason(c))
@@ -137,6 +147,8 @@ class ChatRenderer(Renderer):
         if d.index not in self.sent_role:
             self.sent_role.add(d.index)
             delta = {"role": "assistant", "content": d.new_text}
+        if d.new_reasoning_text:
+            delta |= self.thinking(d.new_reasoning_text)
         if not delta and not d.new_logprobs:
             return []
         choice = {
@@ -166,10 +178,15 @@ class ChatRenderer(Renderer):
             choice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             chunks.append(self.chunk(job, choice))
 
+        if d.index not in self.sent_role:
+            self.sent_role.add(d.index)
+            chunk({"role": "assistant", "content": None if named else ""})
+        if d.new_reasoning_text:
+            chunk(self.thinking(d.new_reasoning_text))
         if named:
-            if d.index not in self.sent_role:
-                self.sent_role.add(d.index)
-                chunk({"role": "assistant", "content": None})
+            # A thinking reply's call opens with its answer, after the thinking.
+            if d.index not in self.opened_call and (self.reasoning is None or d.new_text or d.finished):
+                self.opened_call.add(d.index)
                 call = new_call(self.plan.named or "", "")
                 chunk({"tool_calls": [{"index": 0, **call}]})
             if d.new_text:
@@ -179,9 +196,6 @@ class ChatRenderer(Renderer):
             elif pending is not None:  # tokens whose text is still held back (a split character)
                 chunk({}, scored=True)
             return chunks
-        if d.index not in self.sent_role:
-            self.sent_role.add(d.index)
-            chunk({"role": "assistant", "content": ""})
         if d.finished:
             msg, finish = self.message(job.outputs[0].outputs[d.index])
             if msg["content"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
@@ -29,6 +30,7 @@ from stoker.server.responses_api import (
     message_item,
     new_item_id,
     output_text,
+    reasoning_item,
     response_object,
     status_of,
 )
@@ -117,13 +119,17 @@ def token_logprobs(version: ModelVersion, items: list[TokenLogprob] | None) -> l
     return token_entries(version, items) if items is not None else []
 
 
-def reply_output(sample: CompletionOutput, plan: ToolPlan, message_id: str, version: ModelVersion) -> list[JSONObject]:
-    """The output items of a finished sample: its text as a message (unless it
-    is only calls; with its tokens' logprobs where asked, unless calls were
-    cut out of it), then each function call."""
+def reply_output(
+    sample: CompletionOutput, plan: ToolPlan, message_id: str, version: ModelVersion, reasoning_id: str
+) -> list[JSONObject]:
+    """The output items of a finished sample: its thinking, if any, as a
+    reasoning item; its text as a message (unless it is only calls; with its
+    tokens' logprobs where asked, unless calls were cut out of it), then each
+    function call (parsed from the answer alone)."""
     content, calls = parse_reply(sample.text, plan)
     logprobs = token_logprobs(version, sample.logprobs) if not calls else None
-    items = [message_item(message_id, content or "", "completed", logprobs)] if content or not calls else []
+    items = [reasoning_item(reasoning_id, sample.reasoning_text, "completed")] if sample.reasoning_text else []
+    items += [message_item(message_id, content or "", "completed", logprobs)] if content or not calls else []
     return items + [function_call_item(call) for call in calls]
 
 
@@ -138,7 +144,7 @@ async def response_attempt(
 ) -> Response:
     """held: earlier and this input as chat messages; store: whether to keep the
     response (the request allows it and its input fits)."""
-    job, plan = await chat_job(as_chat_request(body, earlier), version, "responses")
+    job, plan = await chat_job(as_chat_request(body, earlier), version, "responses", state.config.reasoning_budget)
     renderer = ResponseRenderer(body, held, store, key_id(request), state.responses, version, plan)
     return await generate(Generation(request, state, version, job, renderer, body.stream, body))
 
@@ -160,11 +166,14 @@ class ResponseRenderer(Renderer):
     version: ModelVersion
     plan: ToolPlan
     message_id: str = field(default_factory=lambda: new_item_id("msg"))
+    reasoning_id: str = field(default_factory=lambda: new_item_id("rs"))
     sequence: Iterator[int] = field(default_factory=itertools.count)
     started: bool = False
     """response.created went out."""
     streaming_text: bool = False
     """The message item is open and its text goes out as it comes."""
+    thinking: Literal["no", "open", "closed"] = "no"
+    """The reasoning item (output 0): not sent, open with its text going out as it comes, or done."""
 
     end_of_stream = None
 
@@ -175,7 +184,7 @@ class ResponseRenderer(Renderer):
         """The response once its sample is done, stored unless the request said
         not to or it is over the entry bound ("store" says which)."""
         status, incomplete = status_of(sample.finish_reason.value if sample.finish_reason else None)
-        output = reply_output(sample, self.plan, self.message_id, self.version)
+        output = reply_output(sample, self.plan, self.message_id, self.version, self.reasoning_id)
         response = response_object(
             self.body,
             response_id(job),
@@ -242,20 +251,55 @@ class ResponseRenderer(Renderer):
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
+    def open_thinking(self) -> list[JSONObject]:
+        item = reasoning_item(self.reasoning_id, "", "in_progress")
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            self.event("response.output_item.added", output_index=0, item=item),
+            self.event("response.content_part.added", **where, part={"type": "reasoning_text", "text": ""}),
+        ]
+
+    def close_thinking(self, text: str) -> list[JSONObject]:
+        item = reasoning_item(self.reasoning_id, text, "completed")
+        where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+        return [
+            self.event("response.reasoning_text.done", **where, text=text),
+            self.event("response.content_part.done", **where, part=item["content"][0]),
+            self.event("response.output_item.done", output_index=0, item=item),
+        ]
+
+    def thinking_events(self, job: Job, d: EngineCoreOutput) -> list[JSONObject]:
+        """The reasoning item as the thinking comes, closed when the answer starts."""
+        events: list[JSONObject] = []
+        if d.new_reasoning_text:
+            if self.thinking == "no":
+                events += self.open_thinking()
+                self.thinking = "open"
+            where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+            events.append(self.event("response.reasoning_text.delta", **where, delta=d.new_reasoning_text))
+        if self.thinking == "open" and (d.new_text or d.finished):
+            events += self.close_thinking(job.outputs[0].outputs[0].reasoning_text)
+            self.thinking = "closed"
+        return events
+
     def events(self, job: Job, prompt_index: int, d: EngineCoreOutput) -> list[JSONObject]:
         events = [] if self.started else self.opening(job)
         self.started = True
-        active = self.plan.active
+        events += self.thinking_events(job, d)
+        at = 0 if self.thinking == "no" else 1  # the message follows the reasoning item
+        active = self.plan.active or self.thinking == "open"  # a thinking token's logprobs open no message
         if not active and not self.streaming_text and (d.new_text or d.new_logprobs or d.finished):
-            events += self.open_message(0, self.message_id)
+            events += self.open_message(at, self.message_id)
             self.streaming_text = True
         if not active and (d.new_text or d.new_logprobs):  # logprobs go with the text they score
             logprobs = token_logprobs(self.version, d.new_logprobs)
-            events.append(self.text_delta(0, self.message_id, d.new_text, logprobs))
+            events.append(self.text_delta(at, self.message_id, d.new_text, logprobs))
         if not d.finished:
             return events
         response = self.finished(job, job.outputs[0].outputs[0])
         for index, item in enumerate(response["output"]):
+            if item["type"] == "reasoning":  # streamed as it came
+                continue
             if item["type"] != "message":
                 events += self.call_events(index, item)
                 continue

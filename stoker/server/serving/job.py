@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 from fastapi import Request
 
@@ -28,6 +28,10 @@ class CachedTokens(TypedDict):
     cached_tokens: int
 
 
+class ReasoningTokens(TypedDict):
+    reasoning_tokens: int
+
+
 class Usage(TypedDict):
     """A job's token counts in OpenAI's shape; the other APIs rename them."""
 
@@ -35,6 +39,8 @@ class Usage(TypedDict):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: CachedTokens
+    completion_tokens_details: NotRequired[ReasoningTokens]
+    """Where the model thinks (SamplingParams.reasoning): the thinking's share of completion_tokens."""
 
 
 @dataclass
@@ -84,12 +90,16 @@ class Job:
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for o in self.outputs for c in o.outputs)
         cached = sum(o.num_cached_tokens for o in self.outputs)
-        return {
+        usage: Usage = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
+        if self.params.reasoning is not None:
+            thinking = sum(c.num_reasoning_tokens for o in self.outputs for c in o.outputs)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thinking}
+        return usage
 
     def record(self, status: int, error: str | None, stream: bool, request: Request) -> FinishedRecord:
         usage = self.usage()

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from stoker.engine.params import SamplingParams
+from stoker.engine.params import ReasoningParams, SamplingParams
 from stoker.models.tokenizer import TEMPLATE_ERRORS, Tokenizer
 from stoker.server.bounds import offload
 from stoker.server.fleet import ModelVersion
@@ -18,6 +18,7 @@ from stoker.server.protocol import (
     bad_request,
     template_error,
 )
+from stoker.server.reasoning import prompt_thinking, reasoning_params, request_budget, template_switch
 from stoker.server.serving import JSONObject
 from stoker.server.serving.job import Job
 from stoker.server.structured import Constraint, requested_constraint
@@ -30,6 +31,7 @@ def sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None = None,
     grammar: str | None = None,
+    reasoning: ReasoningParams | None = None,
 ) -> SamplingParams:
     try:
         return SamplingParams(
@@ -53,6 +55,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             grammar=grammar,
             num_speculative_tokens=body.num_speculative_tokens,
+            reasoning=reasoning,
         )
     except ValueError as exc:
         raise bad_request(str(exc), param=str(exc).split(" ", 1)[0]) from None
@@ -129,8 +132,9 @@ def chat_plan(body: ChatCompletionRequest, tokenizer: Tokenizer) -> tuple[ToolPl
 def chat_prompt_ids(body: ChatCompletionRequest, tokenizer: Tokenizer, plan: ToolPlan) -> list[int]:
     """The prompt a chat request becomes: its messages (and tools) through the chat template."""
     messages, template_kwargs = prepare_messages(
-        [m.model_dump(exclude_none=True) for m in body.messages], plan, tokenizer.chat_template
+        [m.model_dump(exclude_none=True, exclude={"reasoning"}) for m in body.messages], plan, tokenizer.chat_template
     )
+    template_kwargs |= template_switch(body.reasoning_effort, body.chat_template_kwargs)
     return template_ids(tokenizer, messages, body, **template_kwargs)
 
 
@@ -154,9 +158,12 @@ def template_ids(
     return ids
 
 
-async def chat_job(body: ChatCompletionRequest, version: ModelVersion, endpoint: str) -> tuple[Job, ToolPlan]:
+async def chat_job(
+    body: ChatCompletionRequest, version: ModelVersion, endpoint: str, default_budget: int | None = None
+) -> tuple[Job, ToolPlan]:
     """The job a chat request becomes (its prompt through the template, its
-    budget, sampling and output constraint), and how its tools are planned."""
+    budget, sampling, output constraint and thinking), and how its tools are
+    planned. default_budget: the server's --reasoning-budget."""
     tokenizer = version.tokenizer
     plan, constraint = await offload(chat_plan, body, tokenizer)
     if constraint is not None:
@@ -164,8 +171,23 @@ async def chat_job(body: ChatCompletionRequest, version: ModelVersion, endpoint:
     ids = await offload(chat_prompt_ids, body, tokenizer, plan)
     max_tokens = resolve_max_tokens(version, [ids], chat_max_tokens(body), body)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens, logprobs, grammar=grammar_of(constraint))
+    reasoning = await chat_reasoning(body, version, ids, default_budget)
+    params = sampling_params(body, max_tokens, logprobs, grammar=grammar_of(constraint), reasoning=reasoning)
     return Job(endpoint, version.name, [ids], params, [None]), plan
+
+
+async def chat_reasoning(
+    body: ChatCompletionRequest, version: ModelVersion, ids: list[int], default_budget: int | None
+) -> ReasoningParams | None:
+    """How the engine keeps a thinking model's reply apart: from the model's
+    markers, what the rendered prompt did about the thinking, and the request's budget."""
+    markers = version.reasoning
+    if markers is None:
+        return None
+    continued = body.continue_final_message
+    thinking = await offload(prompt_thinking, markers, ids, version.tokenizer.decode, continued)
+    budget = request_budget(body.reasoning_effort, body.reasoning_budget, default_budget)
+    return reasoning_params(markers, thinking, budget)
 
 
 def grammar_of(constraint: Constraint | None) -> str | None:
