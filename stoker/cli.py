@@ -14,6 +14,7 @@ SUBCOMMAND_MODULES = [
     "stoker.bench.cli",  # bench offline | serve
     "stoker.control.cli",  # keys
     "stoker.server.models_cli",  # models (admin API client)
+    "stoker.server.prefixes_cli",  # prefixes (admin API client)
 ]
 
 
@@ -24,6 +25,7 @@ COMMAND_MODULES = {
     "bench": "stoker.bench.cli",
     "keys": "stoker.control.cli",
     "models": "stoker.server.models_cli",
+    "prefixes": "stoker.server.prefixes_cli",
 }
 """Which module registers a command, so running one imports only its module: `stoker
 serve` must not pay for `stoker bench kernels`' torch import before it spawns its engine."""

@@ -8,6 +8,7 @@ files, serves no corrupt block: its greedy output equals the cold one."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -219,3 +220,22 @@ def test_kill_9_while_writing_then_corrupt_files_serve_no_corrupt_block_and_pins
     after = {p["label"]: p for p in cluster.admin(restarted, "GET").json()["data"]}
     assert after.keys() == pins.keys()
     assert all(p["blocks_on_disk"] == p["num_blocks"] for p in after.values()), after
+
+
+def test_the_cli_pins_lists_and_unpins(
+    cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from stoker.cli import main
+
+    a, _ = cluster.servers
+    monkeypatch.setenv("STOKER_API_KEY", cluster.key)
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(prompt(6, 50)))
+    base = ["prefixes", "--url", a.url, "--model", MODEL]
+    assert main([*base, "pin", "from-cli", "--token-ids-file", str(ids)]) == 0
+    assert json.loads(capsys.readouterr().out)["num_blocks"] == 50 // BLOCK
+    assert main([*base, "list"]) == 0
+    assert "from-cli" in capsys.readouterr().out
+    assert main([*base, "unpin", "from-cli"]) == 0
+    assert main([*base, "unpin", "from-cli"]) == 1
+    assert "404" in capsys.readouterr().err
