@@ -97,3 +97,17 @@ def _bpe_tokenizer() -> object:
         pad_token="<pad>",
         model_max_length=SIZES["max_position_embeddings"],
     )
+
+
+def reference_scores(
+    folder: Path, query: str, documents: list[str], **tokenize: object
+) -> tuple[list[float], list[int]]:
+    """transformers' relevance scores (sigmoid of the one logit) and each pair's token count."""
+    import transformers
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    encoded = tokenizer([query] * len(documents), documents, padding=True, return_tensors="pt", **tokenize)
+    with torch.no_grad():
+        logits = model(**encoded).logits
+    return torch.sigmoid(logits[:, 0]).tolist(), encoded["attention_mask"].sum(1).tolist()

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import stoker
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
+from stoker.engine.pooling import PoolingEngine
 from stoker.errors import APIError
 from stoker.server import openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
@@ -30,7 +31,18 @@ from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
 from stoker.server.reasoning import parse_parser_choices
 from stoker.server.responses_store import ResponseStore
-from stoker.server.routes import anthropic, embeddings, health, models, openai, prefixes, responses, tokens, workers
+from stoker.server.routes import (
+    anthropic,
+    embeddings,
+    health,
+    models,
+    openai,
+    prefixes,
+    rerank,
+    responses,
+    tokens,
+    workers,
+)
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import GrammarChecker
@@ -319,6 +331,7 @@ def create_app(
             tokenizer, config.max_grammar_bytes, config.grammar_compile_timeout
         ),
         max_memory=config.max_model_memory,
+        make_pooling_engine=lambda c: PoolingEngine(c, config.rerank_batch_size),
         drain_timeout=config.shutdown_timeout,
         model_roots=config.model_root,
         max_models=config.max_models,
@@ -356,6 +369,7 @@ def create_app(
         responses.router,
         anthropic.router,
         embeddings.router,
+        rerank.router,
         tokens.router,
         workers.router,
         models.router,

@@ -46,7 +46,7 @@ from stoker.observe.cost import CostMeter
 from stoker.observe.logs import RequestIdMiddleware, RequestRecord
 from stoker.server.fleet import Fleet
 from stoker.server.hooks import AdmissionInfo, FallbackEvent, FinishedRecord
-from stoker.server.state import OUTSIDE_ENGINE, ServerState
+from stoker.server.state import OUTSIDE_ENGINE, POOLING_ENDPOINTS, ServerState
 from stoker.server.strict_json import StrictJSONResponse
 
 log = logging.getLogger("stoker.control")
@@ -226,7 +226,10 @@ def _finished(record: FinishedRecord) -> None:
         return
     plane = get_plane(request)
     version = record.model_version
-    if version is not None and record.endpoint not in OUTSIDE_ENGINE:
+    if version is not None and record.endpoint in POOLING_ENDPOINTS:
+        ok = record.status < 400
+        plane.metrics.observe_version(record.model, version, ok, None, time.time() - record.started)
+    elif version is not None and record.endpoint not in OUTSIDE_ENGINE:
         first = record.times[0] if record.times else None
         plane.metrics.observe_version(
             record.model,

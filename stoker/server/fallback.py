@@ -33,6 +33,7 @@ Attempt = Callable[[ModelVersion], Awaitable[Response]]
 async def serve_from_chain(state: ServerState, name: str | None, attempt: Attempt) -> Response:
     state.check_accepting()
     chain = state.fleet.chain(name)
+    state.fleet.check_kind(chain[0], "generate", "generation")
     first_error: APIError | None = None
     reason = "unavailable"
     for position, model in enumerate(chain):

@@ -40,7 +40,9 @@ from typing import Any, Literal, TypeVar
 
 from stoker.config import EngineConfig, default_model_path
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
+from stoker.engine.pooling import PoolingEngine
 from stoker.errors import APIError
+from stoker.models.cross_encoder import ModelKind, model_kind
 from stoker.models.digest import DigestCancelled, check_digest_syntax, model_digest
 from stoker.models.identity import model_name
 from stoker.models.tokenizer import Tokenizer
@@ -68,6 +70,12 @@ few of its KV cache's pages touched yet."""
 
 T = TypeVar("T")
 
+KIND_WORDS: dict[ModelKind, str] = {"generate": "a chat model (kind generate)", "rerank": "a reranker (kind rerank)"}
+KIND_ENDPOINTS: dict[ModelKind, str] = {
+    "generate": "it serves chat, completions, responses and messages",
+    "rerank": "it serves /v1/rerank and /v1/score",
+}
+
 VersionStatus = Literal["loading", "serving", "canary", "draining", "unloaded", "failed"]
 
 
@@ -92,6 +100,9 @@ class ModelSpec:
     """"sha256:<hex>" the files must have (stoker.models.digest), or None: not pinned."""
     named: bool = True
     """False for a bare path: the name is then the model's own (its config's), known once loaded."""
+    kind: ModelKind = "generate"
+    """What it serves, from its config.json (stoker.models.cross_encoder.model_kind): "generate" runs in an
+    engine process; "rerank" (a sequence classifier) in the front end, for /v1/rerank and /v1/score."""
 
 
 def checked_pin(digest: str | None) -> str | None:
@@ -119,9 +130,10 @@ def checked_spec(name: str | None, path: str, digest: str | None) -> ModelSpec:
         raise FleetError("no path; expected NAME=PATH[@sha256:DIGEST]", param="path")
     pinned = checked_pin(digest)
     check_model_file(path)
+    kind = model_kind(path)
     if name is None:
-        return ModelSpec(model_name(path), path, pinned, named=False)
-    return ModelSpec(checked_name(name), path, pinned)
+        return ModelSpec(model_name(path), path, pinned, named=False, kind=kind)
+    return ModelSpec(checked_name(name), path, pinned, kind=kind)
 
 
 def check_model_file(path: str) -> None:
@@ -250,7 +262,7 @@ def plan_models(model: str | None, extra: list[str], served_model_name: str | No
             "--served-model-name names a server's only model; with several, use --model NAME=PATH for each"
         )
     if served_model_name:
-        specs[0] = ModelSpec(check_name(served_model_name), specs[0].path, specs[0].digest)
+        specs[0] = ModelSpec(check_name(served_model_name), specs[0].path, specs[0].digest, kind=specs[0].kind)
     seen: set[str] = set()
     for spec in specs:
         if spec.name in seen:
@@ -273,6 +285,10 @@ def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSp
         check_model_names(parse_parser_choices(server.reasoning_parser), [s.name for s in specs])
     except ValueError as exc:
         raise FleetError(str(exc)) from None
+    kinds = {s.name: s.kind for s in specs}
+    for head, targets in chains.items():
+        if any(kinds[t] != kinds[head] for t in targets):
+            raise FleetError(f"--fallback {head}={','.join(targets)}: a chain's models must all be of one kind")
     return specs, chains
 
 
@@ -384,6 +400,15 @@ class ModelVersion:
         return f"v{self.number}"
 
     @property
+    def kind(self) -> ModelKind:
+        return self.spec.kind
+
+    @property
+    def pooling(self) -> PoolingEngine | None:
+        """A reranker's in-process backend; None for a chat model's engine."""
+        return self.engine if isinstance(self.engine, PoolingEngine) else None
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 
@@ -441,6 +466,7 @@ class ModelVersion:
         info = self.engine.info
         return {
             "version": self.label,
+            "kind": self.kind,
             "path": os.path.abspath(self.spec.path),
             "digest": self.digest,
             "status": self.status,
@@ -534,6 +560,7 @@ class Fleet:
         make_engine: Callable[[EngineConfig], AsyncEngineClient],
         make_grammars: Callable[[Any], GrammarChecker],
         max_memory: int | None = None,
+        make_pooling_engine: Callable[[EngineConfig], AsyncEngineClient] = PoolingEngine,
         drain_timeout: float = 30.0,
         model_roots: Sequence[str] = (),
         max_models: int = 8,
@@ -552,6 +579,7 @@ class Fleet:
         self.reasoning_parsers = reasoning_parsers or ParserChoices()
         self._pending: list[PendingLoad] = []
         self._make_engine = make_engine
+        self._make_pooling_engine = make_pooling_engine
         self._make_grammars = make_grammars
         self._numbers: dict[str, int] = {}
         self._initial = [self._new_version(spec) for spec in specs]
@@ -567,10 +595,9 @@ class Fleet:
         self._numbers[spec.name] = number
         update: dict[str, Any] = {"model": spec.path, "served_model_name": spec.name if spec.named else None}
         config = self.base_config.model_copy(update=update)
+        make = self._make_pooling_engine if spec.kind == "rerank" else self._make_engine
         parser = self.reasoning_parsers.for_model(spec.name)
-        return ModelVersion(
-            spec.name, number, spec, self._make_engine(config), self._make_grammars, reasoning_parser=parser
-        )
+        return ModelVersion(spec.name, number, spec, make(config), self._make_grammars, reasoning_parser=parser)
 
     async def _measure(self, spec: ModelSpec) -> int:
         """The model's weights on disk, measured in a bounded worker."""
@@ -713,6 +740,18 @@ class Fleet:
     def pick(self, model: ServedModel) -> ModelVersion:
         return model.pick()
 
+    @staticmethod
+    def check_kind(model: ServedModel, kind: ModelKind, endpoint: str) -> None:
+        """400 naming the model's kind unless it is kind (a reranker asked to chat, a chat model to rerank)."""
+        if model.stable.kind != kind:
+            raise APIError(
+                400,
+                f"model {model.name} is {KIND_WORDS[model.stable.kind]}: it does not serve {endpoint} "
+                f"({KIND_ENDPOINTS[model.stable.kind]})",
+                param="model",
+                code="wrong_model_kind",
+            )
+
     def check_available(self, model: ServedModel) -> None:
         """503 unless the model can take a request now."""
         if not model.available:
@@ -731,8 +770,13 @@ class Fleet:
         pinned = checked_pin(digest)
         checked_name(name)
         roots = list(self.model_roots)
-        real = await in_worker(lambda _: allowed_model_path(path, roots), self.check_timeout, f"model {name}: {path}")
-        return ModelSpec(name, real, pinned)
+
+        def check(_: threading.Event) -> tuple[str, ModelKind]:
+            real = allowed_model_path(path, roots)
+            return real, model_kind(real)
+
+        real, kind = await in_worker(check, self.check_timeout, f"model {name}: {path}")
+        return ModelSpec(name, real, pinned, kind=kind)
 
     def _check_room(self, spec: ModelSpec, existing: ServedModel | None) -> None:
         """FleetError unless the admin load may start now."""
@@ -755,6 +799,15 @@ class Fleet:
         existing = self.models.get(spec.name)
         if existing is None and canary_percent is not None:
             raise FleetError(f"model {spec.name} is not loaded: a canary needs a stable version to share traffic with")
+        if existing is not None and existing.stable.kind != spec.kind:
+            # Its clients call the endpoints of its kind: a new version must serve the same ones.
+            raise FleetError(
+                f"model {spec.name} is a {existing.stable.kind} model and {spec.path} a {spec.kind} one: "
+                "load it under another name",
+                409,
+                "model_kind_mismatch",
+                "path",
+            )
         if self.base_config.kv_events_endpoint:
             # A second engine could not bind the endpoint the first one publishes on, and a router
             # reading it would file both engines' blocks under one replica.

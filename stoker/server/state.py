@@ -85,6 +85,7 @@ class ServerState:
     def version_for(self, name: str | None) -> ModelVersion:
         """A ready version of the named model for a request without fallback (tokenize, ...)."""
         model = self.resolve(name)
+        self.fleet.check_kind(model, "generate", "generation or tokenization")
         self.fleet.check_available(model)
         return self.fleet.pick(model)
 
@@ -101,7 +102,9 @@ async def run_before_hooks(request: Request) -> None:
 
 # Endpoints whose work never enters an engine's queue: admitted against the
 # key's quotas (model allow-list, budget, rate) but not against engine capacity.
-OUTSIDE_ENGINE = frozenset({"embedding", "tokenize", "detokenize", "render", "count_tokens"})
+OUTSIDE_ENGINE = frozenset({"embedding", "tokenize", "detokenize", "render", "count_tokens", "rerank", "score"})
+POOLING_ENDPOINTS = frozenset({"rerank", "score"})
+"""Outside the engine, yet served by a fleet model's version (a reranker): metered per version as generation is."""
 
 
 @contextlib.asynccontextmanager
