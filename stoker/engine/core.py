@@ -40,6 +40,7 @@ from stoker.engine.params import (
     SamplingParams,
 )
 from stoker.engine.pins import PrefixAnswer, PrefixCommand, PrefixPins
+from stoker.engine.reasoning import SequenceReasoning
 from stoker.engine.request import Request
 from stoker.engine.runner import ModelRunner, kv_bytes_per_block
 from stoker.engine.sampler import SampleRow, prepare
@@ -371,6 +372,8 @@ class EngineCore:
                 prepared,
             )
             r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
+            if params.reasoning is not None:
+                r.reasoning = SequenceReasoning(params, params.reasoning, self.tokenizer, prompt, vocab)
             if grammar is not None:
                 r.grammar = SequenceGrammar(grammar.deep_copy(), vocab, self.tokenizer.eos_token_id)
             samples.append(r)

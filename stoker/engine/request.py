@@ -19,6 +19,7 @@ from stoker.engine.sampler import PreparedParams, prepare
 
 if TYPE_CHECKING:
     from stoker.engine.detokenizer import IncrementalDetokenizer
+    from stoker.engine.reasoning import SequenceReasoning
     from stoker.engine.structured import SequenceGrammar
 
 
@@ -89,6 +90,9 @@ class Request:
         self.grammar: SequenceGrammar | None = None
         """With params.grammar: this sequence's matcher, advanced by every appended
         token (by the scheduler); kept across preemption, which keeps the tokens."""
+        self.reasoning: SequenceReasoning | None = None
+        """With params.reasoning: this sequence's phases and thinking text
+        (stoker/engine/reasoning.py); self.detokenizer then sees the answer only."""
 
     @property
     def key(self) -> tuple[str, int]:
@@ -114,6 +118,8 @@ class Request:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
         self.pending_token_ids.append(token_id)
+        if self.reasoning is not None:
+            self.reasoning.accept(token_id)
         if self.times.first_token is None:
             self.times.first_token = now
         self.times.last_token = now
@@ -149,7 +155,11 @@ class Request:
         stop_string: str | None = None
         if self.detokenizer is not None:
             # The detokenizer holds back text that may start a stop string; finished releases it.
-            delta = self.detokenizer.add([token], finished=reason is not None)
+            finished = reason is not None
+            if self.reasoning is None:
+                delta = self.detokenizer.add([token], finished)
+            else:
+                delta = self.detokenizer.add(self.reasoning.route_text(finished), finished)
             self.pending_text += delta.text
             stop_string = delta.stop_string
         if stop_string is not None:
@@ -182,6 +192,8 @@ class Request:
             prompt_logprobs=prompt_logprobs,
             num_draft_tokens=self.num_draft_tokens if self.is_finished else 0,
             num_accepted_draft_tokens=self.num_accepted_draft_tokens if self.is_finished else 0,
+            new_reasoning_text=self.reasoning.take_text() if self.reasoning is not None else "",
+            num_reasoning_tokens=self.reasoning.state.num_tokens if self.reasoning is not None else 0,
         )
         self.pending_token_ids, self.pending_logprobs, self.pending_text = [], [], ""
         return out

@@ -137,6 +137,12 @@ class Scheduler:
             bitmask = None
             if request.grammar is not None and bitmasks:
                 bitmask, draft_bitmasks = bitmasks[0], bitmasks[1 : 1 + len(drafts)]
+            elif request.reasoning is not None:
+                # Forced marker tokens, and the grammar only once the answer starts.
+                started = time.perf_counter()
+                bitmask = request.reasoning.state.step_bitmask(request.grammar)
+                if request.grammar is not None:
+                    self._step_mask_seconds += time.perf_counter() - started
             elif request.grammar is not None:
                 started = time.perf_counter()
                 bitmask = request.grammar.next_bitmask()
@@ -185,13 +191,19 @@ class Scheduler:
             asked = r.params.num_speculative_tokens
             if asked is not None:
                 limit = min(limit, asked)
+            if r.reasoning is not None and not r.reasoning.state.may_draft:
+                limit = 0
             if limit > 0:
                 wanted.append((r.key, r.token_ids, limit))
         drafts = self.speculator.drafts(wanted)
         masks: dict[RequestKey, list[torch.Tensor]] = {}
         for key, guesses in drafts.items():
-            grammar = self.requests[key].grammar
-            if grammar is not None:
+            request = self.requests[key]
+            grammar = request.grammar
+            if request.reasoning is not None and not request.reasoning.state.answering:
+                # Thinking: unconstrained, up to where the budget or the answer's grammar needs a mask.
+                drafts[key] = guesses[: request.reasoning.state.drafts_within_phase(guesses, grammar is not None)]
+            elif grammar is not None:
                 started = time.perf_counter()
                 checked = grammar.check_drafts(guesses, self.eos_token_ids)
                 self._step_mask_seconds += time.perf_counter() - started
@@ -367,7 +379,7 @@ class Scheduler:
                 if logprobs is not None:
                     r.pending_logprobs.append(logprobs[i])
                 self.num_generation_tokens += 1
-                if r.grammar is not None:
+                if r.grammar is not None and (r.reasoning is None or r.reasoning.last.answer):
                     r.grammar.accept(token)
                     if r.grammar.error is not None:  # the mask allowed it, so never expected
                         r.finish(FinishReason.ABORT, error=f"grammar: {r.grammar.error}")
