@@ -137,6 +137,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-prefix-len", type=int, default=0, help="tokens of common prefix (prefix-cache workload)")
     g.add_argument("--num-prefixes", type=int, default=1, help="distinct shared prefixes, used round robin")
     g.add_argument(
+        "--prefix-fill",
+        action="store_true",
+        help="before measuring, send each shared prefix alone to each server once (unrecorded): "
+        "every prefix is computed, and a disk tier holds it, before a run starts",
+    )
+    g.add_argument(
+        "--between-runs",
+        default=None,
+        metavar="CMD",
+        help="shell command run before each measured run, e.g. one that restarts the server "
+        "($STOKER_BENCH_URL, _TARGET, _STAGE, _REPETITION say which run); then /ready must answer 200",
+    )
+    g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for /ready after --between-runs")
+    g.add_argument(
         "--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model"
     )
     g.add_argument("--seed", type=int, default=0)
@@ -310,8 +324,18 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         timeout=args.timeout,
         warmup=args.warmup,
         seed=args.seed,
+        between_runs=args.between_runs,
+        ready_timeout=args.ready_timeout,
     )
     t = time.perf_counter()
+    if args.prefix_fill:
+        if args.shared_prefix_len <= 0 or args.dataset or args.workload != "random":
+            console.print("[red]--prefix-fill needs --shared-prefix-len (and the random workload)[/red]")
+            return 2
+        from stoker.bench.workload import load_tokenizer, prefix_fill
+
+        tok = tok or load_tokenizer(args.tokenizer)
+        cfg.prefix_fill = prefix_fill(tok, args.shared_prefix_len, args.num_prefixes, args.seed)
     workload = functools.lru_cache(maxsize=2)(build_workload(args, tok))  # k=0 is printed, then run
     specs = workload(0)
     lens = [s.input_len for s in specs if s.input_len is not None]
@@ -320,6 +344,8 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
         + f" (built in {time.perf_counter() - t:.1f}s)"
     )
+    if args.shared_prefix_len > 0:
+        await serve.print_prefix_working_set(console, cfg, args.shared_prefix_len, args.num_prefixes)
 
     progress = report.make_progress(console)
     state: dict[str, Any] = {"task": None, "failed": 0}

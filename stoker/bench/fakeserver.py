@@ -20,7 +20,10 @@ class FakeServer:
     "500" / "429" / "503": that HTTP status for every request;
     "alternate": every other request gets 503;
     "midstream": two chunks, then an SSE error event;
-    "drop": two chunks, then the connection closes without [DONE]."""
+    "drop": two chunks, then the connection closes without [DONE].
+    `prefix_cache` reports, as usage.prompt_tokens_details.cached_tokens, the
+    longest run of words a prompt shares with the start of an earlier one.
+    GET /ready answers 200."""
 
     def __init__(
         self,
@@ -30,9 +33,12 @@ class FakeServer:
         fail: str | None = None,
         model: str = "fake-model",
         max_stream: int = 4096,
+        prefix_cache: bool = False,
     ) -> None:
         self.tokens, self.ttft, self.itl, self.fail = tokens, ttft, itl, fail
         self.model, self.max_stream = model, max_stream
+        self.prefix_cache = prefix_cache
+        self._prompts: list[list[str]] = []
         self.requests: list[dict[str, Any]] = []
         """(path, headers, body) of every request received, for assertions."""
         self._server: asyncio.base_events.Server | None = None
@@ -81,6 +87,8 @@ class FakeServer:
     ) -> None:
         if method == "GET" and path.rstrip("/") == "/v1/models":
             return await self._json(w, 200, {"object": "list", "data": [{"id": self.model, "object": "model"}]})
+        if method == "GET" and path == "/ready":
+            return await self._json(w, 200, {"ready": True})
         if path not in ("/v1/completions", "/v1/chat/completions"):
             return await self._json(w, 404, {"error": {"message": f"no route {path}"}})
         status = self.fail if self.fail in ("500", "429", "503") else None
@@ -127,13 +135,23 @@ class FakeServer:
             await event(chunk(f" t{i}", "length" if i == n - 1 else None))
         if (body.get("stream_options") or {}).get("include_usage"):
             prompt = body.get("prompt") or " ".join(m.get("content", "") for m in body.get("messages", []))
-            usage = {
+            usage: dict[str, object] = {
                 "prompt_tokens": len(str(prompt).split()),
                 "completion_tokens": n,
                 "total_tokens": len(str(prompt).split()) + n,
             }
+            if self.prefix_cache:
+                usage["prompt_tokens_details"] = {"cached_tokens": self._cached_words(str(prompt).split())}
             await event({**chunk(None), "choices": [], "usage": usage})
         await event("[DONE]")
+
+    def _cached_words(self, words: list[str]) -> int:
+        best = 0
+        for earlier in self._prompts:
+            shared = next((i for i, (a, b) in enumerate(zip(words, earlier)) if a != b), min(len(words), len(earlier)))
+            best = max(best, shared)
+        self._prompts.append(words)
+        return best
 
     async def _json(self, w: asyncio.StreamWriter, status: int, obj: dict[str, Any]) -> None:
         data = json.dumps(obj).encode()

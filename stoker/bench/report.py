@@ -45,6 +45,9 @@ def throughput_rows(merged: Sequence[dict[str, Any]]) -> Rows:
     costed = any("cost_per_million_output" in m["summary"] for m in merged)
     if costed:
         header += ["$/1M out", "$/1M total"]
+    cached = any(m["summary"].get("cached_share") is not None for m in merged)
+    if cached:
+        header += ["cached"]
     rows = []
     for m in merged:
         s = m["summary"]
@@ -66,6 +69,11 @@ def throughput_rows(merged: Sequence[dict[str, Any]]) -> Rows:
             + (
                 [_num(s.get("cost_per_million_output"), ".3f"), _num(s.get("cost_per_million_total"), ".3f")]
                 if costed
+                else []
+            )
+            + (
+                [_num(s["cached_share"] * 100, ".0f") + "%" if s.get("cached_share") is not None else "-"]
+                if cached
                 else []
             )
         )

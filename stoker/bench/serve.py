@@ -10,16 +10,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import httpx
 
 from stoker.bench.stats import RequestResult, alternating_schedule, summarize
 from stoker.bench.workload import RequestSpec, as_messages, as_prompt
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 @dataclass
@@ -63,6 +68,17 @@ class BenchConfig:
     warmup: int = 1
     seed: int = 0
     extra_body: dict[str, object] = field(default_factory=dict)
+    prefix_fill: list[RequestSpec] = field(default_factory=list)
+    """Sent to each target once after its warm-up, unrecorded, one at a time: the
+    shared prefixes alone, so every one is computed before a run measures."""
+    between_runs: str | None = None
+    """Shell command run before each measured run (a restart step, say); then the
+    target's /ready (or /health) must answer 200 within ready_timeout."""
+    ready_timeout: float = 600.0
+
+
+class BetweenRunsError(RuntimeError):
+    """The --between-runs command failed, or the target was not ready after it."""
 
 
 def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
@@ -154,6 +170,9 @@ async def send_request(
         return r
     if usage:
         r.prompt_tokens = int(usage.get("prompt_tokens") or r.prompt_tokens)
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            r.cached_tokens = int(details["cached_tokens"])
         r.output_tokens = int(usage.get("completion_tokens") or chunks)
     else:  # without usage, one content chunk is taken as one token
         r.output_tokens = chunks
@@ -225,6 +244,66 @@ async def discover_model(client: httpx.AsyncClient, target: Target, cfg: BenchCo
         return None
 
 
+async def wait_ready(client: httpx.AsyncClient, target: Target, cfg: BenchConfig) -> None:
+    """Until the target's /ready answers 200 (/health where it has no /ready: vLLM, llama.cpp)."""
+    deadline = time.perf_counter() + cfg.ready_timeout
+    path = "/ready"
+    while True:
+        try:
+            status = (await client.get(f"{target.url}{path}", headers=_headers(cfg))).status_code
+        except httpx.HTTPError:
+            status = None  # restarting: not listening yet
+        if status == 200:
+            return
+        if status == 404 and path == "/ready":
+            path = "/health"
+            continue
+        if time.perf_counter() > deadline:
+            raise BetweenRunsError(f"{target.url}{path} did not answer 200 within {cfg.ready_timeout:g} s")
+        await asyncio.sleep(0.5)
+
+
+async def run_between(client: httpx.AsyncClient, cfg: BenchConfig, target: Target, stage: Stage, rep: int) -> None:
+    """The --between-runs command before one measured run, told which in its environment."""
+    assert cfg.between_runs is not None
+    env = {
+        **os.environ,
+        "STOKER_BENCH_URL": target.url,
+        "STOKER_BENCH_TARGET": target.label,
+        "STOKER_BENCH_STAGE": stage.label,
+        "STOKER_BENCH_REPETITION": str(rep),
+    }
+    process = await asyncio.create_subprocess_shell(cfg.between_runs, env=env)
+    code = await process.wait()
+    if code != 0:
+        raise BetweenRunsError(
+            f"--between-runs exited with {code} before the run {target.label} {stage.label} #{rep}: {cfg.between_runs}"
+        )
+    await wait_ready(client, target, cfg)
+
+
+async def kv_capacity_tokens(client: httpx.AsyncClient, target: Target, cfg: BenchConfig) -> int | None:
+    """The tokens a server's KV cache holds, as SGLang's /server_info says (stoker answers it
+    in open mode or to a router or admin key); None where it does not say."""
+    try:
+        response = await client.get(f"{target.url}/server_info", headers=_headers(cfg))
+        value = response.json().get("max_total_num_tokens") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
+async def print_prefix_working_set(console: Console, cfg: BenchConfig, length: int, count: int) -> None:
+    """How many of the shared prefixes each server's KV cache can hold at once: a
+    workload meant to overflow the RAM tier should say that it does."""
+    console.print(f"shared prefixes: {count} x {length} tokens = {count * length} tokens")
+    async with httpx.AsyncClient(timeout=10) as client:
+        for target in cfg.targets:
+            capacity = await kv_capacity_tokens(client, target, cfg)
+            if capacity is not None:
+                console.print(f"  {target.label}: KV cache {capacity} tokens, holds {capacity // length} of them")
+
+
 Workload = list[RequestSpec] | Callable[[int], list[RequestSpec]]
 
 
@@ -260,6 +339,19 @@ async def run_bench(
                     time.perf_counter(),
                     None,
                 )
+            url = f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}"
+            for i, spec in enumerate(cfg.prefix_fill):
+                filled = await send_request(
+                    client,
+                    url,
+                    build_payload(spec, cfg, target.model),
+                    _headers(cfg),
+                    -1 - i,
+                    time.perf_counter(),
+                    None,
+                )
+                if not filled.ok:
+                    raise BetweenRunsError(f"filling prefix {i} on {target.label} failed: {filled.error}")
         for s_index, stage in enumerate(cfg.stages):
             specs: list[RequestSpec] = []
             for rep, label in alternating_schedule([t.label for t in cfg.targets], cfg.repeats):
@@ -268,6 +360,8 @@ async def run_bench(
                     if not specs:
                         raise ValueError("empty workload")
                 target = next(t for t in cfg.targets if t.label == label)
+                if cfg.between_runs:
+                    await run_between(client, cfg, target, stage, rep)
                 if on_run:
                     on_run(target, stage, rep, cfg.num_requests)
                 results, duration = await run_stage(client, target, stage, specs, cfg, on_done, rep)

@@ -37,6 +37,8 @@ class RequestResult:
     e2e: float | None = None
     prompt_tokens: int = 0
     output_tokens: int = 0
+    cached_tokens: int | None = None
+    """Prompt tokens the server served from its prefix cache (usage.prompt_tokens_details), when it says."""
 
     @property
     def tpot(self) -> float | None:
@@ -123,6 +125,12 @@ def summarize(results: Sequence[RequestResult], duration: float, slo: dict[str, 
         "output_tok_s": out_tokens / duration,
         "total_tok_s": (in_tokens + out_tokens) / duration,
         "req_s": len(ok) / duration,
+        # Share of the prompt tokens served from the prefix cache, by the servers' own usage; None if none said.
+        "cached_share": (
+            sum(r.cached_tokens or 0 for r in ok) / max(1, in_tokens)
+            if any(r.cached_tokens is not None for r in ok)
+            else None
+        ),
     }
     summary["ttft"] = percentiles([r.ttft for r in ok if r.ttft is not None])
     summary["itl"] = percentiles([x for r in ok for x in r.itls])

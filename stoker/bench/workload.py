@@ -194,7 +194,7 @@ def synthetic(
     tokens. chat_overhead is subtracted so the templated prompt hits the length.
     Each `variant` draws new prompts (and lengths) but keeps the same prefixes."""
     rng = random.Random(seed)
-    prefixes = [fit_text(tok, rng, shared_prefix_len) for _ in range(num_prefixes)] if shared_prefix_len > 0 else []
+    prefixes = shared_prefixes(tok, rng, shared_prefix_len, num_prefixes)
     if variant:
         rng = random.Random(f"{seed}/{variant}")
     in_lens = input_len.sample(rng, num)
@@ -211,6 +211,20 @@ def synthetic(
             RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i], prefix_group=group)
         )
     return specs
+
+
+def shared_prefixes(tok: Tokenizer, rng: random.Random, length: int, count: int) -> list[str]:
+    """The `count` shared prefixes of `length` tokens that synthetic() starts its prompts with."""
+    return [fit_text(tok, rng, length) for _ in range(count)] if length > 0 else []
+
+
+def prefix_fill(tok: Tokenizer, length: int, count: int, seed: int = 0) -> list[RequestSpec]:
+    """Each shared prefix of synthetic(seed=seed) alone, one token asked for: sent
+    before a run, it computes every prefix once (and a disk tier writes it)."""
+    return [
+        RequestSpec(prompt=text, input_len=length, output_len=1, prefix_group=group)
+        for group, text in enumerate(shared_prefixes(tok, random.Random(seed), length, count))
+    ]
 
 
 _SUBJECTS = ["the captain", "a teacher", "the old doctor", "our neighbour", "the station master", "a young engineer"]
