@@ -220,7 +220,12 @@ def test_schema_and_tool_call_after_thinking(client: openai.OpenAI) -> None:
         "type": "function",
         "function": {
             "name": "get_weather",
-            "parameters": {"type": "object", "properties": {"city": {"enum": ["Rome", "Oslo"]}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["Rome", "Oslo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
         },
     }
     reply = client.chat.completions.create(
@@ -229,6 +234,7 @@ def test_schema_and_tool_call_after_thinking(client: openai.OpenAI) -> None:
         max_tokens=60,
         tools=[weather],
         tool_choice="required",
+        parallel_tool_calls=False,
         extra_body=GREEDY,  # type: ignore[list-item,arg-type]
     )
     message = reply.choices[0].message
@@ -248,9 +254,11 @@ def test_responses_reasoning_item(client: openai.OpenAI) -> None:
     assert response.output_text == chat.choices[0].message.content
     assert response.usage.output_tokens_details.reasoning_tokens == DEFAULT_BUDGET + 1  # type: ignore[union-attr]
 
-    with client.responses.stream(model="r1", input=ASK[0]["content"], max_output_tokens=16, temperature=0) as stream:
-        deltas = [e.delta for e in stream if e.type == "response.reasoning_text.delta"]
-        final = stream.get_final_response()
+    events = list(
+        client.responses.create(model="r1", input=ASK[0]["content"], max_output_tokens=16, temperature=0, stream=True)
+    )
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    final = events[-1].response  # response.incomplete: max_output_tokens cut the answer, as in the reply above
     assert "".join(deltas) == thinking and [item.type for item in final.output] == ["reasoning", "message"]
     assert final.output_text == response.output_text
 
