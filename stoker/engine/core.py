@@ -92,6 +92,13 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         model_path = config.resolved_model_path()
+        digest: Future[str] | None = None
+        if config.kv_cache_disk:
+            # The disk tier's folder is keyed by the weights' digest: hashed while they load
+            # (hashlib releases the GIL), not after.
+            digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-digest")
+            digest = digesting.submit(model_digest, model_path)
+            digesting.shutdown(wait=False)
         quantized_weights = weights_stay_quantized(model_path, str(self.device), config.quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.dtype, quantized_weights)
@@ -130,7 +137,8 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype)
         self.disk: DiskTier | None = None
         if config.kv_cache_disk:
-            self.disk = self._disk_tier(config, model_path, kv_dtype, per_block, kv_log)
+            assert digest is not None
+            self.disk = self._disk_tier(config, digest.result(), kv_dtype, per_block, kv_log)
         self.pins = PrefixPins(self.disk.store if self.disk is not None else None, block_size)
         self.speculator: Speculator | None = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
@@ -179,13 +187,13 @@ class EngineCore:
         )
 
     def _disk_tier(
-        self, config: EngineConfig, model_path: str, kv_dtype: torch.dtype, block_bytes: int, kv_log: KVEventLog | None
+        self, config: EngineConfig, digest: str, kv_dtype: torch.dtype, block_bytes: int, kv_log: KVEventLog | None
     ) -> DiskTier:
         """The prefix cache's disk tier, its folder keyed by what makes a block's bytes valid."""
         assert config.kv_cache_disk is not None and config.kv_cache_disk_size is not None
         started = time.perf_counter()
         layout = DiskLayout(
-            model_digest(model_path),
+            digest,
             str(kv_dtype).removeprefix("torch."),
             config.block_size,
             block_bytes,
