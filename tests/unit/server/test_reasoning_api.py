@@ -101,6 +101,20 @@ def test_what_the_prompt_did_about_the_thinking(folders: dict[str, Path]) -> Non
     assert request_budget(None, None, 7) == 7 and request_budget("none", None, None) == 0
 
 
+def test_settings() -> None:
+    from stoker.server.config import ServerConfig, env_values
+    from stoker.server.reasoning import reasoning_fields
+
+    config = ServerConfig.model_validate(env_values(ServerConfig, {"STOKER_REASONING_PARSER": "none r1=deepseek_r1"}))
+    assert parse_parser_choices(config.reasoning_parser).for_model("r1") == "deepseek_r1"
+    with pytest.raises(ValueError, match="qwen4"):
+        ServerConfig(reasoning_parser=["qwen4"])
+    with pytest.raises(ValueError, match="reasoning_budget"):
+        ServerConfig(reasoning_budget=-1)
+    assert reasoning_fields("t", "both") == {"reasoning_content": "t", "reasoning": "t"}
+    assert reasoning_fields("t", "reasoning") == {"reasoning": "t"}
+
+
 # ---- a real server ---------------------------------------------------------------
 
 
@@ -241,6 +255,27 @@ def test_schema_and_tool_call_after_thinking(client: openai.OpenAI) -> None:
     assert reply.choices[0].finish_reason == "tool_calls" and extra(message, "reasoning_content")
     call = message.tool_calls[0]  # type: ignore[index]
     assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Rome", "Oslo")  # type: ignore[union-attr]
+
+    # Streamed with a named function: the thinking first, then the call opens and its arguments follow.
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    chunks = client.chat.completions.create(
+        model="r1",
+        messages=ASK,
+        max_tokens=60,
+        tools=[weather],
+        tool_choice=named,
+        stream=True,
+        extra_body=GREEDY,  # type: ignore[list-item,arg-type]
+    )
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    thinking_at = [i for i, d in enumerate(deltas) if extra(d, "reasoning_content")]
+    calls_at = [i for i, d in enumerate(deltas) if d.tool_calls]
+    assert thinking_at and calls_at and max(thinking_at) < min(calls_at)
+    assert "".join(str(extra(deltas[i], "reasoning_content")) for i in thinking_at) == extra(
+        message, "reasoning_content"
+    )
+    arguments = "".join(d.tool_calls[0].function.arguments or "" for d in deltas if d.tool_calls)  # type: ignore[index,union-attr]
+    assert json.loads(arguments)["city"] in ("Rome", "Oslo")
 
 
 def test_responses_reasoning_item(client: openai.OpenAI) -> None:
