@@ -198,6 +198,10 @@ class DiskBlockStore:
         with self._lock:
             return block_hash in self._index or block_hash in self._queued
 
+    def record_miss(self) -> None:
+        """A lookup that found its first block neither in RAM nor here (counted with the read misses)."""
+        self._count("misses")
+
     def read(self, block_hash: bytes) -> StoredBlock | None:
         """The block, verified; None (a miss) when absent, unreadable or corrupt (then removed)."""
         path = self.path(block_hash)

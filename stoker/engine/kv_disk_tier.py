@@ -154,8 +154,11 @@ class DiskTier:
         for i in range(len(cached), max_blocks):
             parent = chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
             hashes.append(parent)
-        if not hashes or not self.store.contains(hashes[0]):
+        if not hashes:
+            return Fetch.NOTHING
+        if not self.store.contains(hashes[0]):
             self._tried[key] = len(cached)
+            self.store.record_miss()
             return Fetch.NOTHING
         if self._loads:
             # One read at a time (there is one reader): requests sharing a prefix then read it
