@@ -20,6 +20,7 @@ from typing import Literal
 
 import numpy as np
 from safetensors.numpy import load_file
+from threadpoolctl import threadpool_limits
 
 from stoker.models.embedding import Array, _EncoderLayer, _LayerNorm, _Linear
 from stoker.models.tokenizer import backend_from_file
@@ -95,6 +96,9 @@ class CrossEncoder:
         self.tokenizer = backend_from_file(os.path.join(path, "tokenizer.json"))
         self.special_tokens = self.tokenizer.num_special_tokens_to_add(is_pair=True)
         self._load_weights(os.path.join(path, "model.safetensors"), ARCHITECTURES[architecture])
+        # As the embedding model: the engine processes own the cores, the front end's BLAS
+        # stays on one thread (a process-wide setting).
+        threadpool_limits(limits=1, user_api="blas")
 
     def _load_weights(self, file: str, prefix: str) -> None:
         try:
