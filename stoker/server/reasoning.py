@@ -92,7 +92,14 @@ def check_model_names(choices: ParserChoices, names: Sequence[str]) -> None:
 
 
 def single_token(tokenizer: Any, text: str) -> int | None:
-    """The token id that is exactly text, or None where text takes several tokens."""
+    """The token id that is exactly text, or None where text takes several tokens.
+    The vocabulary is asked first: encoding alone may put a word-start marker
+    before it (SentencePiece's "▁"), which would hide a token that is there."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        found = hf.convert_tokens_to_ids(text)
+        if isinstance(found, int) and found != hf.unk_token_id:
+            return found
     ids = tokenizer.encode(text, add_special_tokens=False)
     return int(ids[0]) if len(ids) == 1 else None
 
