@@ -3,21 +3,9 @@
 A block is filed under DIR/<layout key>/<first hash byte>/<block hash>.kv, so
 blocks of another model, KV dtype, block size or layout version never meet
 (their folders differ) and several servers pointing at one DIR share the
-blocks of the model they serve. A file is
-
-    header   magic "STKV", format version, layout key, block hash, parent hash,
-             number of tokens, payload length (HEADER below, little endian)
-    tokens   the block's token ids, int64 each
-    payload  K and V of every layer for the block, the cache's own bytes
-    crc32    of everything before it (zlib)
-
-CRC-32 rather than a cryptographic digest: it guards against torn and
-flipped bytes (a crash, a bad disk), which it catches at memory speed; it
-cannot guard against someone who may write to DIR, and neither could an
-unkeyed SHA-256 (they would write a matching one). DIR is created 0700 and
-files 0600 for that reason: they hold prompts' token ids. A read also checks
-that the block hash is the chained hash of (parent hash, tokens) and that the
-layout key is ours; a file that fails any check is removed and never served.
+blocks of the model they serve. The file format and its checks are in
+kv_disk_format.py; a file that fails a check is removed and never served.
+DIR is created 0700 and files 0600: they hold prompts' token ids.
 
 Writes go to a temporary name and are renamed into place, so a reader sees a
 whole file or none. fsync policy: none per block. A killed process loses
@@ -29,7 +17,7 @@ LRU within the size: an index of the files this process knows, oldest use
 first, rebuilt by scanning at start and every RESCAN_S (so blocks other
 processes add count too); a read refreshes the file's mtime, which is what a
 scan orders by. A file another process deleted is a miss; eviction tolerates
-it. Pinned prefixes (pin files under <layout key>/pins/) are never evicted.
+it. Pinned prefixes (kv_disk_pins.py) are never evicted.
 
 Degrade, don't fail: a write that fails (disk full, read-only, gone) puts the
 store in a degraded state (one log line, DiskTierStats.degraded) and writes
@@ -39,82 +27,46 @@ the step loop.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import queue
-import re
 import secrets
-import struct
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from stoker.engine.kv_cache import chain_hash
+from stoker.engine.kv_disk_format import (
+    DiskLayout,
+    StoredBlock,
+    block_file_bytes,
+    decode_block,
+    encode_block,
+)
+from stoker.engine.kv_disk_pins import LABEL, TEMP_PREFIX, PinFolder, PinnedPrefix
+
+__all__ = [  # what callers take from here: the store, and the format's and pins' types it speaks in
+    "LABEL",
+    "DiskBlockStore",
+    "DiskLayout",
+    "DiskTierStats",
+    "PinnedPrefix",
+    "StoredBlock",
+    "block_file_bytes",
+]
 
 log = logging.getLogger("stoker.engine.kv_disk")
 
-LAYOUT_VERSION = 1
-"""Bump when the KV tensors' layout changes (row format, order of layers), so old files stop matching."""
-FORMAT_VERSION = 1
-MAGIC = b"STKV"
-HEADER = struct.Struct("<4sHH32s32s32sIQ")
-"""magic, format version, flags (bit 0: has a parent), layout key, block hash, parent hash, tokens, payload bytes."""
-CHECKSUM = struct.Struct("<I")
 SUFFIX = ".kv"
-TEMP_PREFIX = ".tmp-"
 STALE_TEMP_S = 600.0
 """A temporary file older than this was left by a killed writer (a live one renames within seconds)."""
 RESCAN_S = 30.0
 DEGRADED_RETRY_S = 60.0
 MAX_PENDING_WRITES = 4096
 """Blocks queued for the writer; beyond it a write is dropped (counted), never waited for."""
-LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-@dataclass(frozen=True)
-class DiskLayout:
-    """Everything that makes a block's bytes valid besides its tokens."""
-
-    model_digest: str
-    kv_dtype: str
-    block_size: int
-    block_bytes: int
-    layout_version: int = LAYOUT_VERSION
-
-    @property
-    def key(self) -> bytes:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
-
-
-def block_file_bytes(layout: DiskLayout) -> int:
-    """Size of one block's file: header, token ids, payload, checksum."""
-    return HEADER.size + 8 * layout.block_size + layout.block_bytes + CHECKSUM.size
-
-
-@dataclass(frozen=True)
-class StoredBlock:
-    block_hash: bytes
-    parent_hash: bytes | None
-    token_ids: tuple[int, ...]
-    payload: bytes | bytearray | memoryview
-    """K and V of every layer, layout.block_bytes; read blocks hold a writable view (torch.frombuffer takes it)."""
-
-
-@dataclass(frozen=True)
-class PinnedPrefix:
-    label: str
-    num_tokens: int
-    num_blocks: int
-    created: float
-    """Unix time of the pin."""
-    blocks_on_disk: int
 
 
 @dataclass(frozen=True)
@@ -138,14 +90,6 @@ class DiskTierStats:
     """Why writes are paused (the OS error), None while healthy."""
 
 
-@dataclass(frozen=True)
-class _PinRecord:
-    label: str
-    num_tokens: int
-    created: float
-    block_hashes: list[bytes]
-
-
 class DiskBlockStore:
     """Block files in one layout's folder of `directory`, at most `capacity_bytes` of them."""
 
@@ -155,7 +99,7 @@ class DiskBlockStore:
         self._key = layout.key
         self.root = Path(directory) / self._key.hex()[:32]
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        (self.root / "pins").mkdir(mode=0o700, exist_ok=True)
+        self._pins = PinFolder(self.root / "pins")
         self._lock = threading.Lock()
         self._index: OrderedDict[bytes, int] = OrderedDict()
         """Block hash -> file size, least recently used first."""
@@ -211,7 +155,7 @@ class DiskBlockStore:
             self._forget(block_hash)
             self._count("misses")
             return None
-        block = self._decode(data, block_hash)
+        block = decode_block(data, self.layout, self._key, block_hash)
         if block is None:
             log.warning("KV disk tier: dropped corrupt block file %s", path.name)
             self._remove(block_hash)
@@ -246,42 +190,8 @@ class DiskBlockStore:
             parent = block_hash
         return out
 
-    def _decode(self, data: bytearray, block_hash: bytes) -> StoredBlock | None:
-        if len(data) < HEADER.size + CHECKSUM.size:
-            return None
-        magic, version, flags, key, stored_hash, parent, num_tokens, payload_len = HEADER.unpack_from(data)
-        tokens_end = HEADER.size + 8 * num_tokens
-        if (
-            magic != MAGIC
-            or version != FORMAT_VERSION
-            or key != self._key
-            or stored_hash != block_hash
-            or num_tokens != self.layout.block_size
-            or payload_len != self.layout.block_bytes
-            or len(data) != tokens_end + payload_len + CHECKSUM.size
-            or CHECKSUM.unpack_from(data, len(data) - CHECKSUM.size)[0] != zlib.crc32(memoryview(data)[:-4])
-        ):
-            return None
-        tokens = tuple(struct.unpack_from(f"<{num_tokens}q", data, HEADER.size))
-        parent_hash = parent if flags & 1 else None
-        if chain_hash(parent_hash, tokens) != block_hash:
-            return None
-        return StoredBlock(block_hash, parent_hash, tokens, memoryview(data)[tokens_end : tokens_end + payload_len])
-
     def encode(self, block: StoredBlock) -> bytes:
-        flags = 1 if block.parent_hash is not None else 0
-        header = HEADER.pack(
-            MAGIC,
-            FORMAT_VERSION,
-            flags,
-            self._key,
-            block.block_hash,
-            block.parent_hash or bytes(32),
-            len(block.token_ids),
-            len(block.payload),
-        )
-        body = header + struct.pack(f"<{len(block.token_ids)}q", *block.token_ids) + bytes(block.payload)
-        return body + CHECKSUM.pack(zlib.crc32(body))
+        return encode_block(self._key, block)
 
     # ------------------------------------------------------------- writes
 
@@ -406,7 +316,7 @@ class DiskBlockStore:
         with self._lock:
             self._index = OrderedDict((h, size) for _, h, size in found)
             self._used = sum(self._index.values())
-            self._pinned = {h for pin in self._read_pins() for h in pin.block_hashes}
+            self._pinned = {h for pin in self._pins.records() for h in pin.block_hashes}
             self._last_scan = time.monotonic()
         self._evict_to_size()
 
@@ -447,63 +357,25 @@ class DiskBlockStore:
 
     # --------------------------------------------------------------- pins
 
-    def _pin_path(self, label: str) -> Path:
-        if not LABEL.match(label):
-            raise ValueError(f"pin label {label!r}: 1 to 64 characters of letters, digits, '.', '_', '-'")
-        return self.root / "pins" / f"{label}.json"
-
     def pin(self, label: str, block_hashes: Sequence[bytes], num_tokens: int) -> None:
         """Keep these blocks on disk whatever the LRU says (replacing a pin of the same label)."""
-        path = self._pin_path(label)
-        record = {
-            "label": label,
-            "num_tokens": num_tokens,
-            "created": time.time(),
-            "block_hashes": [h.hex() for h in block_hashes],
-        }
-        temp = path.with_name(f"{TEMP_PREFIX}{os.getpid()}-{secrets.token_hex(6)}")
-        temp.write_text(json.dumps(record))
-        os.replace(temp, path)
+        self._pins.write(label, block_hashes, num_tokens)
         with self._lock:
             self._pinned.update(block_hashes)
 
     def unpin(self, label: str) -> bool:
-        path = self._pin_path(label)
-        try:
-            path.unlink()
-        except FileNotFoundError:
+        if not self._pins.remove(label):
             return False
         with self._lock:
-            self._pinned = {h for pin in self._read_pins() for h in pin.block_hashes}
+            self._pinned = {h for pin in self._pins.records() for h in pin.block_hashes}
         self._evict_to_size()
         return True
 
     def pins(self) -> list[PinnedPrefix]:
         return [
             PinnedPrefix(p.label, p.num_tokens, len(p.block_hashes), p.created, sum(map(self.contains, p.block_hashes)))
-            for p in self._read_pins()
+            for p in self._pins.records()
         ]
-
-    def _read_pins(self) -> list[_PinRecord]:
-        out = []
-        try:
-            paths = sorted((self.root / "pins").glob("*.json"))
-        except OSError:
-            return []
-        for path in paths:
-            try:
-                record = json.loads(path.read_text())
-                out.append(
-                    _PinRecord(
-                        str(record["label"]),
-                        int(record["num_tokens"]),
-                        float(record["created"]),
-                        [bytes.fromhex(h) for h in record["block_hashes"]],
-                    )
-                )
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # deleted meanwhile, or not a pin file
-        return out
 
     # -------------------------------------------------------------- state
 

@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from stoker.engine.kv_cache import chain_hash
-from stoker.engine.kv_disk import CHECKSUM, HEADER, STALE_TEMP_S, TEMP_PREFIX, DiskBlockStore, DiskLayout, StoredBlock
+from stoker.engine.kv_disk import STALE_TEMP_S, DiskBlockStore, DiskLayout, StoredBlock
+from stoker.engine.kv_disk_format import CHECKSUM, HEADER
+from stoker.engine.kv_disk_pins import TEMP_PREFIX
 
 BLOCK_SIZE = 4
 BLOCK_BYTES = 256
