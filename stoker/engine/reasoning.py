@@ -78,6 +78,7 @@ class ReasoningState:
         self.num_budgeted = 0
         """Thinking tokens the budget counts: all but the start marker."""
         self._start_matched = 0
+        self._end = list(params.end_token_ids)
         self._held: list[int] = []
         """The output's last tokens while they are a proper prefix of the end marker."""
 
@@ -110,14 +111,16 @@ class ReasoningState:
             return Routed(answer=[token_id])
         self.num_tokens += 1
         self.num_budgeted += 1
+        end = self._end
+        if not self._held and token_id != end[0]:  # the common case: plain thinking
+            return Routed(thinking=[token_id])
         held = self._held + [token_id]
-        end = params.end_token_ids
-        if len(held) == len(end) and held == list(end):
+        if held == end:
             self._held = []
             self.phase = Phase.ANSWER
             return Routed(thinking_ended=True)
         # Keep the longest suffix that may still begin the end marker; the rest is thinking.
-        keep = next(k for k in range(min(len(held), len(end) - 1), -1, -1) if held[len(held) - k :] == list(end[:k]))
+        keep = next(k for k in range(min(len(held), len(end) - 1), -1, -1) if held[len(held) - k :] == end[:k])
         self._held = held[len(held) - keep :]
         return Routed(thinking=held[: len(held) - keep])
 

@@ -156,12 +156,12 @@ class Request:
         if self.detokenizer is not None:
             # The detokenizer holds back text that may start a stop string; finished releases it.
             finished = reason is not None
-            if self.reasoning is None:
-                delta = self.detokenizer.add([token], finished)
-            else:
-                delta = self.detokenizer.add(self.reasoning.route_text(finished), finished)
-            self.pending_text += delta.text
-            stop_string = delta.stop_string
+            # With reasoning, the request's detokenizer is the answer's: thinking tokens go elsewhere.
+            tokens = [token] if self.reasoning is None else self.reasoning.route_text(finished)
+            if tokens or finished:
+                delta = self.detokenizer.add(tokens, finished)
+                self.pending_text += delta.text
+                stop_string = delta.stop_string
         if stop_string is not None:
             self.finish(FinishReason.STOP, stop_string)
         elif reason is not None:
