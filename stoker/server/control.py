@@ -54,7 +54,7 @@ log = logging.getLogger("stoker.control")
 STATS_INTERVAL = 0.25
 # API routes whose every request gets a log line (health probes, /metrics and the
 # routers' polls of /get_load do not; an operator's /flush_cache does).
-LOGGED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/admin/", "/flush_cache")
+LOGGED_PREFIXES = ("/v1/", "/v2/", "/rerank", "/score", "/tokenize", "/detokenize", "/admin/", "/flush_cache")
 # The engine pushes a snapshot at most ~0.2 s after the fact; requests admitted
 # within this margin before we saw it may not be in it yet.
 STATS_LAG = 0.25

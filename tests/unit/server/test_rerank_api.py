@@ -195,6 +195,15 @@ def test_bounds_answer_400_never_500(server: ServerProcess) -> None:
 
 def test_allow_list_budget_and_usage(server: ServerProcess) -> None:
     body = {"model": "rr", "query": QUERY, "documents": DOCUMENTS[:2]}
+    score = {"model": "rr", "text_1": "a", "text_2": "b"}
+    for path, sent in [
+        ("/v1/rerank", body),
+        ("/rerank", body),
+        ("/v2/rerank", body),
+        ("/v1/score", score),
+        ("/score", score),
+    ]:
+        assert httpx.post(f"{server.url}{path}", json=sent, timeout=30).status_code == 401, path
     refused = post(server, "/v1/rerank", body, key="chat-only")
     assert refused.status_code == 403, refused.text
     assert post(server, "/v1/score", {"model": "xr", "text_1": "a", "text_2": "b"}, key="chat-only").status_code == 403
