@@ -8,12 +8,14 @@ cache's own dtype and rows, scales included) and queued; the store's writer
 thread does the file work.
 
 Fetch: a waiting request whose prompt continues past its RAM hits with a block
-the store holds has its chain read by the store's reader thread; the request
-waits (others are scheduled meanwhile) until the read is done or
-LOAD_TIMEOUT_S passes. The blocks read are copied into free blocks and indexed
-in the RAM prefix cache with their hashes, so the scheduler's ordinary lookup
-finds them: they count as cached tokens like any hit. A read that fails or
-times out only means the request computes those tokens.
+the store holds gets free blocks held for it, and a reader thread reads the
+chain's files and copies each block's bytes straight into them (no other
+request can see those blocks, so the step loop runs on meanwhile). The request
+waits (others are scheduled) until the read is done or LOAD_TIMEOUT_S passes;
+then the blocks read are indexed in the RAM prefix cache with their hashes, so
+the scheduler's ordinary lookup finds them: they count as cached tokens like
+any hit. A read that fails or times out only means the request computes those
+tokens; while a timed-out read is still stuck, no other is started.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum, auto
 
@@ -59,6 +61,10 @@ class _Load:
     future: Future[list[StoredBlock]]
     cancel: threading.Event
     started: float
+    held: list[Block]
+    """The request's RAM hits, a reference taken so they stay while it waits."""
+    targets: list[Block]
+    """Blocks taken from the free queue for the reader to copy into, in chain order."""
 
 
 class DiskTier:
@@ -80,6 +86,9 @@ class DiskTier:
         self.num_hit_blocks = 0
         """Blocks loaded into RAM for requests (cumulative)."""
         self.num_load_timeouts = 0
+        self._abandoned: list[_Load] = []
+        """Reads given up (timed out, request gone) that may still be copying into their blocks."""
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-kv-load")
         self._events = events
         self._disk_events: deque[tuple[bytes, StoredBlock | None]] = deque()
         """From the writer thread: (hash, block written) or (hash, None) evicted; drained on the step loop."""
@@ -123,6 +132,7 @@ class DiskTier:
     # --------------------------------------------------------------- fetch
 
     def fetch(self, request: Request, cached: list[Block]) -> Fetch:
+        self.reap()
         key = request.key
         load = self._loads.get(key)
         if load is None:
@@ -130,23 +140,18 @@ class DiskTier:
         if not load.future.done():
             if time.monotonic() - load.started < LOAD_TIMEOUT_S:
                 return Fetch.WAITING
-            load.cancel.set()
             del self._loads[key]
+            self._abandon(load)
             self.num_load_timeouts += 1
             log.warning("KV disk tier: a read took over %.1fs; computing the prefix instead", LOAD_TIMEOUT_S)
             return Fetch.NOTHING
         del self._loads[key]
-        try:
-            stored = load.future.result()
-        except Exception:  # a reader failure is a miss, never a failed request
-            log.exception("KV disk tier: reading blocks failed")
-            return Fetch.NOTHING
-        return Fetch.LOADED if self._install(stored, cached) else Fetch.NOTHING
+        return Fetch.LOADED if self._finish(load) else Fetch.NOTHING
 
     def _start(self, request: Request, cached: list[Block]) -> Fetch:
         key = request.key
-        if self._tried.get(key, -1) >= len(cached):
-            return Fetch.NOTHING
+        if self._tried.get(key, -1) >= len(cached) or self._abandoned:
+            return Fetch.NOTHING  # tried from here already, or the disk is hung: serve from RAM
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
         parent = cached[-1].block_hash if cached else None
@@ -165,31 +170,66 @@ class DiskTier:
             # once, the next one finding it in RAM when its turn comes.
             return Fetch.WAITING
         self._tried[key] = len(cached)
+        # The request's RAM hits are held so no allocation takes them while it waits, and the
+        # reader copies into blocks held for it, which nothing else reads or writes meanwhile.
+        self.pool.touch(cached)
+        targets = self.pool.allocate(min(len(hashes), self.pool.num_free))
+        first_parent = cached[-1].block_hash if cached else None
         cancel = threading.Event()
-        self._loads[key] = _Load(self.store.read_chain(hashes, cancel), cancel, time.monotonic())
+        future = self._reader.submit(self._read_into, hashes[: len(targets)], first_parent, targets, cancel)
+        self._loads[key] = _Load(future, cancel, time.monotonic(), list(cached), targets)
         return Fetch.WAITING
 
-    def _install(self, stored: list[StoredBlock], cached: list[Block]) -> bool:
-        """Copy read blocks into free ones and index them as cached; the request's
-        RAM hits are held meanwhile so the allocation cannot take them."""
-        self.pool.touch(cached)
+    def _read_into(
+        self, hashes: list[bytes], parent: bytes | None, targets: list[Block], cancel: threading.Event
+    ) -> list[StoredBlock]:
+        """In the reader thread: each block's file into its target, up to the first missing or bad one.
+        What it returns holds the blocks' keys; their payloads are already in place."""
+        loaded: list[StoredBlock] = []
+        for block_hash, target in zip(hashes, targets):
+            if cancel.is_set():
+                break
+            stored = self.store.read(block_hash)
+            if stored is None or stored.parent_hash != parent:
+                break
+            self._load_into(target, stored)
+            loaded.append(StoredBlock(block_hash, parent, stored.token_ids, b""))
+            parent = block_hash
+        return loaded
+
+    def _finish(self, load: _Load) -> bool:
+        """On the step loop, the read done: index what it loaded as cached, release the rest."""
         try:
-            count = min(len(stored), self.pool.num_free)
-            blocks = self.pool.allocate(count)
-            for block, read in zip(blocks, stored):
-                self._load_into(block, read)
-                self.pool.cache_block(block, read.parent_hash, read.token_ids)
-            self.pool.free(list(reversed(blocks)))
-        finally:
-            self.pool.free(list(reversed(cached)))
-        self.num_hit_blocks += count
-        return count > 0
+            loaded = load.future.result()
+        except Exception:  # a reader failure is a miss, never a failed request
+            log.exception("KV disk tier: reading blocks failed")
+            loaded = []
+        for block, stored in zip(load.targets, loaded):
+            self.pool.cache_block(block, stored.parent_hash, stored.token_ids)
+        self.pool.free(list(reversed(load.targets)))
+        self.pool.free(list(reversed(load.held)))
+        self.num_hit_blocks += len(loaded)
+        return bool(loaded)
+
+    def _abandon(self, load: _Load) -> None:
+        """Stop a read whose request no longer waits. Its blocks stay held until the reader lets
+        go of them (it may be copying into them), then return to the free queue uncached."""
+        load.cancel.set()
+        self._abandoned.append(load)
+        self.reap()
+
+    def reap(self) -> None:
+        """Release the blocks of abandoned reads that have stopped."""
+        for load in [load for load in self._abandoned if load.future.done()]:
+            self._abandoned.remove(load)
+            self.pool.free(list(reversed(load.targets)))
+            self.pool.free(list(reversed(load.held)))
 
     def forget(self, key: RequestKey) -> None:
         """The request left the scheduler: stop its read, drop what was tried."""
         load = self._loads.pop(key, None)
         if load is not None:
-            load.cancel.set()
+            self._abandon(load)
         self._tried.pop(key, None)
 
     def wait(self, timeout: float) -> None:
@@ -213,6 +253,7 @@ class DiskTier:
                 self._events.stored(block_hash, block.parent_hash, block.token_ids, DISK_MEDIUM)
 
     def close(self) -> None:
-        for load in self._loads.values():
+        for load in [*self._loads.values(), *self._abandoned]:
             load.cancel.set()
+        self._reader.shutdown(wait=True)
         self.store.close()

@@ -167,20 +167,27 @@ def test_a_hung_disk_read_is_given_up_and_the_prefix_computed(
     assert restarted.engine.disk is not None
     store = restarted.engine.disk.store
     release = threading.Event()
-    hung = store._read_chain
+    read = store.read
 
-    def read_chain_that_hangs(hashes: list[bytes], cancel: threading.Event | None) -> list[StoredBlock]:
+    def read_that_hangs(block_hash: bytes) -> StoredBlock | None:
         release.wait(30)
-        return hung(hashes, cancel)
+        return read(block_hash)
 
-    monkeypatch.setattr(store, "_read_chain", read_chain_that_hangs)
+    monkeypatch.setattr(store, "read", read_that_hangs)
     monkeypatch.setattr(kv_disk_tier, "LOAD_TIMEOUT_S", 0.3)
     started = time.monotonic()
     again = restarted.generate(prompts()[:1], GREEDY)
     release.set()
     assert time.monotonic() - started < 10
     assert again[0].num_cached_tokens == 0 and tokens(again) == tokens(cold)
-    assert restarted.engine.disk.num_load_timeouts == 1
+    tier = restarted.engine.disk
+    assert tier.num_load_timeouts == 1
+    # The stuck read keeps the blocks it copies into until it lets go of them, then they are free again.
+    held = restarted.engine.kv.num_used_blocks
+    assert held > 0
+    tier._reader.submit(lambda: None).result(timeout=30)  # the reader has finished the stuck read
+    tier.reap()
+    assert restarted.engine.kv.num_used_blocks == 0
     restarted.engine.close()
 
 
