@@ -164,9 +164,7 @@ class DiskBlockStore:
             return None
         self._count("hits")
         self._count("bytes_read", len(data))
-        with self._lock:
-            if block_hash in self._index:
-                self._index.move_to_end(block_hash)
+        self._add(block_hash, len(data))  # the newest in the LRU, and known: never copied out again
         try:
             os.utime(path)  # the LRU order a later scan (this or another process) sees
         except OSError:
@@ -322,9 +320,9 @@ class DiskBlockStore:
 
     def _add(self, block_hash: bytes, size: int) -> None:
         with self._lock:
-            if block_hash not in self._index:
-                self._used += size
+            self._used += size - self._index.get(block_hash, 0)
             self._index[block_hash] = size
+            self._index.move_to_end(block_hash)
 
     def _forget(self, block_hash: bytes) -> None:
         with self._lock:
