@@ -230,6 +230,25 @@ def test_schema_and_tool_call_after_thinking(client: openai.OpenAI) -> None:
         assert extra(message, "reasoning_content")  # unconstrained thinking came first
         jsonschema.validate(json.loads(message.content or ""), schema)
 
+    # Qwen3's own way: the model writes <think> first (forced here by logit_bias, which the answer's
+    # grammar then overrules); the budget of 3 ends the thinking with the engine's marker.
+    color = {k: v for k, v in schema.items() if k != "required"} | {"properties": {"color": {"enum": ["red", "blue"]}}}
+    opened = client.chat.completions.create(
+        model="qwen",
+        messages=ASK,
+        max_tokens=40,
+        logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "color", "schema": color}},  # type: ignore[arg-type]
+        logit_bias={"49152": 100},
+        extra_body={**GREEDY, "reasoning_budget": 3},
+    )
+    tokens = [entry.token for entry in opened.choices[0].logprobs.content]  # type: ignore[union-attr]
+    assert tokens[:5] == ["<think>"] * 4 + [END]
+    assert extra(opened.choices[0].message, "reasoning_content") == "<think>" * 3  # the opening marker left out
+    assert opened.usage.completion_tokens_details.reasoning_tokens == 5  # type: ignore[union-attr]
+    assert opened.choices[0].finish_reason == "stop", opened.choices[0].message.content  # the grammar completed
+    jsonschema.validate(json.loads(opened.choices[0].message.content or ""), color)
+
     weather = {
         "type": "function",
         "function": {
