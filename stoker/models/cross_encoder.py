@@ -58,6 +58,10 @@ class PairTokens:
     type_ids: list[int]
 
 
+class BatcherClosedError(RuntimeError):
+    """The reranker's version ended (the server's shutdown) before these pairs were scored."""
+
+
 class PairTooLongError(ValueError):
     """A pair over the model's length that was not to be truncated (or cannot be: its query alone fills it)."""
 
@@ -261,3 +265,7 @@ class PairBatcher:
     def close(self) -> None:
         if self._worker is not None:
             self._worker.cancel()
+        pending, self._pending = self._pending, []
+        for _, fut in pending:
+            if not fut.done():
+                fut.set_exception(BatcherClosedError(f"{self.model.name} was unloaded; please retry"))

@@ -455,10 +455,15 @@ class ModelVersion:
         holds, if more."""
         info = self.engine.info
         weights = self.weight_bytes or 0  # measured before its engine starts (in a worker, never here)
+        if self.pooling is not None:  # a reranker: its float32 arrays in the front end, no runtime of its own
+            batcher = self.pooling.batcher
+            return batcher.model.parameter_bytes() if batcher is not None else weights
         planned = weights + ENGINE_RUNTIME_BYTES + (info.kv_cache_bytes if info else 0)
         return max(planned, self.memory_bytes() or 0)
 
     def memory_bytes(self) -> int | None:
+        if self.pooling is not None:
+            return None  # no process of its own: the front end's size is not its
         info = self.engine.info
         return resident_bytes(info.pid) if info is not None and self.engine.ready else None
 

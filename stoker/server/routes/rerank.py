@@ -21,12 +21,12 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from stoker.errors import APIError
-from stoker.models.cross_encoder import CrossEncoder, PairTokens, PairTooLongError
+from stoker.models.cross_encoder import BatcherClosedError, CrossEncoder, PairTokens, PairTooLongError
 from stoker.models.embedding import EmbeddingBatcher
 from stoker.server.bounds import offload
 from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo, FinishedRecord
-from stoker.server.protocol import bad_request
+from stoker.server.protocol import bad_request, unavailable
 from stoker.server.rerank_protocol import RerankRequest, ScoreRequest
 from stoker.server.serving import JSONObject
 from stoker.server.state import ServerState, get_state, run_before_hooks
@@ -117,7 +117,10 @@ async def _scores(
         encoded = await offload(_pair_tokens, batcher.model, pairs, truncate, endpoint)
         tokens = sum(len(p.ids) for p in encoded)
         await state.hooks.run_admit(request, AdmissionInfo(endpoint, scorer.name, tokens, 0, 1, False))
-        return await batcher.score(encoded), tokens
+        try:
+            return await batcher.score(encoded), tokens
+        except BatcherClosedError as exc:
+            raise unavailable(str(exc)) from None
     assert scorer.embedder is not None
     texts = list(dict.fromkeys(t for pair in pairs for t in pair))  # each distinct text embedded once
     ids = await offload(_text_tokens, scorer.embedder, texts, truncate)

@@ -15,7 +15,7 @@ import torch
 import transformers
 from tiny_rerankers import make_tiny_cross_encoder
 
-from stoker.models.cross_encoder import CrossEncoder, PairBatcher, PairTooLongError, model_kind
+from stoker.models.cross_encoder import BatcherClosedError, CrossEncoder, PairBatcher, PairTooLongError, model_kind
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
@@ -124,3 +124,14 @@ async def test_batcher_shares_forward_passes(models: dict) -> None:
     expected = model.forward([p for r in requests for p in r])
     np.testing.assert_allclose([s for r in results for s in r], expected, atol=1e-5, rtol=0)
     assert max(calls) > 2 and sum(calls) == 6  # requests met in one forward pass, none scored twice
+
+
+async def test_closing_fails_the_pairs_still_waiting(models: dict) -> None:
+    """A version ended under a request (the server's shutdown) answers it, rather than leaving it waiting."""
+    model = models["bert"]
+    batcher = PairBatcher(model)
+    waiting = asyncio.create_task(batcher.score([model.pair(QUERY, "d", truncate=False)]))
+    await asyncio.sleep(0)  # queued; the worker has not taken it yet
+    batcher.close()
+    with pytest.raises(BatcherClosedError, match="unloaded"):
+        await waiting

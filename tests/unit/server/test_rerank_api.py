@@ -226,6 +226,8 @@ def test_models_metrics_and_hot_swap(server: ServerProcess, folders: dict[str, P
     assert 'stoker:model_version_requests_total{model_name="rr",outcome="ok",version="v1"}' in metrics
     described = httpx.get(f"{server.url}/admin/models", headers=admin).json()["data"]
     assert {m["name"]: m["stable"]["kind"] for m in described} == {"chat": "generate", "rr": "rerank", "xr": "rerank"}
+    # It runs in the front end's process: that process's size is not the reranker's.
+    assert next(m for m in described if m["name"] == "rr")["stable"]["memory_bytes"] is None
     # A chat model's folder cannot become a new version of a reranker (refused before anything loads).
     chat_folder = folders["rr"].parent / "chat"
     chat_folder.mkdir()
