@@ -327,6 +327,11 @@ def test_responses_reasoning_item(client: openai.OpenAI) -> None:
         max_output_tokens=4,  # type: ignore[list-item]
     )
     assert again.status in ("completed", "incomplete")
+    # Continued by id: the stored turn keeps its thinking as reasoning_content (R1's template drops it, rendering succeeds).
+    follow = client.responses.create(
+        model="r1", input="And at sunset?", previous_response_id=response.id, max_output_tokens=4
+    )
+    assert follow.previous_response_id == response.id and follow.output
 
 
 def test_messages_thinking_blocks(claude: anthropic.Anthropic, client: openai.OpenAI) -> None:
