@@ -20,7 +20,7 @@ from stoker.engine.kv_cache import BlockPool
 from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, StoredBlock, block_file_bytes
 from stoker.engine.kv_disk_tier import DISK_MEDIUM, DiskTier
 from stoker.engine.kv_events import MEDIUM, BlockRemoved, BlockStored, KVEventLog
-from stoker.engine.params import RequestOutput
+from stoker.engine.params import EngineCoreRequest, RequestOutput
 from stoker.models.kv_quant import KV_FORMATS
 
 KV_DTYPE_NAMES = {
@@ -232,3 +232,43 @@ def test_kv_events_name_the_disk_medium(tmp_path: Path, copies: str) -> None:
     tier._load_into(last, read)
     assert torch.equal(k[last.block_id], want_k) and torch.equal(v[last.block_id], want_v)
     tier.close()
+
+
+def test_a_request_waiting_for_disk_never_holds_up_the_others(
+    tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While one request's blocks are being read (here: a read held back), another
+    request is admitted, decodes and finishes; then the first is served from disk."""
+    llm = engine(tiny, tmp_path)
+    cold = llm.generate(prompts()[:1], GREEDY)
+    llm.engine.close()
+    core = engine(tiny, tmp_path).engine
+    assert core.disk is not None
+    release = threading.Event()
+    read = core.disk.store.read
+
+    def read_when_released(block_hash: bytes) -> StoredBlock | None:
+        release.wait(30)
+        return read(block_hash)
+
+    monkeypatch.setattr(core.disk.store, "read", read_when_released)
+    core.add_request(EngineCoreRequest("from-disk", prompts()[0], GREEDY, time.time()))
+    core.add_request(EngineCoreRequest("other", list(range(900, 910)), GREEDY, time.time()))
+    received: dict[str, list[int]] = {"from-disk": [], "other": []}
+    done: set[str] = set()
+    for _ in range(200):
+        for delta in core.step():
+            received[delta.request_id].extend(delta.new_token_ids)
+            if delta.finished:
+                done.add(delta.request_id)
+        if "other" in done:
+            break
+    assert done == {"other"} and len(received["other"]) == GREEDY.max_tokens and received["from-disk"] == []
+    assert core.disk.loading
+    release.set()
+    while core.has_unfinished_requests():
+        for delta in core.step():
+            received[delta.request_id].extend(delta.new_token_ids)
+    assert received["from-disk"] == tokens(cold)[0]
+    assert core.stats().kv_disk_hits == 10
+    core.close()
