@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from stoker.json_types import Boolean, Integer
 from stoker.server.protocol import INT32, Name, RequestBody
@@ -15,22 +15,34 @@ MAX_RERANK_DOCUMENTS = 1000
 request (Cohere's recommended most): each is a forward pass of the pair."""
 
 
+def unicode_text(value: str) -> str:
+    """value, unless it holds lone surrogates (JSON's "\\ud800"), which no tokenizer encodes."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("strings must be valid Unicode text (no lone surrogates)") from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(unicode_text)]
+
+
 class TextDocument(BaseModel):
     """A document as an object (Cohere's v1 and Jina's form): its text; other fields ignored."""
 
     model_config = ConfigDict(extra="ignore")
 
-    text: str
+    text: Text
 
 
-Document = str | TextDocument
-Texts = Annotated[list[str], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
+Document = Text | TextDocument
+Texts = Annotated[list[Text], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
 
 
 class RerankRequest(RequestBody):
     model: Name | None = None
     """A reranker's name; None: the first reranker served."""
-    query: str
+    query: Text
     documents: Annotated[list[Document], Field(min_length=1, max_length=MAX_RERANK_DOCUMENTS)]
     top_n: Annotated[Integer, Field(ge=0, le=INT32)] | None = None
     """The best top_n results only; None or 0: all of them."""
@@ -46,8 +58,8 @@ class RerankRequest(RequestBody):
 class ScoreRequest(RequestBody):
     model: Name | None = None
     """A reranker's or the embedding model's name; None: the first reranker served, else the embedding model."""
-    text_1: str | Texts
-    text_2: str | Texts
+    text_1: Text | Texts
+    text_2: Text | Texts
     truncate: Boolean = False
     """As RerankRequest.truncate (the embedding model cuts each text to its length)."""
 

@@ -79,6 +79,8 @@ def _encoded(body: EmbeddingRequest, embedder: EmbeddingBatcher) -> list[list[in
     inputs: list[list[int]] = []
     for i, item in enumerate(flatten_prompts(body.input)):
         if isinstance(item, str):
+            # Lone surrogates raise UnicodeEncodeError here (the app's 400); the tokenizer would raise TypeError.
+            item.encode("utf-8")
             ids = model.encode_text(item)
         else:
             if any(t >= model.config.vocab_size for t in item):

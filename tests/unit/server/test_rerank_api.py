@@ -81,7 +81,9 @@ def server(folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -
 
 
 def post(server: ServerProcess, path: str, body: dict, key: str = "admin") -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60, headers={"Authorization": f"Bearer {KEYS[key]}"})
+    # json.dumps escapes lone surrogates ("\\ud800"), which httpx's own encoder cannot send.
+    headers = {"Authorization": f"Bearer {KEYS[key]}", "content-type": "application/json"}
+    return httpx.post(f"{server.url}{path}", content=json.dumps(body), timeout=60, headers=headers)
 
 
 @pytest.mark.parametrize("model", ["rr", "xr"])
@@ -177,6 +179,8 @@ def test_bounds_answer_400_never_500(server: ServerProcess) -> None:
         {"model": "rr", "query": "q", "documents": ["d"], "top_n": -1},
         {"model": "rr", "query": "q", "documents": [{"title": "no text"}]},
         {"model": "rr", "documents": ["d"]},
+        {"model": "rr", "query": "\ud800", "documents": ["d"]},  # a lone surrogate no tokenizer encodes
+        {"model": "rr", "query": "q", "documents": [{"text": "d\udfff"}]},
     ]
     for body in refused:
         reply = post(server, "/v1/rerank", body)
@@ -191,6 +195,8 @@ def test_bounds_answer_400_never_500(server: ServerProcess) -> None:
     embedding_long = {"model": "all-MiniLM-L6-v2", "text_1": "q", "text_2": " ".join(["word"] * 400)}
     assert post(server, "/v1/score", embedding_long).status_code == 400
     assert post(server, "/v1/score", {**embedding_long, "truncate": True}).status_code == 200
+    assert post(server, "/v1/score", {**embedding_long, "text_1": "\ud800"}).status_code == 400
+    assert post(server, "/v1/embeddings", {"input": "\ud800"}).status_code == 400
 
 
 def test_allow_list_budget_and_usage(server: ServerProcess) -> None:
