@@ -27,7 +27,7 @@ from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
 from stoker.engine.kv_cache import chain_hash
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(120, func_only=True)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120, func_only=True)]
 BLOCK = 16
 VOCAB = 49152
 DISK_SIZE = 512 * 1024
