@@ -32,7 +32,7 @@ from stoker.engine.spec.policy import SpeculationPolicy
 NUM_PROMPTS = 24
 
 
-def _prompts(vocab: int, count: int = NUM_PROMPTS) -> list[list[int]]:
+def random_prompts(vocab: int, count: int = NUM_PROMPTS) -> list[list[int]]:
     """Prompts that repeat a phrase (what a copy/quote request looks like) and plain random ones."""
     g = torch.Generator().manual_seed(11)
     prompts = []
@@ -208,7 +208,7 @@ def test_verification_is_exact_rejection_sampling() -> None:
 def test_greedy_identical_with_and_without_speculation_batched(tiny: Path, method: str) -> None:
     """auto at a batch of 24 drafts only once at most 4 sequences still decode (the tail)."""
     base = _llm(tiny, "none")
-    prompts = _prompts(base.tokenizer.vocab_size)
+    prompts = random_prompts(base.tokenizer.vocab_size)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = _generate(base, prompts, greedy)
     spec = _llm(tiny, method)
@@ -223,7 +223,7 @@ def test_seeded_sampling_penalties_and_logprobs_identical(tiny: Path) -> None:
     without speculation, and the generator is rewound past rejected drafts.
     Low temperatures (still the random path, not greedy) because a random
     model's sampled text repeats too little for n-gram guesses at 1.0."""
-    prompts = _prompts(make_vocab(tiny))[:12]
+    prompts = random_prompts(make_vocab(tiny))[:12]
     params = [
         SamplingParams(
             max_tokens=32,
@@ -262,7 +262,7 @@ def make_vocab(path: Path) -> int:
 
 def test_stops_and_max_tokens_hold_inside_an_accepted_run(tiny: Path) -> None:
     base, spec = _llm(tiny, "none"), _llm(tiny, "ngram")
-    prompts = _prompts(base.tokenizer.vocab_size)
+    prompts = random_prompts(base.tokenizer.vocab_size)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     full = _generate(base, prompts, greedy)
     # Stop on a token the loop repeats, and cut at odd lengths: both land inside accepted runs.
@@ -280,13 +280,13 @@ def test_quantized_fused_decoder_greedy_identical(tmp_path: Path, monkeypatch: p
 
     if kernels._library("portable") is None:
         pytest.skip("no C compiler")
-    from test_quant_model import T, write_quant_gguf
+    from quant_models import T, write_quant_gguf
 
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
     path = write_quant_gguf(tmp_path / "tiny-q8.gguf", "qwen2", {}, T.Q8_0)
     base = _llm(path, "none", quantization="auto")
     assert base.engine.runner.model.fused is not None
-    prompts = _prompts(base.engine.model_config.vocab_size, 16)
+    prompts = random_prompts(base.engine.model_config.vocab_size, 16)
     greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     expected = _generate(base, prompts, greedy)
     spec = _llm(path, "ngram", quantization="auto")
@@ -315,7 +315,7 @@ def _check_consistent(llm: LLM) -> None:
 
 def test_block_tables_and_prefix_cache_consistent_after_rejections(tiny: Path) -> None:
     spec = _llm(tiny, "ngram", block_size=4)
-    prompts = _prompts(spec.tokenizer.vocab_size, 8)
+    prompts = random_prompts(spec.tokenizer.vocab_size, 8)
     greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     core = spec.engine
     for i, p in enumerate(prompts):
@@ -337,7 +337,7 @@ def test_block_tables_and_prefix_cache_consistent_after_rejections(tiny: Path) -
 
 
 def test_preemption_during_speculation_loses_nothing(tiny: Path) -> None:
-    prompts = _prompts(make_vocab(tiny), 12)
+    prompts = random_prompts(make_vocab(tiny), 12)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     expected = _generate(_llm(tiny, "none"), prompts, greedy)
     small = _llm(tiny, "ngram", num_kv_blocks=24, block_size=8, max_num_batched_tokens=64)
@@ -349,7 +349,7 @@ def test_preemption_during_speculation_loses_nothing(tiny: Path) -> None:
 def test_cancel_during_speculation_frees_everything(tiny: Path) -> None:
     spec = _llm(tiny, "ngram")
     core = spec.engine
-    prompts = _prompts(spec.tokenizer.vocab_size, 6)
+    prompts = random_prompts(spec.tokenizer.vocab_size, 6)
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(f"c{i}", p, SamplingParams(max_tokens=60, temperature=0), 0.0))
     for _ in range(12):
@@ -363,7 +363,7 @@ def test_cancel_during_speculation_frees_everything(tiny: Path) -> None:
 
 def test_counters_and_per_sample_totals(tiny: Path) -> None:
     spec = _llm(tiny, "ngram")
-    prompts = _prompts(spec.tokenizer.vocab_size, 8)
+    prompts = random_prompts(spec.tokenizer.vocab_size, 8)
     outs = spec.generate(prompts, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
     stats = spec.engine.stats()
     drafted = sum(o.outputs[0].num_draft_tokens for o in outs)
@@ -378,7 +378,7 @@ def test_counters_and_per_sample_totals(tiny: Path) -> None:
 def test_per_request_switch(tiny: Path) -> None:
     """num_speculative_tokens on a request: 0 never drafts for it, k caps its drafts; tokens are the same."""
     spec = _llm(tiny, "ngram")
-    prompts = _prompts(spec.tokenizer.vocab_size, 6)
+    prompts = random_prompts(spec.tokenizer.vocab_size, 6)
     greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
     params = [SamplingParams(**greedy, num_speculative_tokens=k) for k in (0, 1, None, 0, 1, None)]  # type: ignore[arg-type]
     outs = spec.generate(prompts, params)
@@ -402,7 +402,7 @@ def test_off_and_auto_config() -> None:
 
 
 def test_none_and_zero_tokens_never_draft(tiny: Path) -> None:
-    prompts = _prompts(make_vocab(tiny), 4)
+    prompts = random_prompts(make_vocab(tiny), 4)
     for llm in (_llm(tiny, "none"), LLM(str(tiny), dtype="float32", num_kv_blocks=64, num_speculative_tokens=0)):
         llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
         assert llm.engine.speculator is None and llm.engine.stats().spec_draft_tokens == 0
@@ -423,7 +423,7 @@ def test_draft_model_greedy_identical_batched_with_preemption(tiny: Path, other_
     random model nearly always wrong. Both: the target's tokens, unchanged,
     through a small cache that preempts."""
     draft = tiny if draft_kind == "same" else other_tiny
-    prompts = _prompts(make_vocab(tiny), 20)
+    prompts = random_prompts(make_vocab(tiny), 20)
     greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     expected = _generate(_llm(tiny, "none"), prompts, greedy)
     spec = _llm(tiny, "draft", speculative_model=str(draft), num_kv_blocks=24, max_num_batched_tokens=64)

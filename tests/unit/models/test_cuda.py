@@ -14,7 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
-from test_quant_model import Q4_K_M, TOKENS, write_quant_gguf
+from quant_models import Q4_K_M, TOKENS, write_quant_gguf
 
 from stoker import LLM, SamplingParams
 
@@ -28,7 +28,7 @@ def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
 
 
-def _prompts(vocab: int) -> list[list[int]]:
+def random_prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(11)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (2, 7, 19, 40, 77)]
 
@@ -46,7 +46,7 @@ def test_gguf_on_cuda_is_dequantized_and_matches_the_cpu_torch_path(mix: str, tm
     assert model.embed.quantized is None and model.embed.dense is not None
     assert model.embed.dense.device.type == "cuda"
     cpu = LLM(path, device="cpu", dtype="float32", quantization="none", num_kv_blocks=64)
-    prompts = _prompts(len(TOKENS))
+    prompts = random_prompts(len(TOKENS))
     assert _greedy(cuda, prompts) == _greedy(cpu, prompts)
     # Each prompt alone gives what it gave in the batch.
     assert [_greedy(cuda, [p])[0] for p in prompts] == _greedy(cuda, prompts)
@@ -65,7 +65,7 @@ def test_hf_model_on_cuda_matches_transformers(tmp_path: Path) -> None:
     folder = make_tiny_hf_model("llama", tmp_path, tie=True)
     llm = LLM(str(folder), device="cuda", dtype="float32", num_kv_blocks=64)
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
-    prompts = _prompts(49152)
+    prompts = random_prompts(49152)
     for prompt, got in zip(prompts, _greedy(llm, prompts)):
         ids = torch.tensor([prompt], device="cuda")
         want = reference.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(prompt) :]
@@ -78,4 +78,4 @@ def test_kv_cache_dtypes_serve_on_cuda(kv_cache_dtype: str, tmp_path: Path) -> N
     llm = LLM(path, device="cuda", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=64)
     want = {"bf16": torch.bfloat16, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}[kv_cache_dtype]
     assert llm.engine.runner.kv_caches[0][0].dtype == want
-    assert all(len(tokens) == 12 for tokens in _greedy(llm, _prompts(len(TOKENS))))
+    assert all(len(tokens) == 12 for tokens in _greedy(llm, random_prompts(len(TOKENS))))

@@ -12,7 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
-from test_quant_model import HEAD_DIM, Q4_K_M, TOKENS, T, _last_logits, _prompts, write_quant_gguf
+from quant_models import HEAD_DIM, Q4_K_M, TOKENS, T, last_logits, random_prompts, write_quant_gguf
 
 from stoker import LLM, SamplingParams
 from stoker.engine.params import RequestOutput
@@ -82,9 +82,9 @@ def test_fused_matches_torch_path(
     int8 too: exact integer sums here, floats of the same values there): both
     paths attend over the rows they rounded and wrote, never the fresh k/v."""
     path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default, head_dim=head_dim)
-    prompts = _prompts(len(TOKENS))
-    fused = _last_logits(_llm(path, True, monkeypatch, **engine_args), prompts)
-    torch_path = _last_logits(_llm(path, False, monkeypatch, **engine_args), prompts)
+    prompts = random_prompts(len(TOKENS))
+    fused = last_logits(_llm(path, True, monkeypatch, **engine_args), prompts)
+    torch_path = last_logits(_llm(path, False, monkeypatch, **engine_args), prompts)
     errors = sorted(float((a - b).norm() / b.norm()) for a, b in zip(fused, torch_path))
     assert errors[0] < 1e-5 and errors[-1] < 0.03, errors
 
@@ -124,7 +124,7 @@ def test_batch_invariant_greedy(
         raise AssertionError("a step of a fused model took the torch path")
 
     monkeypatch.setattr(llama, "paged_attention", no_torch_path)
-    prompts = _prompts(len(TOKENS))
+    prompts = random_prompts(len(TOKENS))
     prompts.append(prompts[-1][:40] + prompts[0])  # shares 2 full blocks with the 64-token prompt
     params = SamplingParams(max_tokens=12, min_tokens=12, temperature=0, logprobs=0)
 
@@ -185,5 +185,5 @@ def test_the_callers_subnormals_survive_the_c_kernels(
 
     path = write_quant_gguf(tmp_path / "tiny-llama.gguf", "llama", {}, T.Q4_0)
     llm = _llm(path, fused, monkeypatch)
-    llm.generate([_prompts(len(TOKENS))[-1]], SamplingParams(max_tokens=3, temperature=0))
+    llm.generate([random_prompts(len(TOKENS))[-1]], SamplingParams(max_tokens=3, temperature=0))
     assert np.float32(1e-39) * np.float32(3) == np.float32(3e-39) != 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 from pydantic import ValidationError
-from test_quant_model import write_quant_gguf
+from quant_models import write_quant_gguf
 from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
@@ -190,7 +190,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_model("llama", tmp_path_factory.mktemp("kvq"))
 
 
-def _prompts() -> list[list[int]]:
+def random_prompts() -> list[list[int]]:
     """Random prompts, and one repeating a phrase (so prompt lookup has drafts to propose)."""
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (3, 17, 40, 65)]
@@ -202,7 +202,7 @@ def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
 
 
-def _last_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
+def last_logits(llm: LLM, prompts: list[list[int]]) -> list[torch.Tensor]:
     engine = llm.engine
     for i, p in enumerate(prompts):
         engine.add_request(EngineCoreRequest(f"r{i}", p, SamplingParams(max_tokens=1), 0.0))
@@ -231,13 +231,13 @@ def test_int8_cache_stays_close_to_the_float_cache(tiny: Path, path: str) -> Non
     random logits does not derail the rest) the int8 cache's argmax is the same
     token at >= 90% of positions. A misread scale, row or block moves logits by tens
     of percent and the argmax almost everywhere."""
-    prompts = _prompts()
+    prompts = random_prompts()
     llm = LLM(str(tiny), dtype="float32", kv_cache_dtype="int8", num_kv_blocks=64)
     expected = CPUPagedAttention if path == "c" else TorchSDPAAttention
     assert type(llm.engine.runner.attention) is expected
     assert llm.engine.runner.kv_caches[0][0].dtype == torch.int8
     ref = LLM(str(tiny), dtype="float32", num_kv_blocks=64)
-    errors = [float((a - b).norm() / b.norm()) for a, b in zip(_last_logits(llm, prompts), _last_logits(ref, prompts))]
+    errors = [float((a - b).norm() / b.norm()) for a, b in zip(last_logits(llm, prompts), last_logits(ref, prompts))]
     assert max(errors) < 0.02, errors
     assert min(errors) > 0, "the int8 cache changed nothing: is it used?"
     continued = [p + out for p, out in zip(prompts, _greedy(ref, prompts))]
@@ -266,7 +266,7 @@ def test_int8_greedy_tokens_do_not_depend_on_scheduling(tiny: Path, path: str, e
     """Each prompt alone vs all together chunked / preempted / speculated, then
     again from the prefix cache: the same tokens (the cache is read back the same
     way whichever step wrote it)."""
-    prompts = _prompts()
+    prompts = random_prompts()
     if path not in _ALONE:  # the reference depends on the path only, not on the schedule under test
         alone_llm = LLM(str(tiny), dtype="float32", kv_cache_dtype="int8", num_kv_blocks=64, speculative_method="none")
         _ALONE[path] = [_greedy(alone_llm, [p])[0] for p in prompts]
@@ -300,9 +300,9 @@ def test_fused_decoder_with_a_narrow_cache_matches_the_per_layer_path(
         llm = LLM(str(gguf), dtype="float32", kv_cache_dtype=kv_cache_dtype, num_kv_blocks=32)
         model = llm.engine.runner.model
         assert (model.fused is not None and model.fused.serves(llm.engine.runner.kv_caches)) == (fused == "1")
-        logits[fused] = _last_logits(llm, prompts)
+        logits[fused] = last_logits(llm, prompts)
         float_cache = LLM(str(gguf), dtype="float32", kv_cache_dtype="float32", num_kv_blocks=32)
-        logits[fused + "f32"] = _last_logits(float_cache, prompts)
+        logits[fused + "f32"] = last_logits(float_cache, prompts)
     errors = [float((a - b).norm() / b.norm()) for a, b in zip(logits["1"], logits["0"])]
     assert max(errors) < 0.03, errors
     # ...and the narrow cache really is in use on the fused path.
