@@ -274,6 +274,7 @@ def _loop(
     prefix_command: Callable[[PrefixCommand], None] | None = getattr(core, "prefix_command", None)
     take_prefix_answers: Callable[[], list[PrefixAnswer]] = getattr(core, "take_prefix_answers", list)
     last_stats = 0.0
+    sent: EngineStats | None = None
     while True:
         busy = core.has_unfinished_requests()
         if not busy and not poller.poll(IDLE_POLL_MS):
@@ -282,6 +283,12 @@ def _loop(
                 calibrate = None
             if os.getppid() != parent_pid:
                 return  # orphaned: the front end is gone, nobody will read our output
+            # Threads beside the step loop (the disk tier's writer) move counters while it idles:
+            # the front end's /ready and /metrics should not keep the snapshot taken as it went idle.
+            idle = core.stats()
+            if idle != sent:
+                out.send_multipart([STATS, encoder.encode(idle)])
+                sent = idle
             continue
         # Take everything that arrived, never waiting: adds join the next step,
         # aborts free their blocks before it.
@@ -336,5 +343,6 @@ def _loop(
             out.send_multipart([PREFIX_ANSWER, encoder.encode(answer)])
         now = time.monotonic()
         if stats_due or now - last_stats >= STATS_INTERVAL_S:
-            out.send_multipart([STATS, encoder.encode(core.stats())])
+            sent = core.stats()
+            out.send_multipart([STATS, encoder.encode(sent)])
             last_stats = now

@@ -122,6 +122,10 @@ def test_a_prefix_one_replica_computed_is_a_disk_hit_for_the_other(cluster: Clus
     cold, cached = complete(cluster, a, SHARED)
     assert cached == 0
     wait_written(cluster, SHARED)
+    # The writer works after the engine went idle: the front end's stats still catch up with it.
+    wait_until(
+        lambda: (s := engine_stats(a))["kv_disk_pending_writes"] == 0 and s["kv_disk_bytes_written"] > 0, "stats"
+    )
     warm, cached = complete(cluster, b, SHARED)
     assert cached == (len(SHARED) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
     assert warm == cold
