@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
-    sub = bench.add_subparsers(dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank}")
+    sub = bench.add_subparsers(
+        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank}"
+    )
     from stoker.bench import hostile, kernels, offline, quality, rerank, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [

@@ -13,9 +13,14 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from stoker.engine.kv_events import KVEventLog
-from stoker.engine.request import Request
+
+if TYPE_CHECKING:
+    # Only for annotations: the request imports the sampler (torch), and the
+    # front end imports chain_hash (pins) before it spawns the engine.
+    from stoker.engine.request import Request
 
 NULL_BLOCK_ID = 0
 """Block 0 is never handed out: padded block tables and slots point at it."""
