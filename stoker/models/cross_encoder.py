@@ -11,7 +11,6 @@ single relevance score, and picking one of its labels would be a guess.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -23,6 +22,7 @@ from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
 from stoker.models.embedding import Array, _EncoderLayer, _LayerNorm, _Linear
+from stoker.models.micro_batch import MicroBatcher
 from stoker.models.tokenizer import backend_from_file
 
 ModelKind = Literal["generate", "rerank"]
@@ -56,10 +56,6 @@ class PairTokens:
 
     ids: list[int]
     type_ids: list[int]
-
-
-class BatcherClosedError(RuntimeError):
-    """The reranker's version ended (the server's shutdown) before these pairs were scored."""
 
 
 class PairTooLongError(ValueError):
@@ -209,63 +205,12 @@ def _tokenizer_limit(path: str) -> int | None:
     return int(value) if isinstance(value, int | float) and 0 < value < 1_000_000 else None
 
 
-class PairBatcher:
-    """Collects pairs from concurrent requests into forward passes of at most
-    max_batch pairs, run in a worker thread so the event loop stays free."""
+class PairBatcher(MicroBatcher[PairTokens, float]):
+    """Pairs from concurrent requests, scored together."""
 
     def __init__(self, model: CrossEncoder, max_batch: int = 32) -> None:
+        super().__init__(model.name, lambda pairs: model.forward(pairs).tolist(), max_batch)
         self.model = model
-        self.max_batch = max_batch
-        self._pending: list[tuple[PairTokens, asyncio.Future[float]]] = []
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._running = 0
-
-    @property
-    def waiting(self) -> int:
-        """Pairs queued or in the forward pass now."""
-        return len(self._pending) + self._running
 
     async def score(self, pairs: list[PairTokens]) -> list[float]:
-        loop = asyncio.get_running_loop()
-        if self._worker is None or self._worker.done():
-            self._wakeup = asyncio.Event()
-            self._worker = asyncio.create_task(self._run())
-        futures = [loop.create_future() for _ in pairs]
-        self._pending.extend(zip(pairs, futures))
-        assert self._wakeup is not None
-        self._wakeup.set()
-        return list(await asyncio.gather(*futures))
-
-    async def _run(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._pending:
-                batch = self._pending[: self.max_batch]
-                del self._pending[: self.max_batch]
-                live = [(pair, fut) for pair, fut in batch if not fut.done()]
-                if not live:
-                    continue
-                self._running = len(live)
-                try:
-                    scores = await asyncio.to_thread(self.model.forward, [pair for pair, _ in live])
-                except Exception as exc:  # fail these pairs, keep serving others
-                    for _, fut in live:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                finally:
-                    self._running = 0
-                for (_, fut), value in zip(live, scores.tolist()):
-                    if not fut.done():
-                        fut.set_result(float(value))
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
-        pending, self._pending = self._pending, []
-        for _, fut in pending:
-            if not fut.done():
-                fut.set_exception(BatcherClosedError(f"{self.model.name} was unloaded; please retry"))
+        return await self.run(pairs)

@@ -9,7 +9,6 @@ was the longest part of the front end's start.
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import itertools
 import json
@@ -22,6 +21,7 @@ import numpy.typing as npt
 from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
+from stoker.models.micro_batch import MicroBatcher
 from stoker.models.tokenizer import backend_from_file
 
 Array = npt.NDArray[np.float32]
@@ -242,59 +242,16 @@ def gelu(x: Array) -> Array:
     return x
 
 
-class EmbeddingBatcher:
-    """Collects inputs from concurrent requests into forward passes of at most
-    max_batch inputs, run in a worker thread so the event loop stays free."""
+class EmbeddingBatcher(MicroBatcher[list[int], Array]):
+    """The embedding model's inputs from concurrent requests, embedded together."""
 
     def __init__(self, model: EmbeddingModel, max_batch: int = 32) -> None:
+        super().__init__(model.name, lambda batch: list(model.forward(batch)), max_batch, sort_key=len)
         self.model = model
-        self.max_batch = max_batch
-        self._pending: list[tuple[list[int], asyncio.Future[Array]]] = []
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task[None] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.model.name
 
     @property
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
     async def embed(self, inputs: list[list[int]]) -> list[Array]:
-        loop = asyncio.get_running_loop()
-        if self._worker is None or self._worker.done():
-            self._wakeup = asyncio.Event()
-            self._worker = asyncio.create_task(self._run())
-        futures = [loop.create_future() for _ in inputs]
-        self._pending.extend(zip(inputs, futures))
-        assert self._wakeup is not None
-        self._wakeup.set()
-        return list(await asyncio.gather(*futures))
-
-    async def _run(self) -> None:
-        assert self._wakeup is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._pending:
-                # Similar lengths together waste less padding.
-                batch = sorted(self._pending[: self.max_batch], key=lambda item: len(item[0]))
-                del self._pending[: self.max_batch]
-                live = [(ids, fut) for ids, fut in batch if not fut.done()]
-                if not live:
-                    continue
-                try:
-                    rows = await asyncio.to_thread(self.model.forward, [ids for ids, _ in live])
-                except Exception as exc:  # fail these inputs, keep serving others
-                    for _, fut in live:
-                        if not fut.done():
-                            fut.set_exception(exc)
-                    continue
-                for (_, fut), row in zip(live, rows):
-                    if not fut.done():
-                        fut.set_result(row)
-
-    def close(self) -> None:
-        if self._worker is not None:
-            self._worker.cancel()
+        return await self.run(inputs)

@@ -21,8 +21,9 @@ import numpy as np
 from fastapi import APIRouter, Depends, Request
 
 from stoker.errors import APIError
-from stoker.models.cross_encoder import BatcherClosedError, CrossEncoder, PairTokens, PairTooLongError
+from stoker.models.cross_encoder import CrossEncoder, PairTokens, PairTooLongError
 from stoker.models.embedding import EmbeddingBatcher
+from stoker.models.micro_batch import BatcherClosedError
 from stoker.server.bounds import offload
 from stoker.server.fleet import ModelVersion
 from stoker.server.hooks import AdmissionInfo, FinishedRecord

@@ -15,7 +15,8 @@ import torch
 import transformers
 from tiny_rerankers import make_tiny_cross_encoder
 
-from stoker.models.cross_encoder import BatcherClosedError, CrossEncoder, PairBatcher, PairTooLongError, model_kind
+from stoker.models.cross_encoder import CrossEncoder, PairBatcher, PairTooLongError, model_kind
+from stoker.models.micro_batch import BatcherClosedError
 
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
