@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(
-        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank}"
+        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank,prefix-restart}"
     )
-    from stoker.bench import hostile, kernels, offline, quality, rerank, self_draft
+    from stoker.bench import hostile, kernels, offline, prefix_restart, quality, rerank, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
         ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
@@ -56,6 +56,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             hostile.run,
         ),
         ("rerank", "c=16 /v1/rerank throughput of servers (req/s, docs/s, p50/p99)", rerank.add_arguments, rerank.run),
+        (
+            "prefix-restart",
+            "TTFT of long prompts new, in RAM and on disk after a restart (starts stoker serve --kv-cache-disk)",
+            prefix_restart.add_arguments,
+            prefix_restart.run,
+        ),
     ]
     for name, help_text, add_arguments, run in commands:
         p = sub.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
