@@ -42,7 +42,8 @@ from stoker.bench.workload import fit_text
 PHASES = ("new", "ram", "disk")
 ENGINE_IDLE_POLL_S = 0.5
 """stoker.engine.process.IDLE_POLL_MS (not imported: it would pull zmq and the engine into the bench)."""
-WARMUP_PROMPT = "Warm-up: the engine settles before anything is measured."
+WARMUP_PROMPT = "Hello."
+"""Shorter than a KV block (16 tokens by default): it leaves nothing in either tier to count as a hit."""
 MAX_PREFIX_LEN = 1_000_000
 
 
