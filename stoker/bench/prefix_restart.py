@@ -277,6 +277,10 @@ def check(report: Report) -> None:
         report.warnings.append("(c) found nothing cached: the disk tier served nothing after the restart")
 
 
+def duration(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1000:.1f} ms"
+
+
 def print_report(report: Report) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -289,10 +293,10 @@ def print_report(report: Report) -> None:
     for i in sorted({s.prefix for s in report.samples}):
         a, b, c = by[(i, "new")], by[(i, "ram")], by[(i, "disk")]
         same = "[red]NO[/red]" if i in report.mismatches else "yes"
-        row = [str(i), str(a.prompt_tokens), *(f"{s.ttft_s * 1000:.1f} ms" for s in (a, b, c))]
+        row = [str(i), str(a.prompt_tokens), *(duration(s.ttft_s) for s in (a, b, c))]
         table.add_row(*row, f"{b.cached_tokens}, {c.cached_tokens}", same)
     medians = report.medians()
-    table.add_row("median", "", *(f"{medians[p] * 1000:.1f} ms" for p in PHASES), "", "")
+    table.add_row("median", "", *(duration(medians[p]) for p in PHASES), "", "")
     console.print(table)
     console.print(
         f"(c) is {medians['new'] / medians['disk']:.1f}x faster than (a); (b) {medians['new'] / medians['ram']:.1f}x"
