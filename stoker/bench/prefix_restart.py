@@ -320,10 +320,17 @@ def validate(args: argparse.Namespace) -> None:
     for flag, value, low, high in (*bounds, ("--max-tokens", args.max_tokens, 1, 4096)):
         if not low <= value <= high:
             raise BenchError(f"{flag} must be in [{low}, {high}], got {value}")
+    for flag, seconds in (("--ready-timeout", args.ready_timeout), ("--timeout", args.timeout)):
+        if not seconds > 0:
+            raise BenchError(f"{flag} must be a positive number of seconds, got {seconds:g}")
     if args.dir is not None and not Path(args.dir).is_dir():
         raise BenchError(f"--dir {args.dir}: not a folder")
+    try:
+        serve_args = shlex.split(args.serve_args)
+    except ValueError as exc:
+        raise BenchError(f"--serve-args: {exc}") from None
     for flag in ("--kv-cache-disk", "--host", "--port"):
-        if any(arg == flag or arg.startswith(f"{flag}=") for arg in shlex.split(args.serve_args)):
+        if any(arg == flag or arg.startswith(f"{flag}=") for arg in serve_args):
             raise BenchError(f"--serve-args: the bench sets {flag} itself (the folder: --dir)")
 
 

@@ -56,6 +56,8 @@ def test_new_ram_and_disk_after_a_restart(tmp_path: Path, capsys: pytest.Capture
         (["--serve-args", "--port 9000"], "the bench sets --port itself"),
         (["--serve-args=--kv-cache-disk=/tmp/x"], "the bench sets --kv-cache-disk itself"),
         (["--dir", "/nonexistent/folder"], "--dir /nonexistent/folder: not a folder"),
+        (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
+        (["--serve-args", "--model 'unclosed"], "--serve-args: No closing quotation"),
     ],
 )
 def test_bad_flags_are_refused_in_one_line(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
