@@ -72,3 +72,9 @@ def test_a_prompt_longer_than_the_server_takes_is_refused_naming_the_flag(
     args = parse(["--model", str(model), "--serve-args", SERVE_ARGS, "--prefix-len", "600"])
     assert prefix_restart.run(args) == 2
     assert "--prefix-len 600 + --max-tokens 4 does not fit the server's max_model_len 512" in capsys.readouterr().err
+
+
+def test_the_warm_up_gap_follows_the_engine_idle_poll() -> None:
+    from stoker.engine.process import IDLE_POLL_MS
+
+    assert prefix_restart.ENGINE_IDLE_POLL_S * 1000 == IDLE_POLL_MS
