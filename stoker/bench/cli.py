@@ -1,5 +1,6 @@
-"""`stoker bench serve` (load test any OpenAI-compatible server) and
-`stoker bench offline` (the engine without HTTP vs Hugging Face transformers)."""
+"""`stoker bench`: serve (load test any OpenAI-compatible server), offline (the
+engine without HTTP vs Hugging Face transformers), kernels, quality,
+self-draft, hostile, rerank and prefix-restart (docs/bench.md)."""
 
 from __future__ import annotations
 
