@@ -18,10 +18,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
-from safetensors.numpy import load_file
 from threadpoolctl import threadpool_limits
 
-from stoker.models.embedding import Array, _EncoderLayer, _LayerNorm, _Linear
+from stoker.models.embedding import Array, EncoderWeights
 from stoker.models.micro_batch import MicroBatcher
 from stoker.models.tokenizer import backend_from_file
 
@@ -101,52 +100,19 @@ class CrossEncoder:
         threadpool_limits(limits=1, user_api="blas")
 
     def _load_weights(self, file: str, prefix: str) -> None:
-        try:
-            loaded = load_file(file)
-        except TypeError:  # bfloat16, which numpy has no dtype for: torch reads them (only then)
-            from safetensors.torch import load_file as load_torch_file
-
-            loaded = {k: v.float().numpy() for k, v in load_torch_file(file).items()}
-
-        def tensor(name: str) -> Array:
-            found = loaded.get(name, loaded.get(name.removeprefix(f"{prefix}.")))
-            if found is None:
-                raise ValueError(f"{file} has no tensor {name!r}: not a {self.architecture}'s weights")
-            return np.ascontiguousarray(found, dtype=np.float32)
-
-        def linear(*names: str) -> _Linear:
-            weight = np.concatenate([tensor(f"{n}.weight") for n in names])
-            return _Linear(np.ascontiguousarray(weight.T), np.concatenate([tensor(f"{n}.bias") for n in names]))
-
-        eps = np.float32(self.layer_norm_eps)
-
-        def norm(name: str) -> _LayerNorm:
-            return _LayerNorm(tensor(f"{name}.weight"), tensor(f"{name}.bias"), eps)
-
+        weights = EncoderWeights(file, f"a {self.architecture}", self.layer_norm_eps, optional_prefix=f"{prefix}.")
         e = f"{prefix}.embeddings"
-        self.word_embeddings = tensor(f"{e}.word_embeddings.weight")
-        self.position_embeddings = tensor(f"{e}.position_embeddings.weight")
-        self.token_type_embeddings = tensor(f"{e}.token_type_embeddings.weight")
-        self.embeddings_norm = norm(f"{e}.LayerNorm")
-        self.layers = []
-        for i in range(self.num_layers):
-            p = f"{prefix}.encoder.layer.{i}"
-            self.layers.append(
-                _EncoderLayer(
-                    qkv=linear(*(f"{p}.attention.self.{n}" for n in ("query", "key", "value"))),
-                    attention_out=linear(f"{p}.attention.output.dense"),
-                    attention_norm=norm(f"{p}.attention.output.LayerNorm"),
-                    intermediate=linear(f"{p}.intermediate.dense"),
-                    output=linear(f"{p}.output.dense"),
-                    output_norm=norm(f"{p}.output.LayerNorm"),
-                )
-            )
+        self.word_embeddings = weights.tensor(f"{e}.word_embeddings.weight")
+        self.position_embeddings = weights.tensor(f"{e}.position_embeddings.weight")
+        self.token_type_embeddings = weights.tensor(f"{e}.token_type_embeddings.weight")
+        self.embeddings_norm = weights.norm(f"{e}.LayerNorm")
+        self.layers = weights.encoder_layers(f"{prefix}.encoder", self.num_layers)
         # Both heads are dense -> tanh on the first token, then one logit: BERT's
         # pooler and classifier, RoBERTa's classifier.dense and out_proj.
         if self.roberta:
-            self.head_dense, self.head_out = linear("classifier.dense"), linear("classifier.out_proj")
+            self.head_dense, self.head_out = weights.linear("classifier.dense"), weights.linear("classifier.out_proj")
         else:
-            self.head_dense, self.head_out = linear(f"{prefix}.pooler.dense"), linear("classifier")
+            self.head_dense, self.head_out = weights.linear(f"{prefix}.pooler.dense"), weights.linear("classifier")
 
     def parameter_bytes(self) -> int:
         arrays = [self.word_embeddings, self.position_embeddings, self.token_type_embeddings]

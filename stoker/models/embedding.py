@@ -113,6 +113,57 @@ class _EncoderLayer:
 _FFN_ROWS = 128
 
 
+class EncoderWeights:
+    """A BERT-family encoder's safetensors as float32 numpy arrays, and the
+    layers built from them: the embedding model's and the rerankers' reader."""
+
+    def __init__(self, file: str, what: str, layer_norm_eps: float, optional_prefix: str = "") -> None:
+        try:
+            self.tensors = load_file(file)
+        except TypeError:  # bfloat16 tensors, which numpy has no dtype for: torch reads them (only then)
+            from safetensors.torch import load_file as load_torch_file
+
+            self.tensors = {k: v.float().numpy() for k, v in load_torch_file(file).items()}
+        self.file = file
+        self.what = what
+        """What the weights should be, for the error naming a missing tensor."""
+        self.eps = np.float32(layer_norm_eps)
+        self.optional_prefix = optional_prefix
+        """A prefix the file may leave out (a bare encoder's weights under a classifier's names)."""
+
+    def tensor(self, name: str) -> Array:
+        found = self.tensors.get(name)
+        if found is None and self.optional_prefix:
+            found = self.tensors.get(name.removeprefix(self.optional_prefix))
+        if found is None:
+            raise ValueError(f"{self.file} has no tensor {name!r}: not {self.what}'s weights")
+        return np.ascontiguousarray(found, dtype=np.float32)
+
+    def linear(self, *names: str) -> _Linear:
+        """One matmul for several projections of the same input (names' weights stacked)."""
+        weight = np.concatenate([self.tensor(f"{n}.weight") for n in names])
+        return _Linear(np.ascontiguousarray(weight.T), np.concatenate([self.tensor(f"{n}.bias") for n in names]))
+
+    def norm(self, name: str) -> _LayerNorm:
+        return _LayerNorm(self.tensor(f"{name}.weight"), self.tensor(f"{name}.bias"), self.eps)
+
+    def encoder_layers(self, encoder: str, count: int) -> list[_EncoderLayer]:
+        layers = []
+        for i in range(count):
+            p = f"{encoder}.layer.{i}"
+            layers.append(
+                _EncoderLayer(
+                    qkv=self.linear(*(f"{p}.attention.self.{n}" for n in ("query", "key", "value"))),
+                    attention_out=self.linear(f"{p}.attention.output.dense"),
+                    attention_norm=self.norm(f"{p}.attention.output.LayerNorm"),
+                    intermediate=self.linear(f"{p}.intermediate.dense"),
+                    output=self.linear(f"{p}.output.dense"),
+                    output_norm=self.norm(f"{p}.output.LayerNorm"),
+                )
+            )
+        return layers
+
+
 class EmbeddingModel:
     """A BERT encoder over a Hugging Face folder (config.json, model.safetensors, tokenizer.json)."""
 
@@ -148,45 +199,13 @@ class EmbeddingModel:
         threadpool_limits(limits=1, user_api="blas")
 
     def _load_weights(self, file: str) -> None:
-        try:
-            loaded = load_file(file)
-        except TypeError:  # bfloat16 tensors, which numpy has no dtype for: torch reads them (only then)
-            from safetensors.torch import load_file as load_torch_file
-
-            loaded = {k: v.float().numpy() for k, v in load_torch_file(file).items()}
-        tensors = {k.removeprefix("bert."): v for k, v in loaded.items()}
-
-        def tensor(name: str) -> Array:
-            if name not in tensors:
-                raise ValueError(f"{file} has no tensor {name!r}: not a BERT encoder's weights")
-            return np.ascontiguousarray(tensors[name], dtype=np.float32)
-
-        def linear(*prefixes: str) -> _Linear:
-            weight = np.concatenate([tensor(f"{p}.weight") for p in prefixes])
-            return _Linear(np.ascontiguousarray(weight.T), np.concatenate([tensor(f"{p}.bias") for p in prefixes]))
-
-        eps = np.float32(self.config.layer_norm_eps)
-
-        def norm(prefix: str) -> _LayerNorm:
-            return _LayerNorm(tensor(f"{prefix}.weight"), tensor(f"{prefix}.bias"), eps)
-
-        self.word_embeddings = tensor("embeddings.word_embeddings.weight")
-        self.position_embeddings = tensor("embeddings.position_embeddings.weight")
-        self.token_type_embedding = tensor("embeddings.token_type_embeddings.weight")[0]
-        self.embeddings_norm = norm("embeddings.LayerNorm")
-        self.layers = []
-        for i in range(self.config.num_layers):
-            p = f"encoder.layer.{i}"
-            self.layers.append(
-                _EncoderLayer(
-                    qkv=linear(*(f"{p}.attention.self.{n}" for n in ("query", "key", "value"))),
-                    attention_out=linear(f"{p}.attention.output.dense"),
-                    attention_norm=norm(f"{p}.attention.output.LayerNorm"),
-                    intermediate=linear(f"{p}.intermediate.dense"),
-                    output=linear(f"{p}.output.dense"),
-                    output_norm=norm(f"{p}.output.LayerNorm"),
-                )
-            )
+        # BertModel's own files name tensors bare, a pretraining checkpoint's under "bert.".
+        weights = EncoderWeights(file, "a BERT encoder", self.config.layer_norm_eps, optional_prefix="bert.")
+        self.word_embeddings = weights.tensor("bert.embeddings.word_embeddings.weight")
+        self.position_embeddings = weights.tensor("bert.embeddings.position_embeddings.weight")
+        self.token_type_embedding = weights.tensor("bert.embeddings.token_type_embeddings.weight")[0]
+        self.embeddings_norm = weights.norm("bert.embeddings.LayerNorm")
+        self.layers = weights.encoder_layers("bert.encoder", self.config.num_layers)
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids with [CLS] ... [SEP], as the model was trained."""
