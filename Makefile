@@ -21,7 +21,7 @@ INSTALL_SELF := $(PY) -m pip install --quiet --disable-pip-version-check --no-de
 UV_COMPILE := $(PY) -m uv pip compile --quiet --generate-hashes $(TORCH_SOURCE) --index-strategy unsafe-best-match \
 	--python-version 3.11 --python-platform x86_64-manylinux_2_28 --no-header
 
-.PHONY: venv install install-test serve test lint format lock
+.PHONY: venv install install-test browser serve test lint format lock
 
 venv: $(PY)
 $(PY):
@@ -31,9 +31,17 @@ install: venv
 	$(PIP) -r requirements/serve.txt -r requirements/models.txt
 	$(INSTALL_SELF)
 
-install-test: venv
+install-test: venv browser
 	$(PIP) -r requirements/test.txt -r requirements/models.txt
 	$(INSTALL_SELF)
+
+# The web console's tests drive Debian's Chromium through Playwright (never a browser
+# Playwright downloads). Installed from the system's packages when missing and we may.
+CHROMIUM ?= /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "note: $(CHROMIUM) is missing and cannot be installed here; the console's browser tests will fail"; }
 
 serve: install
 	$(PY) -m stoker.cli serve $(ARGS)
