@@ -175,6 +175,15 @@ class EngineConfig(BaseModel):
     kv_cache_disk_size: ByteSize | None = None
     """Most bytes the disk tier keeps (e.g. 20GB, 512MiB); least recently used blocks are removed beyond it.
     At least one block, at most the disk's size. None: a tenth of the disk holding kv_cache_disk."""
+    max_loras: int = Field(4, ge=1, le=64)
+    """LoRA adapters applied in one step (vLLM's --max-loras): a request whose adapter would be one more waits
+    for a later step, and requests for other adapters queue behind it so it never starves (base requests go on).
+    See docs/lora.md."""
+    max_lora_rank: int = Field(64, ge=1, le=512)
+    """Highest LoRA rank accepted (vLLM's --max-lora-rank); an adapter of a higher rank is refused when registered."""
+    max_loaded_loras: int = Field(8, ge=1, le=4096)
+    """LoRA adapters kept in memory (at least max_loras); beyond it the least recently used one not in use is
+    dropped from RAM and loaded again from its file when a request names it."""
 
     @field_validator("kv_events_endpoint", "kv_events_replay_endpoint")
     @classmethod
@@ -209,6 +218,15 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 f"kv_cache_disk_size (--kv-cache-disk-size) {self.kv_cache_disk_size.human_readable()} is larger "
                 f"than the disk holding {self.kv_cache_disk} ({ByteSize(disk).human_readable()})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _loras(self) -> EngineConfig:
+        if self.max_loaded_loras < self.max_loras:
+            raise ValueError(
+                f"max_loaded_loras (--max-loaded-loras) {self.max_loaded_loras} must be at least "
+                f"max_loras (--max-loras) {self.max_loras}: a step's adapters must all be in memory"
             )
         return self
 

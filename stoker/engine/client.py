@@ -24,7 +24,14 @@ import zmq.asyncio
 
 from stoker.config import EngineConfig
 from stoker.engine import process as proto
-from stoker.engine.params import EngineCoreOutput, EngineCoreRequest, EngineStats
+from stoker.engine.params import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    LoraAnswer,
+    LoraCommand,
+    LoraInfo,
+)
 from stoker.engine.pins import PrefixAnswer, PrefixCommand
 
 logger = logging.getLogger(__name__)
@@ -46,6 +53,10 @@ class EngineStartupError(RuntimeError):
     """The engine failed to load (bad model path, out of memory, ...)."""
 
 
+class LoraRejectedError(ValueError):
+    """The engine refused a LoRA adapter; the message names it and the reason, in one line (HTTP 400)."""
+
+
 @dataclass
 class _Stream:
     queue: asyncio.Queue[list[EngineCoreOutput] | BaseException]
@@ -63,6 +74,8 @@ class _Incarnation:
     out: zmq.asyncio.Socket
     ready: asyncio.Future[proto.EngineInfo] = field(default_factory=asyncio.Future)
     reader: asyncio.Task[None] | None = None
+    serving: bool = False
+    """Past its start (adapters registered again included): taking requests, restarted if it dies."""
 
 
 class AsyncEngineClient:
@@ -87,12 +100,18 @@ class AsyncEngineClient:
         self._engine: _Incarnation | None = None
         self._alive = False
         self._closing = False
+        self._sleeping = False
+        """The process was stopped by sleep(): its exit is no crash, and wake() starts the next one."""
         self._generation = 0
         self._restart_task: asyncio.Task[None] | None = None
         self._resets: dict[int, asyncio.Future[int]] = {}
         """Prefix-cache resets awaiting the engine's answer, by ticket."""
         self._prefix_answers: dict[int, asyncio.Future[PrefixAnswer]] = {}
         """Pinned-prefix commands awaiting the engine's answer, by ticket (the same numbering)."""
+        self._lora_answers: dict[int, asyncio.Future[LoraAnswer]] = {}
+        """LoRA registrations and removals awaiting the engine's answer, by ticket (the same numbering)."""
+        self._loras: dict[str, str] = {}
+        """Registered LoRA adapters, name -> path, in registration order: registered again on every engine start."""
         self._next_ticket = 0
         self._dir = tempfile.mkdtemp(prefix="stoker-ipc-")
         self._ctx = zmq.Context()
@@ -164,30 +183,71 @@ class AsyncEngineClient:
         self.info = info
         if self.tokenizer is None:
             self.tokenizer = pickle.loads(info.tokenizer)
+        # Before it takes requests: a restarted (or woken) engine serves the adapters its predecessor served.
+        await self._register_loras(engine)
+        engine.serving = True
         self._alive = True
         logger.info("engine ready (pid %d, generation %d)", info.pid, self._generation)
         return info
 
+    async def _register_loras(self, engine: _Incarnation) -> None:
+        for name, path in list(self._loras.items()):
+            try:
+                answer = await self._lora_call(engine, "add", name, path, self.startup_timeout)
+            except EngineUnavailableError as exc:
+                self._discard(engine, kill=True)
+                raise EngineStartupError(f"LoRA adapter {name!r} was not registered again: {exc}") from None
+            if answer.error is not None:
+                # Its file changed or vanished since it was added: served no more, said once, loudly.
+                logger.error("LoRA adapter %s dropped on engine start: %s", name, answer.error)
+                self._loras.pop(name, None)
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the engine: ask politely, then kill. In-flight requests fail."""
         self._closing = True
-        if self._restart_task is not None:
-            self._restart_task.cancel()
-        engine = self._engine
-        if engine is not None:
-            try:
-                engine.inp.send_multipart([proto.SHUTDOWN, b""], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout
-            while engine.process.is_alive() and loop.time() < deadline:
-                await asyncio.sleep(0.05)
-            self._discard(engine, kill=True)
+        await self._stop(timeout)
         self._fail_all(EngineUnavailableError("the server is shutting down"))
         self._fail_resets(EngineUnavailableError("the server is shutting down"))
         self._ctx.destroy(linger=0)
         shutil.rmtree(self._dir, ignore_errors=True)
+
+    async def sleep(self, timeout: float = 10.0) -> None:
+        """Stop the engine process (its weights and KV cache go with it) and keep
+        what wake() needs: the config, the tokenizer, the last EngineInfo. Not a
+        crash: no restart follows. Requests still in flight fail, so the caller
+        drains first (stoker.server.sleep)."""
+        self._sleeping = True
+        await self._stop(timeout)
+        self._fail_all(EngineUnavailableError("the engine went to sleep; please retry"))
+        self._fail_resets(EngineUnavailableError("the engine went to sleep; please retry"))
+        self._stats = EngineStats()  # nothing runs, nothing waits: the gauges read zero
+
+    async def wake(self) -> proto.EngineInfo:
+        """Start a new engine process after sleep(); EngineStartupError if it cannot
+        (it stays asleep then, and a later wake() tries again)."""
+        self._sleeping = False
+        try:
+            return await self._spawn()
+        except BaseException:
+            self._sleeping = True
+            raise
+
+    async def _stop(self, timeout: float) -> None:
+        """Ask the engine process to exit, kill it past timeout; no restart is due."""
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+        engine = self._engine
+        if engine is None:
+            return
+        try:
+            engine.inp.send_multipart([proto.SHUTDOWN, b""], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while engine.process.is_alive() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self._discard(engine, kill=True)
 
     def _discard(self, engine: _Incarnation, kill: bool) -> None:
         try:
@@ -214,7 +274,10 @@ class AsyncEngineClient:
             )
             engine.ready.exception()  # the starter may be gone; keep asyncio quiet
             return
-        if self._closing:
+        if not engine.serving:  # died while its adapters were registered again: the starter reports it
+            self._fail_resets(EngineDeadError(self.last_error or "the engine process died while starting"))
+            return
+        if self._closing or self._sleeping:
             return
         logger.error("engine process %s exited with code %s; restarting", engine.process.pid, engine.process.exitcode)
         self._fail_all(EngineDeadError("the engine process died; please retry"))
@@ -236,7 +299,12 @@ class AsyncEngineClient:
     def _fail_resets(self, error: BaseException) -> None:
         resets, self._resets = self._resets, {}
         answers, self._prefix_answers = self._prefix_answers, {}
-        futures: list[asyncio.Future[int] | asyncio.Future[PrefixAnswer]] = [*resets.values(), *answers.values()]
+        loras, self._lora_answers = self._lora_answers, {}
+        futures: list[asyncio.Future[int] | asyncio.Future[PrefixAnswer] | asyncio.Future[LoraAnswer]] = [
+            *resets.values(),
+            *answers.values(),
+            *loras.values(),
+        ]
         for future in futures:
             if not future.done():
                 future.set_exception(error)
@@ -270,6 +338,11 @@ class AsyncEngineClient:
                 waiting = self._prefix_answers.pop(answer.ticket, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(answer)
+            elif kind == proto.LORA_ANSWER:
+                lora = proto.lora_answer_decoder.decode(payload)
+                pending = self._lora_answers.pop(lora.ticket, None)
+                if pending is not None and not pending.done():
+                    pending.set_result(lora)
             elif kind == proto.READY:
                 if not engine.ready.done():
                     engine.ready.set_result(proto.info_decoder.decode(payload))
@@ -381,6 +454,54 @@ class AsyncEngineClient:
             raise EngineUnavailableError(f"the engine did not answer the {action} within {timeout:.0f} s") from None
         finally:
             self._prefix_answers.pop(ticket, None)
+
+    # ---- LoRA adapters -----------------------------------------------------
+
+    async def add_lora(self, name: str, path: str, timeout: float = 120.0) -> LoraInfo:
+        """Load and validate an adapter in the engine (on its loader thread; steps go on) and
+        register it; requests then name it in EngineCoreRequest.lora_name. Every later engine
+        start registers it again. LoraRejectedError (naming the adapter and the reason) if the
+        engine refuses it; EngineUnavailableError if the engine is not ready, dies meanwhile
+        or does not answer within timeout."""
+        engine = self._engine
+        if not self.ready or engine is None:
+            raise EngineUnavailableError("the engine is not ready; please retry")
+        answer = await self._lora_call(engine, "add", name, path, timeout)
+        if answer.error is not None or answer.info is None:
+            raise LoraRejectedError(answer.error or f"LoRA adapter {name!r} was refused")
+        self._loras[name] = path
+        return answer.info
+
+    async def remove_lora(self, name: str, timeout: float = 10.0) -> None:
+        """Forget an adapter: the engine drops it from memory, and requests still naming it end
+        with an error (drain them first). An unknown name changes nothing."""
+        known = self._loras.pop(name, None) is not None
+        engine = self._engine
+        if not known or not self.ready or engine is None:
+            return  # an engine started later never hears of it
+        await self._lora_call(engine, "remove", name, "", timeout)
+
+    def lora_names(self) -> list[str]:
+        """The registered adapters' names, in registration order."""
+        return list(self._loras)
+
+    async def _lora_call(
+        self, engine: _Incarnation, action: Literal["add", "remove"], name: str, path: str, timeout: float
+    ) -> LoraAnswer:
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        future: asyncio.Future[LoraAnswer] = asyncio.get_running_loop().create_future()
+        self._lora_answers[ticket] = future
+        command = LoraCommand(ticket, action, name, path)
+        engine.inp.send_multipart([proto.LORA, proto.encoder.encode(command)], zmq.NOBLOCK)
+        try:
+            return await asyncio.wait_for(future, timeout)
+        except asyncio.TimeoutError:
+            raise EngineUnavailableError(
+                f"the engine did not answer the LoRA {action} of {name!r} within {timeout:.0f} s"
+            ) from None
+        finally:
+            self._lora_answers.pop(ticket, None)
 
     def abort_all_soft(self) -> None:
         """Ask the engine to abort everything in flight but keep the streams open,

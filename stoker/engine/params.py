@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Literal
 
 
 class FinishReason(str, Enum):
@@ -206,6 +207,40 @@ class EngineCoreRequest:
     """Lower value is served first (as vLLM). 0 interactive, 1 batch by convention."""
     deadline: float | None = None
     """time.time() after which the request is dropped (waiting) or aborted (running)."""
+    lora_name: str | None = None
+    """The registered LoRA adapter applied to this request (AsyncEngineClient.add_lora); None: the base model."""
+
+
+@dataclass(frozen=True)
+class LoraInfo:
+    """A LoRA adapter the engine has loaded, validated and registered."""
+
+    name: str
+    path: str
+    rank: int
+    target_modules: tuple[str, ...]
+    """The projections it changes (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), sorted."""
+    nbytes: int
+    """Bytes its tensors take in memory while it is resident."""
+
+
+@dataclass(frozen=True)
+class LoraCommand:
+    """The front end's request to register (add) or forget (remove) an adapter; the ticket pairs the answer."""
+
+    ticket: int
+    action: Literal["add", "remove"]
+    name: str
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class LoraAnswer:
+    ticket: int
+    info: LoraInfo | None = None
+    """The adapter registered (add), None for a remove or a refusal."""
+    error: str | None = None
+    """Why an add was refused: one line naming the adapter (LoraError's message)."""
 
 
 @dataclass
@@ -390,6 +425,26 @@ class EngineStats:
     kv_disk_bytes_used: int = 0
     kv_disk_degraded: str | None = None
     """Why the disk tier's writes are paused (disk full, read-only, gone); None while healthy or off."""
+    max_loras: int = 0
+    """LoRA adapters one step may apply (--max-loras; vllm:lora_requests_info's max_lora label)."""
+    lora_running: dict[str, int] = field(default_factory=dict)
+    """Running sequences by LoRA adapter (vllm:lora_requests_info's running_lora_adapters: the keys)."""
+    lora_waiting: dict[str, int] = field(default_factory=dict)
+    """Waiting sequences by LoRA adapter (waiting_lora_adapters), including those waiting for its load."""
+    lora_registered: int = 0
+    """LoRA adapters registered now."""
+    lora_resident: int = 0
+    """LoRA adapters in memory now (at most --max-loaded-loras)."""
+    lora_resident_bytes: int = 0
+    """Bytes the resident adapters' tensors take now."""
+    lora_loads: int = 0
+    """LoRA adapter loads from their files, registrations and reloads after eviction (cumulative)."""
+    lora_load_failures: int = 0
+    """LoRA loads that failed: refused registrations, and reloads of a file since changed or removed (cumulative)."""
+    lora_evictions: int = 0
+    """LoRA adapters dropped from memory to stay within --max-loaded-loras (cumulative)."""
+    lora_load_seconds: list[float] = field(default_factory=list)
+    """Duration of each of the latest adapter loads, oldest first."""
 
     @property
     def kv_usage(self) -> float:

@@ -31,6 +31,8 @@ from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
+    LoraAnswer,
+    LoraCommand,
     SamplingParams,
 )
 from stoker.engine.pins import NO_DISK_TIER, PrefixAnswer, PrefixCommand
@@ -70,6 +72,7 @@ ABORT = b"abort"
 SHUTDOWN = b"shutdown"
 RESET_PREFIX_CACHE = b"reset_prefix_cache"
 PREFIXES = b"prefixes"
+LORA = b"lora"
 # engine -> front end
 READY = b"ready"
 OUTPUTS = b"out"
@@ -78,11 +81,15 @@ REJECT = b"reject"
 FATAL = b"fatal"
 PREFIX_CACHE_RESET = b"prefix_cache_reset"
 PREFIX_ANSWER = b"prefix_answer"
+LORA_ANSWER = b"lora_answer"
 
 STATS_INTERVAL_S = 0.2
 """How often a busy engine pushes a stats snapshot; idle transitions push at once."""
 IDLE_POLL_MS = 500
 """How long an idle engine blocks on its input before checking that its parent lives."""
+LORA_POLL_MS = 10
+"""How long an idle engine blocks on its input while a LoRA adapter loads, before answering for it."""
+NO_LORA = "this engine does not serve LoRA adapters"
 
 
 @dataclass
@@ -130,6 +137,8 @@ ticket_decoder = msgspec.msgpack.Decoder(int)
 reset_decoder = msgspec.msgpack.Decoder(PrefixCacheReset)
 prefix_command_decoder = msgspec.msgpack.Decoder(PrefixCommand)
 prefix_answer_decoder = msgspec.msgpack.Decoder(PrefixAnswer)
+lora_command_decoder = msgspec.msgpack.Decoder(LoraCommand)
+lora_answer_decoder = msgspec.msgpack.Decoder(LoraAnswer)
 
 
 if TYPE_CHECKING:
@@ -273,11 +282,17 @@ def _loop(
     # Pinned prefixes (EngineCore's; a test core without them answers that it has no disk tier).
     prefix_command: Callable[[PrefixCommand], None] | None = getattr(core, "prefix_command", None)
     take_prefix_answers: Callable[[], list[PrefixAnswer]] = getattr(core, "take_prefix_answers", list)
+    # LoRA adapters (EngineCore's; a test core without them refuses every add).
+    lora_command: Callable[[LoraCommand], None] | None = getattr(core, "lora_command", None)
+    take_lora_answers: Callable[[], list[LoraAnswer]] = getattr(core, "take_lora_answers", list)
+    loras_loading: Callable[[], bool] = getattr(core, "loras_loading", lambda: False)
     last_stats = 0.0
     sent: EngineStats | None = None
     while True:
+        for lora_answer in take_lora_answers():
+            out.send_multipart([LORA_ANSWER, encoder.encode(lora_answer)])
         busy = core.has_unfinished_requests()
-        if not busy and not poller.poll(IDLE_POLL_MS):
+        if not busy and not poller.poll(LORA_POLL_MS if loras_loading() else IDLE_POLL_MS):
             if calibrate is not None:
                 calibrate()
                 calibrate = None
@@ -322,6 +337,14 @@ def _loop(
                     out.send_multipart([PREFIX_ANSWER, encoder.encode(answer)])
                 else:
                     prefix_command(command)  # a pin becomes a request, answered once it has run
+            elif kind == LORA:
+                lora = lora_command_decoder.decode(payload)
+                if lora_command is None:
+                    refusal = LoraAnswer(lora.ticket, error=NO_LORA)
+                    out.send_multipart([LORA_ANSWER, encoder.encode(refusal)])
+                else:
+                    lora_command(lora)  # an add is answered once its load is done (take_lora_answers)
+                    stats_due = True
             elif kind == SHUTDOWN:
                 close: Callable[[], None] | None = getattr(core, "close", None)
                 if close is not None:
