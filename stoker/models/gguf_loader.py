@@ -135,7 +135,7 @@ def _read_gguf_header(path: str) -> dict[str, Any]:
     return {"config": dataclasses.asdict(config), "tensors": tensors, "permute_qk": permute_qk}
 
 
-def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_qk_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's q/k row order: per head it stores the rotary pairs interleaved
     (row 2i, 2i+1), HF stores the halves (i, i + d/2)."""
     half = w.shape[0] // n_head // 2
@@ -266,14 +266,14 @@ def _gguf_weights(
         if qtype in keep and data.ndim == 2:
             q = GGMLTensor(from_numpy_readonly(data), qtype, _row_elements(t), file_mapped=True)
             # The permutation moves whole rows, so it applies to blocks as to floats (one copy of q and k).
-            weights[t["hf"]] = q if heads is None else q.take_rows(_unpermute(torch.arange(q.rows), heads))
+            weights[t["hf"]] = q if heads is None else q.take_rows(unpermute_qk_rows(torch.arange(q.rows), heads))
             continue
         array = dequantize(data, qtype)
         if not array.flags.writeable:  # F32 tensors come back as views of the read-only mapping
             array = array.copy()
         w = torch.from_numpy(array)
         if heads is not None:
-            w = _unpermute(w, heads)
+            w = unpermute_qk_rows(w, heads)
         weights[t["hf"]] = w.to(dtype=dtype).contiguous()
     return weights
 

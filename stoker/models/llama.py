@@ -4,7 +4,8 @@ Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,7 @@ from stoker.config import ModelConfig
 from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
 from stoker.models.fused_decoder import FusedDecoder
 from stoker.models.layers import Rotary, gated_mlp, rms_norm
+from stoker.models.lora import LoraAdapter, LoraBatch, add_lora
 from stoker.models.quant.weights import Embedding, LinearWeight, WeightLike, dense_weight, make_linear
 from stoker.models.registry import architecture
 
@@ -101,6 +103,8 @@ class LlamaModel:
         # Built once here; it then serves every step (never only some: batch invariance).
         fused = FusedDecoder.build(self)
         self.fused = fused if isinstance(fused, FusedDecoder) else None
+        # Adapters' tensors copied to a device other than the CPU they load on, while they live.
+        self._device_adapters: weakref.WeakKeyDictionary[LoraAdapter, LoraAdapter] = weakref.WeakKeyDictionary()
         if self.fused is not None:
             log.info(
                 "decoder layers: fused C path (one call per step for all %d layers, running the"
@@ -117,18 +121,32 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Runs the flattened batch; returns float32 logits for logits_indices only."""
+        """Runs the flattened batch; returns float32 logits for logits_indices only.
+        lora: each row's adapter (None, or every row -1: the base alone, today's arithmetic)."""
         cfg = self.config
         hidden = self.embed(input_ids)
-        if self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches):
+        if lora is not None and not lora.active:
+            lora = None
+        fused_ok = self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches)
+        if self.fused is not None and fused_ok and lora is None:
             hidden = self.fused(hidden.contiguous(), positions, kv_caches, meta)
             return self._logits(hidden, logits_indices)
         n = hidden.shape[0]
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        adapters = self._adapters_on_device(lora)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+
+            def adapted(stack: str, linear: LinearWeight, i: int = i) -> Callable[[torch.Tensor], torch.Tensor]:
+                """The stacked linear with each row's adapter update added after the base matmul."""
+                if lora is None:
+                    return linear
+                batch = lora
+                return lambda rows: add_lora(linear(rows), rows, stack, i, batch, adapters)
+
             residual = hidden
             x = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(x)
+            qkv = adapted("qkv", layer.qkv)(x)
             q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(n, cfg.num_heads, cfg.head_dim)
             k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
@@ -140,11 +158,23 @@ class LlamaModel:
             k = self.rotary(k, positions)
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            hidden = residual + layer.o_proj(attn)
+            hidden = residual + adapted("o_proj", layer.o_proj)(attn)
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            hidden = residual + gated_mlp(x, layer.gate_up, layer.down)
+            hidden = residual + gated_mlp(x, adapted("gate_up", layer.gate_up), adapted("down", layer.down))
         return self._logits(hidden, logits_indices)
+
+    def _adapters_on_device(self, lora: LoraBatch | None) -> list[LoraAdapter]:
+        if lora is None:
+            return []
+        if self.device.type == "cpu":
+            return lora.adapters
+        moved = []
+        for adapter in lora.adapters:
+            if adapter not in self._device_adapters:
+                self._device_adapters[adapter] = adapter.to(self.device)
+            moved.append(self._device_adapters[adapter])
+        return moved
 
     def _logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         last = hidden[logits_indices]

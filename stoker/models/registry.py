@@ -21,6 +21,7 @@ from stoker.config import ModelConfig
 
 if TYPE_CHECKING:
     from stoker.models.attention import AttentionMetadata
+    from stoker.models.lora import LoraBatch
 
 
 class DecoderModel(Protocol):
@@ -37,8 +38,10 @@ class DecoderModel(Protocol):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """float32 logits [len(logits_indices), vocab] for the rows asked for."""
+        """float32 logits [len(logits_indices), vocab] for the rows asked for; lora: each row's
+        adapter (models/lora.py), None for the base alone."""
         ...
 
 
