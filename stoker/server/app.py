@@ -33,6 +33,7 @@ from stoker.server.reasoning import parse_parser_choices
 from stoker.server.responses_store import ResponseStore
 from stoker.server.routes import (
     anthropic,
+    console,
     embeddings,
     health,
     models,
@@ -376,6 +377,8 @@ def create_app(
         prefixes.router,
     ):
         app.include_router(router)
+    if config.ui:
+        app.include_router(console.router)
     for name in EXTENSIONS:
         try:
             module = importlib.import_module(name)

@@ -127,8 +127,14 @@ class ServerConfig(BaseModel):
     """Thinking tokens a request may spend when it names no budget (reasoning_effort, reasoning_budget, thinking.budget_tokens); then the engine ends the thinking and the answer follows. 0: no thinking. None: only max_tokens bounds it."""
     reasoning_field: Literal["both", "reasoning_content", "reasoning"] = "both"
     """The chat field(s) that carry a reply's thinking, on messages and stream deltas: reasoning_content (DeepSeek's and vLLM's older name), reasoning (vLLM's newer one) or both."""
+    sleep_idle_seconds: list[str] = Field(default_factory=list)
+    """Seconds a model may sit idle (nothing in flight, nothing arriving) before its engine sleeps, freeing its weights and KV cache; the next request wakes it (docs/sleep.md). N for every model or NAME=N for one (repeat the flag; a YAML list; env: separated by spaces); N from 0 (never) to a year (31622400). Empty: never."""
+    ui: bool = True
+    """Serve the web console (chat playground and operator pages, docs/console.md) at / and /ui/; --no-ui leaves both out (404). The pages hold no data: what they show comes from the API, with the user's key."""
 
-    @field_validator("models", "fallback", "allowed_hosts", "model_root", "reasoning_parser", mode="before")
+    @field_validator(
+        "models", "fallback", "allowed_hosts", "model_root", "reasoning_parser", "sleep_idle_seconds", mode="before"
+    )
     @classmethod
     def _split_words(cls, value: Any) -> Any:
         return value.split() if isinstance(value, str) else value
@@ -143,6 +149,18 @@ class ServerConfig(BaseModel):
     @classmethod
     def _parsers(cls, value: list[str]) -> list[str]:
         parse_parser_choices(value)
+        return value
+
+    @field_validator("sleep_idle_seconds", mode="before")
+    @classmethod
+    def _idle_words(cls, value: Any) -> Any:
+        """A YAML number (sleep_idle_seconds: 600) is the one entry for every model."""
+        return [str(value)] if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+    @field_validator("sleep_idle_seconds", mode="after")
+    @classmethod
+    def _idle_times(cls, value: list[str]) -> list[str]:
+        parse_sleep_choices(value)
         return value
 
     @field_validator("embedding_model", mode="before")

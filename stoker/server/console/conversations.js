@@ -1,0 +1,253 @@
+// The playground's conversations: a tree of turns (an edited or regenerated
+// turn is a sibling of the one it replaces, so no branch is ever lost), kept in
+// this browser's IndexedDB, exported and imported as JSON. Nothing here is sent
+// to the server except the path the user is on, as a request's messages.
+
+const DB_NAME = 'stoker-console';
+const STORE = 'conversations';
+export const FORMAT = 'stoker.conversations';
+export const FORMAT_VERSION = 1;
+
+/** Bounds on an imported file, so a hostile or damaged one is refused before it fills the browser's storage. */
+export const LIMITS = Object.freeze({
+  fileBytes: 50 * 1024 * 1024,
+  conversations: 1000,
+  messages: 10000,
+  contentChars: 1_000_000,
+  titleChars: 200,
+  logprobs: 100_000,
+  topLogprobs: 20,
+});
+
+const ROLES = new Set(['user', 'assistant']);
+const SETTING_TYPES = {
+  model: 'string',
+  system: 'string',
+  temperature: 'number',
+  top_p: 'number',
+  max_tokens: 'number',
+  seed: 'number',
+  stop: 'string',
+  logprobs: 'boolean',
+  top_logprobs: 'number',
+  schema: 'string',
+  tools: 'string',
+};
+
+export function newId() {
+  return crypto.randomUUID();
+}
+
+export function newConversation(settings = {}) {
+  const now = Date.now();
+  return { id: newId(), title: 'New chat', created: now, updated: now, settings: { ...settings }, messages: [], leaf: null };
+}
+
+// ---- the tree ---------------------------------------------------------------
+
+/** The turns from the first to id (the branch the user sees), oldest first. */
+export function pathTo(conversation, id) {
+  const byId = new Map(conversation.messages.map((m) => [m.id, m]));
+  const path = [];
+  for (let m = byId.get(id); m; m = byId.get(m.parent)) path.push(m);
+  return path.reverse();
+}
+
+/** The turns that answer or follow parent (null: the first turns), oldest first. */
+export function children(conversation, parent) {
+  return conversation.messages.filter((m) => m.parent === parent);
+}
+
+/** The newest turn at the end of the branch through id: where switching to id's branch lands. */
+export function leafUnder(conversation, id) {
+  let leaf = id;
+  for (let next = children(conversation, leaf); next.length; next = children(conversation, leaf)) {
+    leaf = next[next.length - 1].id;
+  }
+  return leaf;
+}
+
+/** A turn added under parent, and the conversation's branch moved to it. */
+export function addMessage(conversation, parent, fields) {
+  const message = { id: newId(), parent, created: Date.now(), ...fields };
+  conversation.messages.push(message);
+  conversation.leaf = message.id;
+  conversation.updated = Date.now();
+  if (conversation.title === 'New chat' && message.role === 'user' && message.content.trim()) {
+    conversation.title = message.content.trim().replace(/\s+/g, ' ').slice(0, 60);
+  }
+  return message;
+}
+
+/** A new conversation holding only the branch up to id (its settings copied). */
+export function branchFrom(conversation, id) {
+  const copy = newConversation(conversation.settings);
+  copy.title = `${conversation.title} (branch)`.slice(0, LIMITS.titleChars);
+  const ids = new Map();
+  for (const m of pathTo(conversation, id)) {
+    const fresh = { ...m, id: newId(), parent: m.parent === null ? null : ids.get(m.parent) };
+    ids.set(m.id, fresh.id);
+    copy.messages.push(fresh);
+  }
+  copy.leaf = ids.get(id) ?? null;
+  return copy;
+}
+
+// ---- storage ----------------------------------------------------------------
+
+let opening = null;
+
+function database() {
+  opening ??= new Promise((resolve, reject) => {
+    const request = indexedDB.open(DB_NAME, 1);
+    request.onupgradeneeded = () => {
+      request.result.createObjectStore(STORE, { keyPath: 'id' });
+    };
+    request.onsuccess = () => resolve(request.result);
+    request.onerror = () => {
+      opening = null;
+      reject(new Error(`This browser's storage cannot be opened (${request.error?.message ?? 'unknown error'}).`));
+    };
+  });
+  return opening;
+}
+
+async function transact(mode, act) {
+  const db = await database();
+  return new Promise((resolve, reject) => {
+    const tx = db.transaction(STORE, mode);
+    const request = act(tx.objectStore(STORE));
+    tx.oncomplete = () => resolve(request?.result);
+    tx.onerror = () => reject(tx.error);
+    tx.onabort = () => reject(tx.error ?? new Error('storage transaction aborted'));
+  });
+}
+
+/** Every stored conversation, the most recently changed first. */
+export async function listConversations() {
+  const all = (await transact('readonly', (store) => store.getAll())) ?? [];
+  return all.sort((a, b) => b.updated - a.updated);
+}
+
+export function saveConversation(conversation) {
+  return transact('readwrite', (store) => store.put(conversation));
+}
+
+export function deleteConversation(id) {
+  return transact('readwrite', (store) => store.delete(id));
+}
+
+// ---- export and import ------------------------------------------------------
+
+export function exportJSON(conversations) {
+  const file = { format: FORMAT, version: FORMAT_VERSION, exported: new Date().toISOString(), conversations };
+  return JSON.stringify(file, null, 2);
+}
+
+class ImportError extends Error {}
+
+function check(condition, where, what) {
+  if (!condition) throw new ImportError(`${where}: ${what}`);
+}
+
+function checkString(value, where, max) {
+  check(typeof value === 'string', where, 'must be a string');
+  check(value.length <= max, where, `longer than ${max} characters`);
+}
+
+function checkNumber(value, where) {
+  check(typeof value === 'number' && Number.isFinite(value), where, 'must be a finite number');
+}
+
+function checkLogprob(entry, where) {
+  check(entry !== null && typeof entry === 'object', where, 'must be an object');
+  checkString(entry.token, `${where}.token`, LIMITS.contentChars);
+  checkNumber(entry.logprob, `${where}.logprob`);
+}
+
+function checkMessage(m, where, seen) {
+  check(m !== null && typeof m === 'object' && !Array.isArray(m), where, 'must be an object');
+  checkString(m.id, `${where}.id`, 100);
+  check(!seen.has(m.id), `${where}.id`, `"${m.id}" is used twice`);
+  check(m.parent === null || seen.has(m.parent), `${where}.parent`, 'must be null or the id of an earlier message');
+  check(ROLES.has(m.role), `${where}.role`, 'must be "user" or "assistant"');
+  checkString(m.content, `${where}.content`, LIMITS.contentChars);
+  if (m.reasoning !== undefined) checkString(m.reasoning, `${where}.reasoning`, LIMITS.contentChars);
+  if (m.model !== undefined) checkString(m.model, `${where}.model`, 256);
+  if (m.tool_calls !== undefined) {
+    check(Array.isArray(m.tool_calls) && m.tool_calls.length <= 128, `${where}.tool_calls`, 'must be a list of at most 128 calls');
+    m.tool_calls.forEach((call, k) => {
+      const at = `${where}.tool_calls[${k}]`;
+      check(call !== null && typeof call === 'object' && call.function && typeof call.function === 'object', at, 'must be {id, type, function: {name, arguments}}');
+      checkString(call.function.name, `${at}.function.name`, 64);
+      checkString(call.function.arguments, `${at}.function.arguments`, LIMITS.contentChars);
+    });
+  }
+  if (m.logprobs !== undefined) {
+    check(Array.isArray(m.logprobs) && m.logprobs.length <= LIMITS.logprobs, `${where}.logprobs`, `must be a list of at most ${LIMITS.logprobs} tokens`);
+    m.logprobs.forEach((entry, k) => {
+      checkLogprob(entry, `${where}.logprobs[${k}]`);
+      const top = entry.top_logprobs ?? [];
+      check(Array.isArray(top) && top.length <= LIMITS.topLogprobs, `${where}.logprobs[${k}].top_logprobs`, `must be a list of at most ${LIMITS.topLogprobs}`);
+      top.forEach((alt, j) => checkLogprob(alt, `${where}.logprobs[${k}].top_logprobs[${j}]`));
+    });
+  }
+  if (m.stats !== undefined) {
+    check(m.stats !== null && typeof m.stats === 'object' && !Array.isArray(m.stats), `${where}.stats`, 'must be an object');
+    for (const [key, value] of Object.entries(m.stats)) {
+      check(value === null || ['number', 'string'].includes(typeof value) || typeof value === 'object', `${where}.stats.${key}`, 'has an unexpected type');
+    }
+  }
+  seen.add(m.id);
+}
+
+function checkConversation(c, where) {
+  check(c !== null && typeof c === 'object' && !Array.isArray(c), where, 'must be an object');
+  checkString(c.id, `${where}.id`, 100);
+  checkString(c.title, `${where}.title`, LIMITS.titleChars);
+  checkNumber(c.created, `${where}.created`);
+  checkNumber(c.updated, `${where}.updated`);
+  check(c.settings !== null && typeof c.settings === 'object' && !Array.isArray(c.settings), `${where}.settings`, 'must be an object');
+  for (const [key, value] of Object.entries(c.settings)) {
+    check(key in SETTING_TYPES, `${where}.settings.${key}`, `is not a setting (known: ${Object.keys(SETTING_TYPES).join(', ')})`);
+    check(value === null || typeof value === SETTING_TYPES[key], `${where}.settings.${key}`, `must be a ${SETTING_TYPES[key]} or null`);
+  }
+  check(Array.isArray(c.messages), `${where}.messages`, 'must be a list');
+  check(c.messages.length <= LIMITS.messages, `${where}.messages`, `more than ${LIMITS.messages} messages`);
+  const seen = new Set();
+  c.messages.forEach((m, i) => checkMessage(m, `${where}.messages[${i}]`, seen));
+  check(c.leaf === null || seen.has(c.leaf), `${where}.leaf`, 'must be null or the id of one of its messages');
+}
+
+/**
+ * The conversations in an exported file's text, checked whole before any is kept;
+ * throws an Error whose message says where the file is wrong.
+ */
+export function parseImport(text) {
+  check(text.length <= LIMITS.fileBytes, 'file', `larger than ${LIMITS.fileBytes / 1024 / 1024} MiB`);
+  let file;
+  try {
+    file = JSON.parse(text);
+  } catch (error) {
+    throw new ImportError(`file: not JSON (${error.message})`);
+  }
+  check(file !== null && typeof file === 'object' && !Array.isArray(file), 'file', 'must be a JSON object');
+  check(file.format === FORMAT, 'format', `must be "${FORMAT}" (a file exported by this console)`);
+  check(file.version === FORMAT_VERSION, 'version', `must be ${FORMAT_VERSION}; this file says ${JSON.stringify(file.version)}`);
+  check(Array.isArray(file.conversations), 'conversations', 'must be a list');
+  check(file.conversations.length <= LIMITS.conversations, 'conversations', `more than ${LIMITS.conversations}`);
+  file.conversations.forEach((c, i) => checkConversation(c, `conversations[${i}]`));
+  return file.conversations;
+}
+
+/** The file's conversations kept; one whose id is already here gets a new id, so an import never overwrites. */
+export async function importConversations(text) {
+  const incoming = parseImport(text);
+  const existing = new Set((await listConversations()).map((c) => c.id));
+  for (const c of incoming) {
+    const kept = existing.has(c.id) ? { ...c, id: newId() } : c;
+    existing.add(kept.id);
+    await saveConversation(kept);
+  }
+  return incoming.length;
+}
