@@ -24,11 +24,12 @@ from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
 from stoker.engine.pooling import PoolingEngine
 from stoker.errors import APIError
-from stoker.server import openapi
+from stoker.server import console_data, openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
 from stoker.server.config import ServerConfig
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
+from stoker.server.lora import plan_adapters
 from stoker.server.reasoning import parse_parser_choices
 from stoker.server.responses_store import ResponseStore
 from stoker.server.routes import (
@@ -36,14 +37,17 @@ from stoker.server.routes import (
     console,
     embeddings,
     health,
+    lora,
     models,
     openai,
     prefixes,
     rerank,
     responses,
+    sleep,
     tokens,
     workers,
 )
+from stoker.server.sleep import parse_sleep_choices
 from stoker.server.state import ServerState
 from stoker.server.strict_json import StrictJSONResponse
 from stoker.server.structured import GrammarChecker
@@ -338,6 +342,8 @@ def create_app(
         max_models=config.max_models,
         check_timeout=config.model_check_timeout,
         reasoning_parsers=parse_parser_choices(config.reasoning_parser),
+        sleep_idle=parse_sleep_choices(config.sleep_idle_seconds),
+        adapters=plan_adapters(config.lora_modules, specs),
     )
     responses_store = ResponseStore(
         config.responses_store_size, config.responses_store_per_key, config.responses_store_entry_bytes
@@ -374,7 +380,9 @@ def create_app(
         tokens.router,
         workers.router,
         models.router,
+        lora.router,
         prefixes.router,
+        sleep.router,
     ):
         app.include_router(router)
     if config.ui:
@@ -387,6 +395,8 @@ def create_app(
                 continue
             raise
         module.install(app, state)
+    if config.ui and hasattr(app.state, "control"):
+        console_data.install(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_body_bytes, timeout=config.body_read_timeout)
     if config.allowed_hosts:
         app.add_middleware(HostGuardMiddleware, allowed=config.allowed_hosts)  # outermost: before any other work

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, field_validator
 
 from stoker.server.reasoning import parse_parser_choices
+from stoker.server.sleep import parse_sleep_choices
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 
@@ -111,6 +112,8 @@ class ServerConfig(BaseModel):
     """Host header values this server answers (names, *.example.com, or *; repeat the flag; a YAML list; env: separated by spaces): others get 400, which closes DNS rebinding of a server on 127.0.0.1. Empty: any Host."""
     models: list[str] = Field(default_factory=list)
     """Models to serve besides MODEL, each NAME=PATH[@sha256:DIGEST], each in its own engine process (repeat --model; a YAML list; env: separated by spaces)."""
+    lora_modules: list[str] = Field(default_factory=list)
+    """LoRA adapters served as models, each [BASE:]NAME=PATH[@sha256:DIGEST]: a PEFT folder or a GGUF LoRA file, applied by BASE's engine (left out: the only model) to the requests that name NAME (repeat the flag; a YAML list; env: separated by spaces; docs/lora.md)."""
     fallback: list[str] = Field(default_factory=list)
     """Fallback chains MODEL=NEXT[,NEXT...]: who answers when MODEL is down, restarting or overloaded (repeat --fallback; a YAML list; env: separated by spaces)."""
     max_model_memory: ByteSize | None = None
@@ -133,7 +136,14 @@ class ServerConfig(BaseModel):
     """Serve the web console (chat playground and operator pages, docs/console.md) at / and /ui/; --no-ui leaves both out (404). The pages hold no data: what they show comes from the API, with the user's key."""
 
     @field_validator(
-        "models", "fallback", "allowed_hosts", "model_root", "reasoning_parser", "sleep_idle_seconds", mode="before"
+        "models",
+        "lora_modules",
+        "fallback",
+        "allowed_hosts",
+        "model_root",
+        "reasoning_parser",
+        "sleep_idle_seconds",
+        mode="before",
     )
     @classmethod
     def _split_words(cls, value: Any) -> Any:

@@ -34,9 +34,9 @@ import re
 import stat
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from stoker.config import EngineConfig, default_model_path
 from stoker.engine.client import AsyncEngineClient, EngineStartupError
@@ -56,7 +56,11 @@ from stoker.server.reasoning import (
     parse_parser_choices,
     resolve_markers,
 )
+from stoker.server.sleep import IdleWatch, SleepChoices, VersionSleep, check_sleep_names, parse_sleep_choices
 from stoker.server.structured import GrammarChecker
+
+if TYPE_CHECKING:
+    from stoker.server.lora import AdapterSpec
 
 log = logging.getLogger("stoker.server")
 
@@ -279,13 +283,17 @@ def plan_fleet(server: ServerConfig, engine: EngineConfig) -> tuple[list[ModelSp
             f"--kv-events-endpoint publishes one engine's KV cache and this server would run {len(specs)} models "
             f"({', '.join(s.name for s in specs)}): run one stoker serve per model, each with its own endpoint"
         )
+    from stoker.server.lora import plan_adapters  # lora builds on this module
+
     chains = parse_fallbacks(server.fallback)
-    check_fallbacks([s.name for s in specs], chains)
+    adapters = plan_adapters(server.lora_modules, specs)
+    check_fallbacks([s.name for s in specs] + [a.name for a in adapters], chains)
     try:
         check_model_names(parse_parser_choices(server.reasoning_parser), [s.name for s in specs])
+        check_sleep_names(parse_sleep_choices(server.sleep_idle_seconds), [s.name for s in specs])
     except ValueError as exc:
         raise FleetError(str(exc)) from None
-    kinds = {s.name: s.kind for s in specs}
+    kinds = {s.name: s.kind for s in specs} | {a.name: "generate" for a in adapters}
     for head, targets in chains.items():
         if any(kinds[t] != kinds[head] for t in targets):
             raise FleetError(f"--fallback {head}={','.join(targets)}: a chain's models must all be of one kind")
@@ -385,6 +393,10 @@ class ModelVersion:
     """Its --reasoning-parser (docs/reasoning.md)."""
     reasoning: ReasoningMarkers | None = None
     """Its thinking markers under that parser, resolved with its chat tokenizer; None: it does not think."""
+    sleep: VersionSleep = field(default_factory=VersionSleep)
+    """Whether its engine sleeps (stoker/server/sleep.py): asleep, it still takes requests, which wake it."""
+    lora_name: str | None = None
+    """The LoRA adapter its requests apply: set on a base version's view for one adapter (stoker.server.lora)."""
     _token_text: dict[int, str] = field(default_factory=dict)
     _grammars: GrammarChecker | None = None
 
@@ -414,7 +426,8 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        return self.status in ("serving", "canary") and self.engine.ready
+        """It takes requests: its engine runs, or sleeps and wakes for the next one."""
+        return self.status in ("serving", "canary") and (self.engine.ready or self.sleep.asleep)
 
     @property
     def tokenizer(self) -> Any:
@@ -478,6 +491,10 @@ class ModelVersion:
             "ready": self.ready,
             "engine_pid": info.pid if info and self.engine.ready else None,
             "engine_restarts": self.engine.restart_count,
+            "sleeping": self.sleep.asleep,
+            "wakes": self.sleep.wakes,
+            "last_wake_seconds": self.sleep.last_wake_seconds,
+            "wake_error": self.sleep.wake_error,
             "in_flight": self.engine.num_in_flight,
             "memory_bytes": self.memory_bytes(),
             "max_model_len": info.max_model_len if info else None,
@@ -499,6 +516,10 @@ class ServedModel:
     canary_percent: float = 0.0
     loading: ModelVersion | None = None
     """A version being loaded by an admin call (at most one at a time)."""
+    base: ServedModel | None = None
+    """For a LoRA adapter (stoker.server.lora): the model whose versions serve it, viewed under its name."""
+    lora_name: str | None = None
+    """For a LoRA adapter: its name, which its requests carry to the engine."""
     _credit: float = 0.0
 
     def pick(self) -> ModelVersion:
@@ -571,8 +592,12 @@ class Fleet:
         max_models: int = 8,
         check_timeout: float = 900.0,
         reasoning_parsers: ParserChoices | None = None,
+        sleep_idle: SleepChoices | None = None,
+        adapters: Sequence[AdapterSpec] = (),
     ) -> None:
-        check_fallbacks([s.name for s in specs], fallbacks)
+        from stoker.server.lora import Adapters  # lora builds on this module
+
+        check_fallbacks([s.name for s in specs] + [a.name for a in adapters], fallbacks)
         self.base_config = base_config
         self.fallbacks = fallbacks
         self.max_memory = max_memory
@@ -592,6 +617,17 @@ class Fleet:
         self.retiring: list[ModelVersion] = []
         self._lock = asyncio.Lock()  # one admin change at a time
         self._tasks: set[asyncio.Task[None]] = set()
+        self.sleep = IdleWatch(self, sleep_idle or SleepChoices(), drain_timeout, self._spawn)
+        """Idle sleep and wake of its versions (--sleep-idle-seconds, POST /sleep and /wake_up)."""
+        self.adapters = Adapters(self, adapters)
+        """Its LoRA adapters (--lora-modules, POST /v1/load_lora_adapter), served as models."""
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A background task of the fleet's: the shutdown cancels it if it still runs."""
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     # ---- versions ------------------------------------------------------------
 
@@ -701,6 +737,13 @@ class Fleet:
                 raise FleetError(f"two models are named {version.name!r}; name them apart with --model NAME=PATH")
             version.status = "serving"
             self.models[version.name] = ServedModel(version.name, version)
+        try:
+            await self.adapters.start()  # each on its base's engine, now ready
+        except BaseException:
+            await asyncio.gather(*(v.engine.shutdown() for v in self._initial), return_exceptions=True)
+            raise
+        if self.sleep.choices.any:
+            self._spawn(self.sleep.run())
         return list(self._initial)
 
     def versions(self) -> list[ModelVersion]:
@@ -720,13 +763,24 @@ class Fleet:
     # ---- routing -------------------------------------------------------------
 
     def names(self) -> list[str]:
-        return list(self.models)
+        """What requests may name: the models, then the LoRA adapters."""
+        return list(self.models) + self.adapters.names()
+
+    def served(self, name: str) -> ServedModel | None:
+        """The model, or the adapter (its base's versions viewed under its name), called name."""
+        model = self.models.get(name)
+        if model is not None:
+            return model
+        adapter = self.adapters.serving(name)
+        base = self.models.get(adapter.base) if adapter is not None else None
+        return self.adapters.served(adapter, base) if adapter is not None and base is not None else None
 
     def resolve(self, name: str | None) -> ServedModel:
-        """The model a request names (None: the first one); 404 listing what exists."""
+        """The model a request names (None: the first one); 404 listing what exists.
+        An adapter resolves to its base's versions under its own name, carrying its lora_name."""
         if name is None:
             return self.default
-        model = self.models.get(name)
+        model = self.served(name)
         if model is None:
             raise APIError(
                 404,
@@ -739,10 +793,15 @@ class Fleet:
     def chain(self, name: str | None) -> list[ServedModel]:
         """The model and its fallbacks that are currently loaded, in order."""
         first = self.resolve(name)
-        rest = [self.models[n] for n in self.fallbacks.get(first.name, []) if n in self.models]
+        rest = [m for m in map(self.served, self.fallbacks.get(first.name, [])) if m is not None]
         return [first, *rest]
 
     def pick(self, model: ServedModel) -> ModelVersion:
+        if model.base is not None and model.lora_name is not None:
+            adapter = self.adapters.serving(model.lora_name)
+            if adapter is None:  # unloaded since it was resolved
+                raise APIError(404, f"The model `{model.name}` does not exist.", param="model", code="model_not_found")
+            return self.adapters.view(adapter, model.base.pick())
         return model.pick()
 
     @staticmethod
@@ -802,6 +861,8 @@ class Fleet:
         failure changes nothing that serves (FleetError); so does an unload of
         the model while it loads, or the server's shutdown (the new engine ends)."""
         existing = self.models.get(spec.name)
+        if spec.name in self.adapters.adapters:
+            raise FleetError(f"model {spec.name}: the name is taken by a LoRA adapter", 409, "name_taken", "name")
         if existing is None and canary_percent is not None:
             raise FleetError(f"model {spec.name} is not loaded: a canary needs a stable version to share traffic with")
         if existing is not None and existing.stable.kind != spec.kind:
@@ -862,6 +923,8 @@ class Fleet:
             except (EngineStartupError, OSError, ValueError) as exc:
                 raise FleetError(f"model {spec.name} ({spec.path}): {exc}") from None
             self._check_memory(spec.name, held, version.footprint(), size)
+            if existing is not None:  # a new version of a base serves its adapters from its first request
+                await pending.run(self.adapters.register_on(version))
             await pending.run(asyncio.to_thread(version.load_chat_tokenizer))
             version.ready_at = time.time()
             if self.models.get(spec.name) is not existing:  # unloaded meanwhile (abort() missed no step)
@@ -930,17 +993,13 @@ class Fleet:
         model.canary_percent = percent
 
     def unload(self, name: str) -> list[ModelVersion]:
-        """Stop routing to a model; its versions drain and end. Fallback chains lose it."""
+        """Stop routing to a model; its versions drain and end, its adapters
+        with them. Fallback chains lose it."""
         model = self._model(name)
         if len(self.models) == 1:
             raise FleetError(f"model {name} is the only model served; load another before unloading it", 409)
-        for head, chain in list(self.fallbacks.items()):
-            if head == name:
-                del self.fallbacks[head]
-            elif name in chain:
-                chain.remove(name)
-                if not chain:
-                    del self.fallbacks[head]
+        self.forget_fallbacks(name)
+        self.adapters.drop_base(name)
         del self.models[name]
         # A new version of it still loading ends too, engine and all.
         self.abort_loads(f"model {name} was unloaded while a new version of it loaded; nothing was loaded", 409, name)
@@ -950,6 +1009,16 @@ class Fleet:
             self._retire(version)
         log.info("model %s unloaded; its requests in flight finish first", name)
         return versions
+
+    def forget_fallbacks(self, name: str) -> None:
+        """Fallback chains lose a model or adapter no longer served."""
+        for head, chain in list(self.fallbacks.items()):
+            if head == name:
+                del self.fallbacks[head]
+            elif name in chain:
+                chain.remove(name)
+                if not chain:
+                    del self.fallbacks[head]
 
     def _model(self, name: str) -> ServedModel:
         model = self.models.get(name)
@@ -967,7 +1036,9 @@ class Fleet:
     async def _drain(self, version: ModelVersion) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.drain_timeout
-        while (version.engine.num_in_flight or version.holds) and loop.time() < deadline:
+        while (
+            version.engine.num_in_flight or version.holds or self.adapters.holds_on(version)
+        ) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         if version.engine.num_in_flight:
             log.warning(
@@ -981,6 +1052,7 @@ class Fleet:
 
     async def shutdown(self) -> None:
         self.abort_loads("the server is shutting down")
+        self.adapters.shutdown()
         for task in list(self._tasks):
             task.cancel()
         engines = {id(v.engine): v.engine for v in [*self._initial, *self.versions()]}
@@ -997,6 +1069,7 @@ class Fleet:
                     "canary_percent": model.canary_percent,
                     "loading": model.loading.describe() if model.loading else None,
                     "fallbacks": list(self.fallbacks.get(model.name, [])),
+                    "adapters": self.adapters.describe(model.name),
                 }
             )
         return out

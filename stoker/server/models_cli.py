@@ -1,9 +1,10 @@
-"""`stoker models list|load|unload|promote|rollback|canary`: manage the models of a
+"""`stoker models list|load|unload|promote|rollback|canary|sleep|wake`: manage the models of a
 running server through its /admin/models API (docs/models.md).
 
     stoker models load big /models/qwen-v2.gguf --digest sha256:... --url http://127.0.0.1:8000
     stoker models load big /models/qwen-v3.gguf --canary-percent 10
     stoker models promote big
+    stoker models sleep big        # its engine process ends until a request (or `wake`) starts it again
 
 The admin key comes from $STOKER_API_KEY or --api-key-file PATH (never the command
 line, where ps shows it).
@@ -35,10 +36,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     load.add_argument("path", help="GGUF file or Hugging Face folder, as the server sees it")
     load.add_argument("--digest", help="sha256:<hex> the files must have")
     load.add_argument("--canary-percent", type=float, help="share of new requests for the new version (canary)")
+    load.add_argument("--base", help="load PATH as a LoRA adapter of this served model (docs/lora.md)")
     for action, text in (
         ("unload", "drain and unload a model"),
         ("promote", "the canary becomes the stable version"),
         ("rollback", "drop the canary"),
+        ("sleep", "drain a model, then end its engine process until its next request (docs/sleep.md)"),
+        ("wake", "start a sleeping model's engine again"),
     ):
         actions.add_parser(action, help=text).add_argument("name")
     canary = actions.add_parser("canary", help="change a canary's share of new requests")
@@ -52,7 +56,13 @@ def _request(args: argparse.Namespace) -> tuple[str, str, dict[str, Any] | None]
     if args.action == "list":
         return "GET", "/admin/models", None
     if args.action == "load":
-        body = {"name": args.name, "path": args.path, "digest": args.digest, "canary_percent": args.canary_percent}
+        body = {
+            "name": args.name,
+            "path": args.path,
+            "digest": args.digest,
+            "canary_percent": args.canary_percent,
+            "base": args.base,
+        }
         return "POST", "/admin/models", {k: v for k, v in body.items() if v is not None}
     if args.action == "unload":
         return "DELETE", f"/admin/models/{args.name}", None
@@ -65,11 +75,16 @@ def _print_listing(body: dict[str, Any]) -> None:
     for model in body.get("data", []):
         stable = model["stable"]
         mem = f"{stable['memory_bytes'] / 1e6:.0f} MB" if stable.get("memory_bytes") else "-"
-        line = f"{model['name']:<24} {stable['version']:<4} {stable['status']:<9} {mem:>8}  {stable['digest']}"
+        status = "sleeping" if stable.get("sleeping") else stable["status"]
+        line = f"{model['name']:<24} {stable['version']:<4} {status:<9} {mem:>8}  {stable['digest']}"
         print(line + (f"  fallback: {','.join(model['fallbacks'])}" if model.get("fallbacks") else ""))
         canary = model.get("canary")
         if canary:
             print(f"{'':<24} {canary['version']:<4} canary {model['canary_percent']:.0f}%  {canary['digest']}")
+        for adapter in model.get("adapters", []):
+            print(
+                f"  lora {adapter['name']:<18} r{adapter['rank'] or '-':<3} {adapter['status']:<9}  {adapter['digest']}"
+            )
     for version in body.get("retiring", []):
         print(
             f"{version['name']:<24} {version['version']:<4} {version['status']:<9} (in flight: {version['in_flight']})"

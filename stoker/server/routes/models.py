@@ -2,10 +2,12 @@
 
     GET    /admin/models                       models, versions, state, memory
     POST   /admin/models                       {"name", "path", "digest"?, "canary_percent"?}
+                                               with "base": a LoRA adapter of that model (docs/lora.md)
     POST   /admin/models/{name}/promote        the canary becomes the stable version
+    POST   /admin/models/{name}/sleep, /wake   end its engine process until needed, start it again (routes/sleep.py)
     POST   /admin/models/{name}/rollback       the canary is dropped
     PUT    /admin/models/{name}/canary         {"percent"}: change the canary's share
-    DELETE /admin/models/{name}                drain and unload
+    DELETE /admin/models/{name}                drain and unload (a model, or an adapter)
 
 Each takes an operator (an admin key once keys exist, as /admin/keys). A
 call that fails changes nothing that serves; the load itself runs as long
@@ -40,7 +42,7 @@ class ModelNameConvertor(Convertor[str]):
     below, so DELETE /admin/models/x/promote is a 405 naming POST, not an
     unload of a model "x/promote"."""
 
-    regex = r".+?(?<!/promote)(?<!/rollback)(?<!/canary)"
+    regex = r".+?(?<!/promote)(?<!/rollback)(?<!/canary)(?<!/sleep)(?<!/wake)"
 
     def convert(self, value: str) -> str:
         return value
@@ -68,6 +70,8 @@ class LoadModel(BaseModel):
     """sha256:<hex> the files must have; the load is refused otherwise."""
     canary_percent: Number | None = Field(None, ge=0, le=100)
     """Load beside the stable version and give it this share of new requests."""
+    base: str | None = Field(None, min_length=1, max_length=128)
+    """Load path as a LoRA adapter of this served model, under name (docs/lora.md); no canary then."""
 
 
 class CanaryShare(BaseModel):
@@ -108,6 +112,12 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
     state = await _operator(request)
     try:
+        if body.base is not None:
+            if body.canary_percent is not None:
+                raise FleetError(f"adapter {body.name}: an adapter has no canary", param="canary_percent")
+            adapters = state.fleet.adapters
+            adapter = await adapters.add(await adapters.admit(body.name, body.path, body.digest, body.base))
+            return adapter.describe(0)
         spec = await state.fleet.admit(body.name, body.path, body.digest)
         version = await state.fleet.load(spec, body.canary_percent)
     except FleetError as exc:
@@ -151,6 +161,9 @@ async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[s
 @router.delete("/{name:model_name}")
 async def unload(name: str, request: Request) -> dict[str, Any]:
     state = await _operator(request)
+    if name not in state.fleet.models and name in state.fleet.adapters.adapters:
+        adapter = state.fleet.adapters.remove(name)
+        return {"name": name, "base": adapter.base, "unloaded": "adapter", "draining": True}
     try:
         versions = state.fleet.unload(name)
     except FleetError as exc:

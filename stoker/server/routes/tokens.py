@@ -27,7 +27,8 @@ router = APIRouter(dependencies=[Depends(run_before_hooks)])
 @router.get("/v1/models")
 async def list_models(request: Request) -> JSONObject:
     """OpenAI's model list, plus vLLM's root/max_model_len and the version in use:
-    its digest (the pin operators compare) and, during a canary, the canary's."""
+    its digest (the pin operators compare) and, during a canary, the canary's.
+    Each LoRA adapter follows its base, with vLLM's `parent` naming the base."""
     state = get_state(request)
     # vLLM's root is the model's path: only an admin key sees it, any other caller the served name.
     admin = bool(getattr(getattr(request.state, "api_key", None), "is_admin", False))
@@ -43,6 +44,7 @@ async def list_models(request: Request) -> JSONObject:
             "max_model_len": stable.engine.info.max_model_len if stable.engine.info else None,
             "version": stable.label,
             "digest": stable.digest,
+            "sleeping": stable.sleep.asleep,  # its engine sleeps; the next request wakes it (docs/sleep.md)
         }
         if model.canary is not None:
             entry["canary"] = {
@@ -51,6 +53,20 @@ async def list_models(request: Request) -> JSONObject:
                 "percent": model.canary_percent,
             }
         data.append(entry)
+        for adapter in state.fleet.adapters.of_base(model.name):
+            if adapter.status == "serving":  # vLLM lists an adapter with its base as parent and its path as root
+                data.append(
+                    {
+                        "id": adapter.name,
+                        "object": "model",
+                        "created": int(adapter.created),
+                        "owned_by": entry["owned_by"],
+                        "root": os.path.abspath(adapter.spec.path) if admin else adapter.name,
+                        "parent": model.name,
+                        "max_model_len": entry["max_model_len"],
+                        "digest": adapter.digest,
+                    }
+                )
     if state.embedder is not None:
         data.append(
             {

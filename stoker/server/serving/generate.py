@@ -84,10 +84,13 @@ async def generate(attempt: Generation) -> Response:
     """Admit and run the attempt's job; answer its final body, or stream its events."""
     await _admit(attempt)
     job = attempt.job
-    events = run_job(attempt.version.engine, job, attempt.state.engine_ids_in_use)
+    adapters = attempt.state.fleet.adapters
+    events = run_job(attempt.version.engine, job, attempt.state.engine_ids_in_use, adapters.in_flight)
     outcome: Outcome | None = None  # None: nothing to report (an unexpected failure propagates)
     try:
         try:
+            # A sleeping model wakes first (docs/sleep.md); its wake failing is a 503, its deadline passing a 504.
+            await until_disconnect(attempt.request, attempt.state.fleet.sleep.wake(attempt.version, job.deadline))
             # Wait for the first delta before committing to a status, so early
             # failures (engine down, request rejected, deadline) are real HTTP errors.
             first = await until_disconnect(attempt.request, events.__anext__())
@@ -96,6 +99,10 @@ async def generate(attempt: Generation) -> Response:
         except ClientDisconnected:
             outcome = Outcome(CLIENT_CLOSED, "client disconnected")
             return Response(status_code=CLIENT_CLOSED)
+        except APIError as exc:
+            await events.aclose()
+            outcome = Outcome(exc.status, "deadline" if exc.code == "deadline_exceeded" else exc.message)
+            raise
         except (EngineUnavailableError, ValueError) as exc:
             await events.aclose()
             error = engine_error(exc)
@@ -132,6 +139,7 @@ async def _admit(attempt: Generation) -> None:
     request, job = attempt.request, attempt.job
     job.request_id = request_id_for(request) or job.request_id
     job.version = attempt.version.label
+    job.lora_name = attempt.version.lora_name
     info = AdmissionInfo(
         job.endpoint,
         job.model,

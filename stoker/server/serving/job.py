@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import NotRequired, TypedDict
@@ -67,6 +68,8 @@ class Job:
     """Engine errors seen on finished samples (e.g. "deadline")."""
     version: str | None = None
     """The model version that serves it ("v2"), for per-version metrics during a canary."""
+    lora_name: str | None = None
+    """The LoRA adapter its engine requests apply (the model it names is an adapter); None: the base model."""
 
     def __post_init__(self) -> None:
         n = self.params.n
@@ -126,7 +129,7 @@ class Job:
 
 
 async def run_job(
-    engine: AsyncEngineClient, job: Job, in_use: set[str]
+    engine: AsyncEngineClient, job: Job, in_use: set[str], lora_in_flight: Counter[str] | None = None
 ) -> AsyncGenerator[tuple[int, EngineCoreOutput], None]:
     """Yield (prompt index, delta) for every prompt of the job, folding each
     delta into job.outputs. Several prompts run concurrently in the engine.
@@ -136,17 +139,23 @@ async def run_job(
     server's own id, so no client can aim at another's engine request (abort,
     deadline, duplicate refusal); in_use holds the ids of jobs in flight all the
     same, so a job retried under the same id never meets its own earlier try
-    (the engine refuses duplicates)."""
+    (the engine refuses duplicates). lora_in_flight counts the jobs of each
+    adapter in the engine, which an adapter's unload waits for."""
     base = job.request_id
     if base in in_use:
         base = f"{base}.{uuid.uuid4().hex[:8]}"
     in_use.add(base)
     job.engine_request_id = base
+    lora = job.lora_name
+    if lora is not None and lora_in_flight is not None:
+        lora_in_flight[lora] += 1
     try:
         async for item in _run_job(engine, job, base):
             yield item
     finally:
         in_use.discard(base)
+        if lora is not None and lora_in_flight is not None:
+            lora_in_flight[lora] -= 1
 
 
 def _fold(job: Job, index: int, delta: EngineCoreOutput) -> None:
@@ -159,7 +168,9 @@ async def _run_job(engine: AsyncEngineClient, job: Job, base: str) -> AsyncItera
     for i, output in enumerate(job.outputs):
         output.request_id = base if len(job.outputs) == 1 else f"{base}-{i}"
     requests = [
-        EngineCoreRequest(o.request_id, o.prompt_token_ids, job.params, job.started, job.priority, job.deadline)
+        EngineCoreRequest(
+            o.request_id, o.prompt_token_ids, job.params, job.started, job.priority, job.deadline, job.lora_name
+        )
         for o in job.outputs
     ]
     if len(requests) == 1:
