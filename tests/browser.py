@@ -16,11 +16,12 @@ A test module takes what it needs:
 (Imported only for types: pytest loads this module as a plugin, and one
 imported before that could not have its asserts rewritten.)
 
-console_server: one server per test module on a tiny random-weight llama (the
-real engine, fast), with keys on: `.key` is an admin key made before the start,
-`.make_key(...)` creates more through the admin API. browser: one headless
-Chromium per module with a fresh user-data-dir; page: a new tab per test
-(its own sessionStorage), closed after it.
+console_server: one server for the whole session (every console test module
+shares it: one start) on a tiny random-weight llama (the real engine, fast),
+with keys on: `.key` is an admin key made before the start, `.make_key(...)`
+creates more through the admin API; a test that stops it starts it again.
+browser: one headless Chromium per session with a fresh user-data-dir; page: a
+new tab per test (its own sessionStorage), closed after it.
 
 Screenshots go to $STOKER_CONSOLE_SCREENSHOTS when set (docs/console/ to refresh
 the ones docs/console.md shows), else to a temporary folder, so a test run never
@@ -180,7 +181,7 @@ def start_console_server(tmp: Path, extra_args: list[str] | None = None) -> Cons
     return ConsoleServer(process, key, db_path, args)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ConsoleServer]:
     server = start_console_server(tmp_path_factory.mktemp("console"))
     try:
@@ -189,7 +190,7 @@ def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console
         server.process.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A headless Chromium with a fresh profile: a Playwright BrowserContext."""
     if not os.path.exists(CHROMIUM):

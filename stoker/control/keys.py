@@ -278,6 +278,39 @@ class KeyStore:
         with self.engine.connect() as conn:
             return [_row_to_key(r) for r in conn.execute(query)]
 
+    EDITABLE = frozenset(
+        {"name", "rpm", "tpm", "max_concurrent", "budget_tokens", "budget_period", "priority", "models", "expires_at"}
+    )
+    """What update() may change: limits, budget, allow-list, expiry, name; never scopes or the secret."""
+
+    def update(self, key_id: str, changes: dict[str, Any]) -> ApiKey | None:
+        """Change the fields in changes (EDITABLE; None removes a limit, a budget, the
+        allow-list or the expiry) with create()'s checks; the key as it is now, or None
+        if there is no such key. Effective at once in this process."""
+        unknown = sorted(set(changes) - self.EDITABLE)
+        if unknown:
+            raise ValueError(f"cannot change {', '.join(unknown)}; editable: {', '.join(sorted(self.EDITABLE))}")
+        values = dict(changes)
+        if "name" in values and (not values["name"] or len(values["name"]) > 200):
+            raise ValueError("name must be 1-200 characters")
+        for label in ("rpm", "tpm", "max_concurrent", "budget_tokens"):
+            if label in values:
+                _positive(label, values[label])
+        if values.get("budget_period", "day") not in BUDGET_PERIODS:
+            raise ValueError(f"budget_period must be one of {BUDGET_PERIODS}, got {values['budget_period']!r}")
+        if values.get("priority", "batch") not in PRIORITY_CLASSES:
+            raise ValueError(f"priority must be one of {PRIORITY_CLASSES}, got {values['priority']!r}")
+        if values.get("models") is not None:
+            models = [m.strip() for m in values["models"] if m.strip()]
+            if not models:
+                raise ValueError("models must name at least one model (null allows all)")
+            values["models"] = json.dumps(models)
+        if values:
+            with self.engine.begin() as conn:
+                conn.execute(api_keys.update().where(api_keys.c.id == key_id).values(**values))
+        self.invalidate(key_id)
+        return self.get(key_id)
+
     def revoke(self, key_id: str) -> bool:
         """True if the key existed and was active; effective at once in this process."""
         with self.engine.begin() as conn:

@@ -22,6 +22,7 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
@@ -151,6 +152,8 @@ class RequestLogger:
             self.logger.addHandler(handler)
             self.logger.setLevel(logging.INFO)
             self.logger.propagate = False
+        self.listeners: list[Callable[[dict[str, object]], None]] = []
+        """Called with each line as written (the console's recent-requests buffer), whatever the log level."""
 
     def log(self, record: RequestRecord, **extra: object) -> dict[str, object]:
         line: dict[str, object] = {"ts": round(time.time(), 6), "event": "request"}
@@ -166,6 +169,8 @@ class RequestLogger:
             line["client_request_id"] = client_id
         line.update(extra)
         self.logger.info(json.dumps(line, separators=(",", ":"), default=str))
+        for listener in self.listeners:
+            listener(line)
         return line
 
 

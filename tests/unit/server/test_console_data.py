@@ -1,0 +1,178 @@
+"""The console's read-only endpoints (/console/*) and PATCH /admin/keys/{id}, over
+HTTP against a real server with the official openai client: admin scope only,
+bounded inputs with 400s, figures that match what the requests did."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import httpx
+import openai
+import pytest
+from conftest import FAKE_CORE, start_server
+
+from stoker.server.console_live import bucket_growth, bucket_quantile
+
+if TYPE_CHECKING:
+    from browser import ConsoleServer
+
+pytest_plugins = ["browser"]  # its fixtures: console_server, browser, page, screenshot
+
+CONSOLE_PATHS = ("/console/live", "/console/requests", "/console/usage")
+
+
+def _chat(
+    server: ConsoleServer, key: str, content: str = "hello", max_tokens: int = 8
+) -> openai.types.chat.ChatCompletion:
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    return client.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": content}], max_tokens=max_tokens, temperature=0
+    )
+
+
+def test_bucket_quantile_interpolates_as_prometheus_does() -> None:
+    buckets = ((1.0, 10.0), (2.0, 20.0), (float("inf"), 20.0))
+    assert bucket_quantile(0.5, buckets) == pytest.approx(1.0)
+    assert bucket_quantile(0.99, buckets) == pytest.approx(1.98)
+    assert bucket_quantile(0.5, ((1.0, 0.0), (float("inf"), 0.0))) is None
+    assert bucket_quantile(0.99, ((1.0, 1.0), (float("inf"), 5.0))) == 1.0  # in +Inf: the last finite bound
+    grown = bucket_growth(((1.0, 12.0), (float("inf"), 15.0)), ((1.0, 10.0), (float("inf"), 10.0)))
+    assert grown == ((1.0, 2.0), (float("inf"), 5.0))
+
+
+def test_console_endpoints_need_an_admin_key(console_server: ConsoleServer) -> None:
+    user = console_server.make_key("console-user")
+    revoked = console_server.make_key("console-revoked")
+    httpx.delete(f"{console_server.url}/admin/keys/{revoked['id']}", headers=console_server.admin_headers())
+    for path in CONSOLE_PATHS:
+        url = console_server.url + path
+        assert httpx.get(url, timeout=10).status_code == 401
+        refused = httpx.get(url, headers={"Authorization": f"Bearer {user['secret']}"}, timeout=10)
+        assert refused.status_code == 403 and "admin" in refused.json()["error"]["message"]
+        gone = httpx.get(url, headers={"Authorization": f"Bearer {revoked['secret']}"}, timeout=10)
+        assert gone.status_code == 401 and gone.json()["error"]["code"] == "api_key_revoked"
+        assert httpx.get(url, headers=console_server.admin_headers(), timeout=10).status_code == 200
+    # The operator APIs the console calls refuse the same key.
+    for path in ("/admin/keys", "/admin/models"):
+        answer = httpx.get(console_server.url + path, headers={"Authorization": f"Bearer {user['secret']}"})
+        assert answer.status_code == 403
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "/console/live?since=-1",
+        "/console/live?since=nan",
+        "/console/live?since=abc",
+        "/console/requests?limit=0",
+        "/console/requests?limit=501",
+        "/console/usage?bucket=week",
+        "/console/usage?buckets=0",
+        "/console/usage?bucket=hour&buckets=169",
+        "/console/usage?bucket=day&buckets=91",
+        "/console/usage?key_id=" + "a" * 65,
+    ],
+)
+def test_bad_queries_are_400s(console_server: ConsoleServer, query: str) -> None:
+    answer = httpx.get(console_server.url + query, headers=console_server.admin_headers(), timeout=10)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["message"]
+
+
+def test_requests_live_figures_and_usage_follow_real_requests(console_server: ConsoleServer) -> None:
+    admin = console_server.admin_headers()
+    before = httpx.get(console_server.url + "/console/live", headers=admin).json()["now"]
+    user = console_server.make_key("console-traffic")
+    replies = [_chat(console_server, user["secret"], f"count to {i}", max_tokens=16) for i in range(3)]
+    completion_tokens = sum(r.usage.completion_tokens for r in replies if r.usage)
+    all_tokens = sum(r.usage.total_tokens for r in replies if r.usage)
+
+    recent = httpx.get(console_server.url + "/console/requests?limit=10", headers=admin).json()
+    mine = [r for r in recent["data"] if r["key_id"] == user["id"]]
+    assert len(mine) == 3 and recent["size"] == 500
+    for row in mine:
+        assert row["status"] == 200 and row["model"] == "tiny-llama" and row["key_name"] == "console-traffic"
+        assert row["finish_reason"] in ("stop", "length") and row["latency"] > 0
+        assert row["path"] == "/v1/chat/completions"
+    assert recent["data"][0]["ts"] >= recent["data"][-1]["ts"]  # newest first
+
+    # The console's own polls are not requests the table shows (refused ones are: someone tried).
+    assert not any(str(r["path"]).startswith("/console/") and r["status"] == 200 for r in recent["data"])
+
+    deadline = time.monotonic() + 10
+    generated = 0.0
+    while time.monotonic() < deadline and generated < completion_tokens:
+        time.sleep(1)
+        live = httpx.get(f"{console_server.url}/console/live?since={before}", headers=admin).json()
+        figures = [s["models"]["tiny-llama"] for s in live["samples"] if "tiny-llama" in s["models"]]
+        generated = sum((f["output_tokens_per_s"] or 0) * live["interval"] for f in figures)
+    assert generated == pytest.approx(completion_tokens, rel=0.35)  # rates times the ~1 s between samples
+    latest = figures[-1]
+    assert latest["ttft_p50"] is not None and 0 < latest["ttft_p50"] <= latest["ttft_p99"]
+    assert latest["itl_p50"] is not None and latest["kv_usage"] >= 0
+    assert all(s["t"] > before for s in live["samples"])
+
+    report = httpx.get(f"{console_server.url}/console/usage?key_id={user['id']}", headers=admin).json()
+    (entry,) = report["keys"]
+    assert entry["key_name"] == "console-traffic"
+    assert sum(p["prompt_tokens"] + p["completion_tokens"] for p in entry["series"]) == all_tokens
+    assert sum(p["requests"] for p in entry["series"]) == 3
+    assert entry["used_this_period"] == all_tokens
+    assert report["bucket"] == "hour" and report["start"] % 3600 == 0
+
+
+def test_edit_key_limits_and_budget(console_server: ConsoleServer) -> None:
+    admin = console_server.admin_headers()
+    key = console_server.make_key("console-edit", rpm=100)
+    url = f"{console_server.url}/admin/keys/{key['id']}"
+    edited = httpx.patch(url, json={"rpm": 1, "budget_tokens": 5000, "budget_period": "day"}, headers=admin)
+    assert edited.status_code == 200, edited.text
+    assert (
+        edited.json()["rpm"] == 1 and edited.json()["budget_tokens"] == 5000 and edited.json()["name"] == "console-edit"
+    )
+    _chat(console_server, key["secret"])
+    with pytest.raises(openai.RateLimitError):  # the new rpm holds at once
+        _chat(console_server, key["secret"])
+    cleared = httpx.patch(url, json={"rpm": None, "models": ["tiny-llama"]}, headers=admin).json()
+    assert cleared["rpm"] is None and cleared["models"] == ["tiny-llama"] and cleared["budget_tokens"] == 5000
+    for body in (
+        {"rpm": 0},
+        {"rpm": 2**60},
+        {"scopes": ["admin"]},
+        {"admin": True},
+        {"name": ""},
+        {"name": None},
+        {"priority": "urgent"},
+        {"models": []},
+        {"expires_at": 1.0},
+        {"budget_tokens": "lots"},
+    ):
+        answer = httpx.patch(url, json=body, headers=admin)
+        assert answer.status_code == 400, (body, answer.text)
+    assert httpx.patch(f"{console_server.url}/admin/keys/0000", json={"rpm": 3}, headers=admin).status_code == 404
+    user = console_server.make_key("console-not-admin")
+    refused = httpx.patch(url, json={"rpm": 3}, headers={"Authorization": f"Bearer {user['secret']}"})
+    assert refused.status_code == 403
+
+
+def test_openapi_documents_the_console_endpoints(console_server: ConsoleServer) -> None:
+    schema = httpx.get(console_server.url + "/openapi.json", headers=console_server.admin_headers()).json()
+    for path in CONSOLE_PATHS:
+        operation = schema["paths"][path]["get"]
+        assert operation["tags"] == ["console"] and "403" in operation["responses"]
+    assert "patch" in schema["paths"]["/admin/keys/{key_id}"]
+    assert "/ui/" not in schema["paths"]  # the static files are not API
+
+
+def test_no_ui_leaves_the_console_out(tmp_path_factory: pytest.TempPathFactory) -> None:
+    server = start_server(
+        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--no-ui"],
+        str(tmp_path_factory.mktemp("no-ui")),
+    )
+    try:
+        for path in ("/", "/ui/", "/ui/app.js", "/console/live"):
+            assert httpx.get(server.url + path, timeout=10).status_code == 404, path
+        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    finally:
+        server.stop()
