@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import weakref
 from collections.abc import Sequence
 from functools import cache
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ import torch
 
 from stoker.models.attention import AttentionMetadata
 from stoker.models.kv_quant import KV_FORMATS, row_width
+from stoker.models.lora import STACKS, LoraAdapter, LoraBatch
 from stoker.models.quant.weights import GGMLLinear, LinearWeight, kernels
 
 if TYPE_CHECKING:
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.models")
 
 MAX_PARTS = 4  # as in decoder_layer.c
+LORA_MAX_MODULES = 3  # as in decoder_layer.c
 _i, _f, _p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -78,6 +81,23 @@ class _Model(ctypes.Structure):
     ]
 
 
+class _LoraLinear(ctypes.Structure):
+    _fields_ = [
+        ("rank", _i),
+        ("a", _p),
+        ("num_modules", _i),
+        ("rank_start", _i * LORA_MAX_MODULES),
+        ("rank_count", _i * LORA_MAX_MODULES),
+        ("col_start", _i * LORA_MAX_MODULES),
+        ("col_count", _i * LORA_MAX_MODULES),
+        ("bt", _p * LORA_MAX_MODULES),
+    ]
+
+
+class _LoraLayer(ctypes.Structure):
+    _fields_ = [("linears", _LoraLinear * len(STACKS))]  # in STACKS' order, as decoder_layer.c's LORA_* enum
+
+
 class _Step(ctypes.Structure):
     _fields_ = [
         ("n", _i),
@@ -90,6 +110,10 @@ class _Step(ctypes.Structure):
         ("v_caches", _p),
         ("block_size", _i),
         ("kv_format", _i),
+        ("row_lora", _p),
+        ("loras", _p),
+        ("num_loras", _i),
+        ("lora_width", _i),
     ]
 
 
@@ -193,6 +217,10 @@ class FusedDecoder:
         self._owner = model
         self._caches_key: tuple[int, ...] = ()
         self._cache_ptrs: tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]] | None = None
+        # Each adapter's C tables (pointing into its tensors) and its widest rank, while it lives.
+        self._lora_tables: weakref.WeakKeyDictionary[LoraAdapter, tuple[ctypes.Array[_LoraLayer], int]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecoder | str:
@@ -261,8 +289,10 @@ class FusedDecoder:
         positions: torch.Tensor,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        """Runs every layer on hidden [n, hidden_size] (contiguous float32) in place and returns it."""
+        """Runs every layer on hidden [n, hidden_size] (contiguous float32) in place and returns it;
+        lora: each row's adapter (None: the base alone)."""
         lib = _current_library()
         if lib is None:
             raise RuntimeError("the fused decoder's C library is unavailable")
@@ -285,6 +315,16 @@ class FusedDecoder:
             block_size=kv_caches[0][0].shape[1],
             kv_format=KV_FORMATS[kv_caches[0][0].dtype],
         )
+        if lora is not None:
+            if lora.row_adapter.shape != (n,):
+                raise ValueError(f"the LoRA batch covers {lora.row_adapter.shape} rows, the step {n}")
+            row_lora = lora.row_adapter.to(torch.int32).contiguous()
+            adapter_tables = [self._lora_table(adapter) for adapter in lora.adapters]
+            lora_ptrs = (_p * len(adapter_tables))(*(ctypes.addressof(t) for t, _ in adapter_tables))
+            step.row_lora = row_lora.data_ptr()
+            step.loras = ctypes.addressof(lora_ptrs)
+            step.num_loras = len(adapter_tables)
+            step.lora_width = max((width for _, width in adapter_tables), default=0)
         rc = lib.decoder_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), torch.get_num_threads()
         )
@@ -292,9 +332,44 @@ class FusedDecoder:
             raise MemoryError("the fused decoder could not allocate its scratch memory")
         if rc == 3:
             raise ValueError(f"a position is beyond the rotary tables ({self._model.max_positions} positions)")
+        if rc == 4:
+            raise ValueError(f"a row names an adapter outside the step's {step.num_loras}")
         if rc != 0:
             raise RuntimeError(f"the fused decoder failed (code {rc})")
         return hidden
+
+    def _lora_table(self, adapter: LoraAdapter) -> tuple[ctypes.Array[_LoraLayer], int]:
+        """The adapter's C tables, built on its first step here and kept while it lives."""
+        if adapter not in self._lora_tables:
+            self._lora_tables[adapter] = _lora_layers(adapter, self._owner)
+        return self._lora_tables[adapter]
+
+
+def _lora_layers(adapter: LoraAdapter, model: LlamaModel) -> tuple[ctypes.Array[_LoraLayer], int]:
+    """decoder_layer.c's LoraLayer per layer (pointers into the adapter's tensors) and its widest rank."""
+    if len(adapter.layers) != len(model.layers):
+        raise ValueError(
+            f"LoRA adapter {adapter.name!r} has {len(adapter.layers)} layers, the model {len(model.layers)}"
+        )
+    layers = (_LoraLayer * len(model.layers))()
+    width = 0
+    for i, (shares, layer) in enumerate(zip(adapter.layers, model.layers)):
+        for k, stack in enumerate(STACKS):
+            lin = shares.get(stack)
+            if lin is None:
+                continue
+            base: LinearWeight = getattr(layer, stack)
+            table = layers[i].linears[k]
+            if not (_f32(lin.a) and lin.a.shape[1] == base.in_features and len(lin.parts) <= LORA_MAX_MODULES):
+                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {stack} does not fit this model")
+            table.rank, table.a, table.num_modules = lin.rank, lin.a.data_ptr(), len(lin.parts)
+            for m, part in enumerate(lin.parts):
+                if not (_f32(part.bt) and part.col_start + part.cols <= base.out_features):
+                    raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {part.module} does not fit this model")
+                table.rank_start[m], table.rank_count[m] = part.rank_start, part.rank
+                table.col_start[m], table.col_count[m], table.bt[m] = part.col_start, part.cols, part.bt.data_ptr()
+            width = max(width, lin.rank)
+    return layers, width
 
 
 def _step_tables(meta: AttentionMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -129,9 +129,8 @@ class LlamaModel:
         hidden = self.embed(input_ids)
         if lora is not None and not lora.active:
             lora = None
-        fused_ok = self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches)
-        if self.fused is not None and fused_ok and lora is None:
-            hidden = self.fused(hidden.contiguous(), positions, kv_caches, meta)
+        if self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches):
+            hidden = self.fused(hidden.contiguous(), positions, kv_caches, meta, lora)
             return self._logits(hidden, logits_indices)
         n = hidden.shape[0]
         adapters = self._adapters_on_device(lora)

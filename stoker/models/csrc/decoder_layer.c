@@ -37,6 +37,14 @@
  * they are, the scale applied to a key's q.k sum and to a value row).
  * The Python side (fused_decoder.py) checks that and builds the Model tables
  * once at load.
+ *
+ * LoRA adapters (stoker/models/lora.py): a step may carry each row's adapter.
+ * The base matmul still runs once for all rows; then, per adapter, its rows
+ * are shrunk through its A (h = A x, before the matmul's barrier) and its
+ * B^T (scale folded in) adds h B^T to their output columns (after it), as
+ * punica / S-LoRA group rows by adapter, in float32 with a fixed summation
+ * order per row, so a row's update never depends on the other rows. A step
+ * without adapters runs none of it.
  */
 #include <math.h>
 #include <pthread.h>
@@ -57,6 +65,23 @@ typedef struct {
     const float *bias; /* [out_features] or NULL */
     int in_features, out_features;
 } Linear;
+
+/* An adapter's share of one linear: its modules' A stacked by rows, and per
+ * module the output columns its B^T (rank_count x col_count) writes. */
+#define LORA_MAX_MODULES 3
+typedef struct {
+    int rank; /* rows of a; 0: the adapter leaves this linear alone */
+    const float *a; /* [rank, in_features] */
+    int num_modules;
+    int rank_start[LORA_MAX_MODULES], rank_count[LORA_MAX_MODULES];
+    int col_start[LORA_MAX_MODULES], col_count[LORA_MAX_MODULES];
+    const float *bt[LORA_MAX_MODULES];
+} LoraLinear;
+
+enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };
+typedef struct {
+    LoraLinear linears[LORA_LINEARS];
+} LoraLayer;
 
 typedef struct {
     const float *input_norm, *post_norm;
@@ -83,6 +108,10 @@ typedef struct {
     void *const *k_caches, *const *v_caches; /* per layer, [blocks, block_size, kv_heads, row] */
     int block_size;
     int kv_format; /* KV_* (kv_format.h) */
+    const int32_t *row_lora;     /* [n]: each row's adapter, -1 for none; NULL: no adapters this step */
+    const LoraLayer *const *loras; /* per adapter, its [num_layers] tables */
+    int num_loras;
+    int lora_width; /* the largest rank of any adapter's linear this step */
 } Step;
 
 /* Scratch shared by the threads for one call. */
@@ -99,6 +128,9 @@ typedef struct {
     int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
     uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax, n); none for a small decode step */
     size_t gemm_scratch_size;
+    float *lora_h;    /* [n, lora_width]: a row's A x for the linear in hand */
+    int *lora_rows;   /* the rows with an adapter, grouped by adapter: lora_rows[lora_starts[a] .. lora_starts[a + 1] - 1] */
+    int *lora_starts; /* [num_loras + 1] */
 } Buffers;
 
 /* ---- row operations: fixed summation order, vectorizable as written -------- */
@@ -158,6 +190,78 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
     }
 }
 
+/* ---- LoRA: per adapter, its rows through A then B^T ------------------------- */
+
+#define LORA_ROW_BLOCK 16 /* rows whose x stay in cache while a thread's rows of A pass over them */
+#define LORA_COLS 64      /* output columns one expand item accumulates */
+
+static inline const LoraLinear *lora_linear(const Step *S, int a, int layer, int which) {
+    return &S->loras[a][layer].linears[which];
+}
+
+/* Thread t's share of h[r] = A x_r (x [n, in], rows x_stride apart) for every row
+ * with an adapter that adapts linear `which`: items are the adapters' rows of A. */
+static void lora_shrink(const Step *S, const Buffers *B, int layer, int which, const float *x, long x_stride, int in,
+                        int t, int nt) {
+    int total = 0;
+    for (int a = 0; a < S->num_loras; a++)
+        if (B->lora_starts[a + 1] > B->lora_starts[a]) total += lora_linear(S, a, layer, which)->rank;
+    const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt);
+    for (int a = 0, first = 0; a < S->num_loras && first < hi; a++) {
+        const int g0 = B->lora_starts[a], g1 = B->lora_starts[a + 1];
+        const LoraLinear *L = lora_linear(S, a, layer, which);
+        if (g1 == g0 || L->rank == 0) continue;
+        const int j0 = lo > first ? lo - first : 0, j1 = hi - first < L->rank ? hi - first : L->rank;
+        for (int b0 = g0; b0 < g1; b0 += LORA_ROW_BLOCK) {
+            const int b1 = b0 + LORA_ROW_BLOCK < g1 ? b0 + LORA_ROW_BLOCK : g1;
+            for (int j = j0; j < j1; j++)
+                for (int i = b0; i < b1; i++) {
+                    const int r = B->lora_rows[i];
+                    B->lora_h[(size_t)r * S->lora_width + j] = dot8(L->a + (size_t)j * in, x + (size_t)r * x_stride, in);
+                }
+        }
+        first += L->rank;
+    }
+}
+
+/* Thread t's share of y[r, module columns] += h[r, module's ranks] B^T for those
+ * rows: items are LORA_COLS columns of one adapter's module. Each output
+ * element sums over the rank in order, then is added once. */
+static void lora_expand(const Step *S, const Buffers *B, int layer, int which, float *y, long y_stride, int t,
+                        int nt) {
+    int total = 0;
+    for (int a = 0; a < S->num_loras; a++) {
+        const LoraLinear *L = lora_linear(S, a, layer, which);
+        if (B->lora_starts[a + 1] == B->lora_starts[a] || L->rank == 0) continue;
+        for (int m = 0; m < L->num_modules; m++) total += (L->col_count[m] + LORA_COLS - 1) / LORA_COLS;
+    }
+    const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt);
+    int item = 0;
+    for (int a = 0; a < S->num_loras && item < hi; a++) {
+        const LoraLinear *L = lora_linear(S, a, layer, which);
+        const int g0 = B->lora_starts[a], g1 = B->lora_starts[a + 1];
+        if (g1 == g0 || L->rank == 0) continue;
+        for (int m = 0; m < L->num_modules; m++) {
+            const int cols = L->col_count[m], rank = L->rank_count[m];
+            for (int c0 = 0; c0 < cols; c0 += LORA_COLS, item++) {
+                if (item < lo || item >= hi) continue;
+                const int width = c0 + LORA_COLS < cols ? LORA_COLS : cols - c0;
+                for (int i = g0; i < g1; i++) {
+                    const int r = B->lora_rows[i];
+                    const float *h = B->lora_h + (size_t)r * S->lora_width + L->rank_start[m];
+                    float acc[LORA_COLS] = {0.f};
+                    for (int j = 0; j < rank; j++) {
+                        const float hj = h[j], *b = L->bt[m] + (size_t)j * cols + c0;
+                        for (int c = 0; c < width; c++) acc[c] = acc[c] + b[c] * hj;
+                    }
+                    float *out = y + (size_t)r * y_stride + L->col_start[m] + c0;
+                    for (int c = 0; c < width; c++) out[c] = out[c] + acc[c];
+                }
+            }
+        }
+    }
+}
+
 /* q/k norm (Qwen3), RoPE on q and k in place in the qkv row, then k and v into the cache. */
 static void position_row(const Model *M, const Step *S, const Layer *Ly, int layer, float *restrict row, int r) {
     const int D = M->head_dim, H = M->num_heads, KVH = M->num_kv_heads, half = D / 2;
@@ -192,6 +296,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
     const int nt = 1, t = 0;
 #endif
     float *attn_scratch = B->attn_scratch + (size_t)t * B->attn_scratch_floats;
+    const int lora = S->row_lora != NULL; /* the same for every thread: they meet at the same barriers */
     for (int l = 0; l < M->num_layers; l++) {
         const Layer *Ly = &M->layers[l];
         const AttnLayer attn_layer = {D, H, M->num_kv_heads, M->scale, S->positions, S->tables, S->max_blocks,
@@ -202,8 +307,13 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
             rms_norm_row(hidden + (size_t)r * hid, Ly->input_norm, B->normed + (size_t)r * hid, hid, M->eps);
             quantize_input_row(&Ly->qkv, B, B->normed, r);
         }
+        if (lora) lora_shrink(S, B, l, LORA_QKV, B->normed, hid, hid, t, nt);
         linear_thread(&Ly->qkv, B, n, B->qkv, qkv_w, 0, t, nt);
 #pragma omp barrier
+        if (lora) {
+            lora_expand(S, B, l, LORA_QKV, B->qkv, qkv_w, t, nt);
+#pragma omp barrier
+        }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) position_row(M, S, Ly, l, B->qkv + (size_t)r * qkv_w, r);
         /* One item per group of a sequence's rows (all heads, one kv head after
@@ -224,15 +334,25 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
         }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
+        if (lora) lora_shrink(S, B, l, LORA_O, B->attn, H * D, H * D, t, nt);
         linear_thread(&Ly->o_proj, B, n, hidden, hid, 1, t, nt); /* h = h + attn Wo^T */
 #pragma omp barrier
+        if (lora) {
+            lora_expand(S, B, l, LORA_O, hidden, hid, t, nt);
+#pragma omp barrier
+        }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) {
             rms_norm_row(hidden + (size_t)r * hid, Ly->post_norm, B->normed + (size_t)r * hid, hid, M->eps);
             quantize_input_row(&Ly->gate_up, B, B->normed, r);
         }
+        if (lora) lora_shrink(S, B, l, LORA_GATE_UP, B->normed, hid, hid, t, nt);
         linear_thread(&Ly->gate_up, B, n, B->gate_up, 2L * I, 0, t, nt);
 #pragma omp barrier
+        if (lora) {
+            lora_expand(S, B, l, LORA_GATE_UP, B->gate_up, 2L * I, t, nt);
+#pragma omp barrier
+        }
 #pragma omp for schedule(static)
         for (int r = 0; r < n; r++) {
             const float *gu = B->gate_up + (size_t)r * 2 * I;
@@ -240,8 +360,13 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
             for (int i = 0; i < I; i++) a[i] = silu(gu[i]) * gu[I + i];
             quantize_input_row(&Ly->down, B, B->act, r);
         }
+        if (lora) lora_shrink(S, B, l, LORA_DOWN, B->act, I, I, t, nt);
         linear_thread(&Ly->down, B, n, hidden, hid, 1, t, nt); /* h = h + act Wd^T */
 #pragma omp barrier
+        if (lora) {
+            lora_expand(S, B, l, LORA_DOWN, hidden, hid, t, nt);
+#pragma omp barrier
+        }
     }
 }
 
@@ -331,7 +456,8 @@ static int *order_groups(const Step *S, const int *group_starts, int num_groups)
 /* Places B's buffers for rows rows in block, each 64-byte aligned, and
  * returns the bytes they take (with block NULL, only the bytes). B's
  * attn_scratch_floats and gemm_scratch_size are set first. */
-static size_t lay_out(Buffers *B, char *block, const Model *M, size_t rows, int kmax, int num_threads) {
+static size_t lay_out(Buffers *B, char *block, const Model *M, const Step *S, size_t rows, int kmax,
+                      int num_threads) {
     const int H = M->num_heads, D = M->head_dim, qkv_w = (H + 2 * M->num_kv_heads) * D, I = M->intermediate;
     size_t used = 0;
 #define PLACE(field, type, count)                                         \
@@ -354,6 +480,10 @@ static size_t lay_out(Buffers *B, char *block, const Model *M, size_t rows, int 
     PLACE(attn_scratch, float, B->attn_scratch_floats * (size_t)num_threads);
     PLACE(gemm_scratch, uint8_t, B->gemm_scratch_size * (size_t)num_threads);
     PLACE(group_starts, int, rows + 1);
+    const int lora = S->row_lora != NULL;
+    PLACE(lora_h, float, lora ? rows * (size_t)S->lora_width : 0);
+    PLACE(lora_rows, int, lora ? rows : 0);
+    PLACE(lora_starts, int, lora ? S->num_loras + 1 : 0);
 #undef PLACE
     return used;
 }
@@ -382,8 +512,21 @@ static char *step_block_take(size_t bytes) {
 
 static void step_block_give_back(void) { pthread_mutex_unlock(&step_block_lock); }
 
+/* The rows with an adapter, grouped by adapter in row order (a counting sort). */
+static void group_lora_rows(const Step *S, const Buffers *B) {
+    for (int a = 0; a <= S->num_loras; a++) B->lora_starts[a] = 0;
+    for (int r = 0; r < S->n; r++)
+        if (S->row_lora[r] >= 0) B->lora_starts[S->row_lora[r] + 1]++;
+    for (int a = 0; a < S->num_loras; a++) B->lora_starts[a + 1] += B->lora_starts[a];
+    for (int a = S->num_loras; a > 0; a--) B->lora_starts[a] = B->lora_starts[a - 1];
+    B->lora_starts[0] = 0;
+    for (int r = 0; r < S->n; r++)
+        if (S->row_lora[r] >= 0) B->lora_rows[B->lora_starts[S->row_lora[r] + 1]++] = r;
+}
+
 /* hidden [n, M->hidden] in, the last layer's output out (in place).
- * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables. */
+ * Returns 0; 1 when memory ran out; 3 when a position is outside the rotary tables;
+ * 4 when a row names an adapter the step does not carry. */
 int decoder_forward(const Model *M, const Step *S, float *hidden, int num_threads) {
     const int n = S->n, H = M->num_heads, D = M->head_dim;
     if (n == 0) return 0;
@@ -391,6 +534,7 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     for (int r = 0; r < n; r++) {
         if (S->positions[r] < 0 || S->positions[r] >= M->max_positions) return 3;
         if (S->positions[r] > max_pos) max_pos = (int)S->positions[r];
+        if (S->row_lora && (S->row_lora[r] < -1 || S->row_lora[r] >= S->num_loras)) return 4;
     }
     if (num_threads < 1) num_threads = 1;
     int kmax = M->hidden > H * D ? M->hidden : H * D;
@@ -399,11 +543,12 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     const size_t rows = (size_t)n;
     B.attn_scratch_floats = attend_scratch_floats(H / M->num_kv_heads, max_pos, D);
     B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
-    const size_t total = lay_out(&B, NULL, M, rows, kmax, num_threads);
+    const size_t total = lay_out(&B, NULL, M, S, rows, kmax, num_threads);
     char *block = step_block_take(total), *own = NULL;
     if (!block) block = own = aligned_alloc(64, total);
     if (!block) return 1;
-    lay_out(&B, block, M, rows, kmax, num_threads);
+    lay_out(&B, block, M, S, rows, kmax, num_threads);
+    if (S->row_lora) group_lora_rows(S, &B);
     /* Consecutive rows of one sequence (a prompt chunk, a verification), up to ATTEND_ROWS at a time. */
     B.num_groups = 0;
     for (int r = 0; r < n; r++) {
