@@ -43,6 +43,18 @@ STACKS: dict[str, tuple[str, ...]] = {
 """The model's stacked linears (llama.DecoderLayer's fields) and the modules each holds, in column order."""
 
 _MLP_MODULES = frozenset(STACKS["gate_up"] + STACKS["down"])
+_UNSUPPORTED_SETTINGS = {
+    "use_dora": "DoRA",
+    "modules_to_save": "whole trained layers beside the adapter",
+    "trainable_token_indices": "trained embedding rows",
+    "alora_invocation_tokens": "activated LoRA",
+    "layer_replication": "replicated layers",
+    "target_parameters": "LoRA on raw parameters",
+    "fan_in_fan_out": "GPT-2 style Conv1D weights",
+    "use_qalora": "QA-LoRA",
+    "use_bdlora": "block-diagonal LoRA",
+}
+"""adapter_config.json settings that change the arithmetic in ways stoker does not apply, when set."""
 _UNSUPPORTED_TARGETS = {"embed_tokens": "embeddings", "lm_head": "the LM head"}
 
 
@@ -117,6 +129,13 @@ class LoraBatch:
     """The distinct adapters of this step (at most EngineConfig.max_loras)."""
     row_adapter: torch.Tensor
     """int32 [num_tokens of the flattened step]: index into adapters, -1 = the base alone."""
+
+    def __post_init__(self) -> None:
+        rows = self.row_adapter
+        if rows.dim() != 1 or rows.dtype != torch.int32:
+            raise ValueError(f"row_adapter must be int32 [num_tokens], got {rows.dtype} {list(rows.shape)}")
+        if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= len(self.adapters)):
+            raise ValueError(f"row_adapter holds an index outside -1 .. {len(self.adapters) - 1}")
 
     @cached_property
     def groups(self) -> list[tuple[int, torch.Tensor]]:
@@ -332,14 +351,9 @@ def _peft_config(name: str, folder: Path) -> dict[str, Any]:
     peft_type = settings.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise LoraError.of(name, f"peft_type {peft_type!r} is not supported (only LORA)")
-    if settings.get("use_dora"):
-        raise LoraError.of(name, "DoRA (use_dora) is not supported")
-    if settings.get("modules_to_save"):
-        raise LoraError.of(
-            name, f"modules_to_save {settings['modules_to_save']} is not supported (whole trained layers)"
-        )
-    if settings.get("fan_in_fan_out"):
-        raise LoraError.of(name, "fan_in_fan_out (GPT-2 style Conv1D weights) is not supported")
+    for key, what in _UNSUPPORTED_SETTINGS.items():
+        if settings.get(key):
+            raise LoraError.of(name, f"{key} {settings[key]!r} is not supported ({what})")
     targets = settings.get("target_modules")
     if isinstance(targets, list):
         for module in targets:
