@@ -127,7 +127,8 @@ class RequestGate:
         return self.model_admission.get(model, self.admission)
 
     def controllers(self) -> list[AdmissionController]:
-        return [self.admission, *(c for c in self.model_admission.values() if c is not self.admission)]
+        # One per engine queue: a LoRA adapter's name shares its base's controller.
+        return list({id(c): c for c in [self.admission, *self.model_admission.values()]}.values())
 
     def queue(self) -> QueueView:
         """What waits for every model's engine together."""

@@ -274,11 +274,15 @@ class ControlPlane:
 
     # -- engine and lifecycle ---------------------------------------------------------
 
-    def track_model(self, name: str) -> AdmissionController:
+    def track_model(self, name: str, queue_of: str | None = None) -> AdmissionController:
         """A model the server serves gets its own admission queue bound (the
         first one the default controller), so one model's full queue refuses
-        only its own requests."""
+        only its own requests. queue_of: the model whose engine queue name's
+        requests join (a LoRA adapter's base), whose bound they share."""
         gate = self.gate
+        if queue_of is not None and queue_of != name:
+            gate.model_admission[name] = self.track_model(queue_of)
+            return gate.model_admission[name]
         controller = gate.model_admission.get(name)
         if controller is None:
             if not gate.model_admission:

@@ -107,6 +107,9 @@ _CUMULATIVE = (
     "kv_disk_writes_dropped",
     "kv_disk_evictions",
     "kv_disk_corrupt_dropped",
+    "lora_loads",
+    "lora_load_failures",
+    "lora_evictions",
 )
 
 _KV_DISK_COUNTERS = {
@@ -269,6 +272,50 @@ class Metrics:
             registry=r,
         )
 
+        # -- LoRA adapters (docs/lora.md) ------------------------------------------
+        self.lora_info = Gauge(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests: the adapters of running and waiting requests, comma-separated; "
+            "the value is when it was last seen (set_to_current_time), one series per model.",
+            ["model_name", "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=r,
+        )
+        self._lora_info_labels: dict[str, tuple[str, str, str, str]] = {}
+        self.lora_counters = {
+            "lora_loads": Counter(
+                "stoker:lora_loads",
+                "LoRA adapter loads from their files: registrations, and reloads after an eviction.",
+                m,
+                registry=r,
+            ),
+            "lora_load_failures": Counter(
+                "stoker:lora_load_failures",
+                "LoRA adapter loads that failed: refused registrations, reloads of a file since changed or removed.",
+                m,
+                registry=r,
+            ),
+            "lora_evictions": Counter(
+                "stoker:lora_evictions",
+                "LoRA adapters dropped from memory to stay within --max-loaded-loras (loaded again when named).",
+                m,
+                registry=r,
+            ),
+        }
+        self.lora_registered = Gauge("stoker:lora_adapters_registered", "LoRA adapters registered.", m, registry=r)
+        self.lora_resident = Gauge(
+            "stoker:lora_adapters_resident", "LoRA adapters in memory (at most --max-loaded-loras).", m, registry=r
+        )
+        self.lora_resident_bytes = Gauge(
+            "stoker:lora_resident_bytes", "Bytes the resident LoRA adapters' tensors take.", m, registry=r
+        )
+        self.lora_load_time = Histogram(
+            "stoker:lora_load_seconds",
+            "Seconds to load a LoRA adapter from its file (registration or reload after eviction).",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
         # -- models (several per server, versions, fallback, cost) --------------
         self.model_version_info = Gauge(
             "stoker:model_version_info",
@@ -348,6 +395,19 @@ class Metrics:
             "stoker:deadline_exceeded", "Requests whose deadline passed, by phase.", ["phase"], registry=r
         )
         self.engine_restarts = Counter("stoker:engine_restarts", "Times the engine process was restarted.", registry=r)
+        self.model_sleeping = Gauge(
+            "stoker:model_sleeping",
+            "1 while a model sleeps (its engine process ended, idle; the next request wakes it), else 0.",
+            m,
+            registry=r,
+        )
+        self.model_wake_seconds = Histogram(
+            "stoker:model_wake_seconds",
+            "Time a sleeping model's engine took to start again (its next request waited this long more).",
+            m,
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.draining = Gauge(
             "stoker:draining", "1 while the server drains (refuses new requests) before shutdown.", registry=r
         )
@@ -447,11 +507,35 @@ class Metrics:
             self.kv_disk_pending_writes.labels(name).set(stats.kv_disk_pending_writes)
             self.kv_disk_used_bytes.labels(name).set(stats.kv_disk_bytes_used)
             self.kv_disk_degraded.labels(name).set(1 if stats.kv_disk_degraded else 0)
+        for field, counter in self.lora_counters.items():
+            counter.labels(name).inc(delta[field])
+        _observe_latest(self.lora_load_time.labels(name), stats.lora_load_seconds, delta["lora_loads"])
+        if gauges and (stats.lora_registered or name in self._lora_info_labels):
+            self._set_lora_gauges(name, stats)
         _observe_latest(self.grammar_mask_time.labels(name), stats.grammar_mask_seconds, delta["grammar_mask_steps"])
         _observe_latest(
             self.grammar_compile_time.labels(name), stats.grammar_compile_seconds, delta["grammar_compiles"]
         )
         self._last[source] = stats
+
+    def _set_lora_gauges(self, name: str, stats: EngineStats) -> None:
+        """The resident set, and vllm:lora_requests_info as vLLM sets it: one series
+        for the adapters running and waiting now, its value the time; the model's
+        previous series goes, so adapter combinations never pile up."""
+        self.lora_registered.labels(name).set(stats.lora_registered)
+        self.lora_resident.labels(name).set(stats.lora_resident)
+        self.lora_resident_bytes.labels(name).set(stats.lora_resident_bytes)
+        labels = (
+            name,
+            str(stats.max_loras),
+            ",".join(sorted(stats.lora_waiting)),
+            ",".join(sorted(stats.lora_running)),
+        )
+        previous = self._lora_info_labels.get(name)
+        if previous is not None and previous != labels:
+            self.lora_info.remove(*previous)
+        self._lora_info_labels[name] = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     # -- requests -----------------------------------------------------------------
 
@@ -500,6 +584,12 @@ class Metrics:
         self.model_version_info.clear()
         for labels in versions:
             self.model_version_info.labels(*labels).set(1)
+
+    def set_sleeping(self, models: dict[str, bool]) -> None:
+        """Whether each model loaded now sleeps (an unloaded one's series goes)."""
+        self.model_sleeping.clear()
+        for name, asleep in models.items():
+            self.model_sleeping.labels(name).set(1 if asleep else 0)
 
     def set_costs(self, costs: dict[str, dict[str, float]]) -> None:
         self.cost_per_million.clear()

@@ -193,7 +193,8 @@ async def _operator(request: Request) -> None:
 async def _admit(request: Request, info: AdmissionInfo) -> None:
     plane = get_plane(request)
     if info.endpoint not in OUTSIDE_ENGINE:
-        plane.track_model(info.model)  # its own queue bound from its first request on, not from the next stats tick
+        # Its own queue bound from its first request on, not from the next stats tick (an adapter: its base's).
+        plane.track_model(info.model, request.app.state.stoker.fleet.adapters.base_of(info.model))
     try:
         adm = await plane.admit_http(
             request,
@@ -268,6 +269,7 @@ def _feed_fleet(
     cost: CostMeter | None,
 ) -> None:
     live: set[int] = set()
+    plane.metrics.set_sleeping({m.name: m.stable.sleep.asleep for m in fleet.models.values()})
     if fleet.models:
         plane.metrics.model_name = fleet.default.name
     for served in list(fleet.models.values()):
@@ -280,6 +282,8 @@ def _feed_fleet(
         for _ in range(engine.restart_count - restarts.get(key, 0)):
             plane.engine_restarted(source)
         restarts[key] = engine.restart_count
+        for seconds in version.sleep.take_wakes():
+            plane.metrics.model_wake_seconds.labels(version.name).observe(seconds)
         stats = engine.stats()
         previous = last.get(key)
         if stats is previous:

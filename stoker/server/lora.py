@@ -189,6 +189,11 @@ class Adapters:
     def names(self) -> list[str]:
         return [a.name for a in self.adapters.values() if a.status == "serving"]
 
+    def base_of(self, name: str) -> str | None:
+        """The base model of an adapter called name; None for any other name."""
+        adapter = self.adapters.get(name)
+        return adapter.base if adapter is not None else None
+
     def of_base(self, base: str) -> list[ServedAdapter]:
         return [a for a in self.adapters.values() if a.base == base]
 

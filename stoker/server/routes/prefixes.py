@@ -93,6 +93,8 @@ async def _versions(request: Request, model: str | None) -> list[ModelVersion]:
     """The model's ready versions (stable, and a canary: each keeps its own blocks), for an operator."""
     state: ServerState = get_state(request)
     served = state.resolve(model)
+    if served.lora_name is not None:  # its blocks hash apart from its base's, and a pin is computed without it
+        raise bad_request(f"`{served.name}` is a LoRA adapter: pin prefixes of its base model", param="model")
     versions = [v for v in (served.stable, served.canary) if v is not None and v.ready]
     if not versions:
         state.fleet.check_available(served)
@@ -104,6 +106,8 @@ async def _versions(request: Request, model: str | None) -> list[ModelVersion]:
                 "started with --kv-cache-disk DIR.",
                 code="no_disk_tier",
             )
+    for version in versions:
+        await state.fleet.sleep.wake(version)  # pins live in the engine: a sleeping one wakes
     return versions
 
 
