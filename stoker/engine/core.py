@@ -31,12 +31,15 @@ from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, DiskTierStats, blo
 from stoker.engine.kv_disk_tier import DiskTier
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
+from stoker.engine.lora_registry import LoraRegistry
 from stoker.engine.outputs import ScheduledRequest, SchedulerOutput
 from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
     EngineStats,
     FinishReason,
+    LoraAnswer,
+    LoraCommand,
     SamplingParams,
 )
 from stoker.engine.pins import PrefixAnswer, PrefixCommand, PrefixPins
@@ -146,6 +149,7 @@ class EngineCore:
                 config.speculative_method, config.num_speculative_tokens, config.speculative_max_batch
             )
             self.speculator = Speculator(self._proposer(config), policy)
+        self.loras = LoraRegistry(self.model_config, config.max_lora_rank, config.max_loaded_loras)
         self.scheduler = Scheduler(
             self.kv,
             config.max_num_batched_tokens,
@@ -155,6 +159,8 @@ class EngineCore:
             self.max_model_len,
             self.speculator,
             self.disk,
+            self.loras,
+            config.max_loras,
         )
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
@@ -221,6 +227,7 @@ class EngineCore:
         """Write the disk tier's queued blocks and stop its threads (a graceful shutdown)."""
         if self.disk is not None:
             self.disk.close()
+        self.loras.close()
 
     def measure_row_costs(self) -> None:
         """auto chooses draft lengths from what steps of 1 .. k + 1 rows cost on
@@ -296,6 +303,8 @@ class EngineCore:
         prompt = list(req.prompt_token_ids)
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if req.lora_name is not None and not self.loras.is_registered(req.lora_name):
+            raise ValueError(f"LoRA adapter {req.lora_name!r} is not registered on this engine")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
@@ -378,6 +387,7 @@ class EngineCore:
                 max_tokens,
                 torch.Generator().manual_seed(seed),
                 prepared,
+                req.lora_name,
             )
             r.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt, params)
             if params.reasoning is not None:
@@ -442,6 +452,8 @@ class EngineCore:
         outputs = self._expire_deadlines()
         if self._preparing:
             self._admit_prepared()
+        if self.loras.pending:
+            outputs += self._collect_lora_loads()
         scheduled = self.scheduler.schedule()
         self.last_step_tokens = scheduled.num_tokens
         if not scheduled.scheduled:
@@ -449,6 +461,8 @@ class EngineCore:
                 # Nothing else to run: wait a little for the worker rather than spin
                 # (the process loop comes back to read its input between waits).
                 wait([w.ready for w in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
+            elif self.loras.busy:
+                self.loras.wait(PREPARE_POLL_S)  # a request waits for its adapter's load
             elif self.disk is not None:
                 self.disk.wait(PREPARE_POLL_S)  # a request waits for its blocks from disk
             return outputs
@@ -463,6 +477,46 @@ class EngineCore:
             self.publish_kv_events()
         self.busy_seconds += time.perf_counter() - started
         return self.pins.settle(outputs + deltas)
+
+    # ---------------------------------------------------------------- LoRA
+
+    def lora_command(self, command: LoraCommand) -> list[EngineCoreOutput]:
+        """Register an adapter (answered by take_lora_answers once its load is done) or remove one:
+        requests still naming it end with an error (the caller drains them first)."""
+        if command.action == "add":
+            self.loras.register(command.ticket, command.name, command.path)
+            return []
+        outputs = self._abort_adapter(command.name, f"LoRA adapter {command.name!r} was unloaded")
+        self.loras.remove(command.name)
+        self.loras.answer(LoraAnswer(command.ticket))
+        return outputs
+
+    def take_lora_answers(self) -> list[LoraAnswer]:
+        if self.loras.busy:
+            self.loras.poll(self.scheduler.loras_in_use())
+        return self.loras.take_answers()
+
+    def loras_loading(self) -> bool:
+        return self.loras.busy
+
+    def _collect_lora_loads(self) -> list[EngineCoreOutput]:
+        """Finished loads into memory; requests waiting for one that failed end with its error."""
+        self.loras.poll(self.scheduler.loras_in_use())
+        outputs = []
+        for name, message in self.loras.take_failures():
+            outputs += self._abort_adapter(name, message, waiting_only=True)
+        return outputs
+
+    def _abort_adapter(self, name: str, error: str, waiting_only: bool = False) -> list[EngineCoreOutput]:
+        named = {
+            r.request_id
+            for samples in self.requests.values()
+            for r in samples
+            if r.lora_name == name and not (waiting_only and r in self.scheduler.running)
+        }
+        if not waiting_only:
+            named |= {rid for rid, w in self._preparing.items() if w.request.lora_name == name}
+        return self.abort_requests(sorted(named), error)
 
     def _expire_deadlines(self) -> list[EngineCoreOutput]:
         now = time.time()
@@ -487,6 +541,7 @@ class EngineCore:
         waiting = self.scheduler.waiting
         disk = self.disk.store.stats() if self.disk is not None else DiskTierStats()
         spec = self.speculator
+        lora_running, lora_waiting = self.scheduler.lora_counts()
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting) + sum(w.request.sampling_params.n for w in self._preparing.values()),
@@ -523,6 +578,16 @@ class EngineCore:
             kv_disk_corrupt_dropped=disk.corrupt_dropped,
             kv_disk_bytes_used=disk.bytes_used,
             kv_disk_degraded=disk.degraded,
+            max_loras=self.config.max_loras,
+            lora_running=lora_running,
+            lora_waiting=lora_waiting,
+            lora_registered=len(self.loras.paths),
+            lora_resident=self.loras.num_resident,
+            lora_resident_bytes=self.loras.resident_bytes,
+            lora_loads=self.loras.num_loads,
+            lora_load_failures=self.loras.num_load_failures,
+            lora_evictions=self.loras.num_evictions,
+            lora_load_seconds=list(self.loras.load_seconds),
         )
 
     def prefix_command(self, command: PrefixCommand) -> None:

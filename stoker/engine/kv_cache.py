@@ -3,7 +3,8 @@
 The tensors themselves live in the runner; this file only hands out block ids.
 A full block is keyed by a chained hash of (parent key, its tokens); freed
 blocks keep their key and stay reusable until they are reallocated, least
-recently used first.
+recently used first. A base request's chain starts from None, a LoRA
+request's from its adapter's root (Request.hash_root), so the two never meet.
 """
 
 from __future__ import annotations
@@ -115,14 +116,24 @@ class BlockPool:
                 if self.spill is not None and block.block_hash is not None:
                     self.spill(block)
 
-    def cache_block(self, block: Block, parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    def cache_block(
+        self,
+        block: Block,
+        parent_hash: bytes | None,
+        token_ids: tuple[int, ...],
+        lora_name: str | None = None,
+        chain_root: bytes | None = None,
+    ) -> bytes:
+        """lora_name and chain_root: a LoRA adapter's blocks, whose chain starts from chain_root
+        (announced as vLLM does: no parent for a chain's first block, the adapter's name on each)."""
         block_hash = chain_hash(parent_hash, token_ids)
         if self.enable_caching and block.block_hash is None:
             block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
             # A second copy of a cached block (two requests computed it at once) is not
             # indexed, so it is not announced either.
             if self.cached.setdefault(block_hash, block) is block and self.events is not None:
-                self.events.stored(block_hash, parent_hash, token_ids)
+                parent = None if parent_hash == chain_root else parent_hash
+                self.events.stored(block_hash, parent, token_ids, lora_name=lora_name)
         return block_hash
 
     def reset_prefix_cache(self) -> int:
@@ -174,7 +185,7 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[Block] = []
-        parent: bytes | None = None
+        parent = request.hash_root
         for i in range(max_blocks):
             block = self.pool.lookup(parent, self._full_block_tokens(request, i))
             if block is None:
@@ -223,14 +234,15 @@ class KVCacheManager:
         blocks = self.req_blocks[request.key]
         start = self.num_hashed.get(request.key, 0)
         end = min(num_tokens // self.block_size, len(blocks))
-        parent = blocks[start - 1].block_hash if start > 0 else None
+        root = request.hash_root
+        parent = blocks[start - 1].block_hash if start > 0 else root
         for i in range(start, end):
             block = blocks[i]
             tokens = self._full_block_tokens(request, i)
             if block.block_hash is not None and block.token_ids == tokens and block.parent_hash == parent:
                 parent = block.block_hash
             else:
-                parent = self.pool.cache_block(block, parent, tokens)
+                parent = self.pool.cache_block(block, parent, tokens, request.lora_name, root)
         self.num_hashed[request.key] = max(start, end)
 
     def free(self, request: Request) -> None:

@@ -65,6 +65,9 @@ class _Load:
     """The request's RAM hits, a reference taken so they stay while it waits."""
     targets: list[Block]
     """Blocks taken from the free queue for the reader to copy into, in chain order."""
+    lora_name: str | None = None
+    hash_root: bytes | None = None
+    """The request's chain root (a LoRA adapter's; None for the base), for the blocks' KV events."""
 
 
 class DiskTier:
@@ -154,7 +157,7 @@ class DiskTier:
             return Fetch.NOTHING  # tried from here already, or the disk is hung: serve from RAM
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
-        parent = cached[-1].block_hash if cached else None
+        parent = cached[-1].block_hash if cached else request.hash_root
         hashes = []
         for i in range(len(cached), max_blocks):
             parent = chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
@@ -174,10 +177,12 @@ class DiskTier:
         # reader copies into blocks held for it, which nothing else reads or writes meanwhile.
         self.pool.touch(cached)
         targets = self.pool.allocate(min(len(hashes), self.pool.num_free))
-        first_parent = cached[-1].block_hash if cached else None
+        first_parent = cached[-1].block_hash if cached else request.hash_root
         cancel = threading.Event()
         future = self._reader.submit(self._read_into, hashes[: len(targets)], first_parent, targets, cancel)
-        self._loads[key] = _Load(future, cancel, time.monotonic(), list(cached), targets)
+        self._loads[key] = _Load(
+            future, cancel, time.monotonic(), list(cached), targets, request.lora_name, request.hash_root
+        )
         return Fetch.WAITING
 
     def _read_into(
@@ -205,7 +210,7 @@ class DiskTier:
             log.exception("KV disk tier: reading blocks failed")
             loaded = []
         for block, stored in zip(load.targets, loaded):
-            self.pool.cache_block(block, stored.parent_hash, stored.token_ids)
+            self.pool.cache_block(block, stored.parent_hash, stored.token_ids, load.lora_name, load.hash_root)
         self.pool.free(list(reversed(load.targets)))
         self.pool.free(list(reversed(load.held)))
         self.num_hit_blocks += len(loaded)

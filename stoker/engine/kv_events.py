@@ -127,14 +127,21 @@ class KVEventLog:
         self.events: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
 
     def stored(
-        self, block_hash: bytes, parent_hash: bytes | None, token_ids: tuple[int, ...], medium: str = MEDIUM
+        self,
+        block_hash: bytes,
+        parent_hash: bytes | None,
+        token_ids: tuple[int, ...],
+        medium: str = MEDIUM,
+        lora_name: str | None = None,
     ) -> None:
+        """lora_name: the LoRA adapter whose request computed the block (its chain is that adapter's alone)."""
         key = wire_hash(block_hash)
         parent = wire_hash(parent_hash) if parent_hash is not None else None
         last = self.events[-1] if self.events else None
         if (
             isinstance(last, BlockStored)
             and last.medium == medium
+            and last.lora_name == lora_name
             and parent is not None
             and last.block_hashes[-1] == parent
         ):
@@ -143,7 +150,7 @@ class KVEventLog:
                 last.token_ids.extend(token_ids)
         else:
             tokens = list(token_ids) if self.include_token_ids else []
-            self.events.append(BlockStored([key], parent, tokens, self.block_size, medium=medium))
+            self.events.append(BlockStored([key], parent, tokens, self.block_size, medium=medium, lora_name=lora_name))
 
     def removed(self, block_hash: bytes, medium: str = MEDIUM) -> None:
         last = self.events[-1] if self.events else None

@@ -14,6 +14,8 @@ from stoker.engine.core import EngineCore
 from stoker.engine.params import (
     CompletionOutput,
     EngineCoreRequest,
+    LoraCommand,
+    LoraInfo,
     RequestOutput,
     SamplingParams,
 )
@@ -35,8 +37,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
-        """Prompts are strings or lists of token ids. Outputs come back in prompt order."""
+        """Prompts are strings or lists of token ids. Outputs come back in prompt order.
+        lora_name: a LoRA adapter registered with add_lora, applied to every prompt of the call."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt
         prompts = list(prompts)
@@ -61,7 +65,8 @@ class LLM:
         try:
             for text, token_ids, params in requests:
                 request_id = f"offline-{next(self._ids)}"
-                self.engine.add_request(EngineCoreRequest(request_id, token_ids, params, time.time()))
+                request = EngineCoreRequest(request_id, token_ids, params, time.time(), lora_name=lora_name)
+                self.engine.add_request(request)
                 order.append(request_id)
                 results[request_id] = RequestOutput(
                     request_id, text, token_ids, [CompletionOutput(i) for i in range(params.n)]
@@ -105,6 +110,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_name: str | None = None,
     ) -> list[RequestOutput]:
         """One conversation (a list of messages) or a list of conversations.
 
@@ -126,4 +132,23 @@ class LLM:
             )
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_name)
+
+    def add_lora(self, name: str, path: str) -> LoraInfo:
+        """Load, validate and register a LoRA adapter (a PEFT folder or a GGUF LoRA file) under name,
+        for generate(..., lora_name=name). ValueError naming the adapter and the reason if refused."""
+        ticket = next(self._ids)
+        self.engine.lora_command(LoraCommand(ticket, "add", name, path))
+        while True:
+            for answer in self.engine.take_lora_answers():
+                if answer.ticket != ticket:
+                    continue
+                if answer.error is not None or answer.info is None:
+                    raise ValueError(answer.error or f"LoRA adapter {name!r} was refused")
+                return answer.info
+            self.engine.loras.wait(0.05)
+
+    def remove_lora(self, name: str) -> None:
+        """Forget an adapter (nothing runs between calls here, so no request still names it)."""
+        self.engine.lora_command(LoraCommand(next(self._ids), "remove", name))
+        self.engine.take_lora_answers()

@@ -19,6 +19,7 @@ import torch
 
 from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import SampleRow
+from stoker.models.lora import LoraAdapter
 
 RequestKey = tuple[str, int]
 """(request_id, sample index): one sequence. n > 1 gives n keys per request_id."""
@@ -55,6 +56,8 @@ class ScheduledRequest:
     """For a grammar-constrained sequence with drafts: the mask of each position
     after the first (the first's is sampling.token_bitmask), draft_bitmasks[j]
     being the grammar's next-token mask once drafts 0 .. j are consumed."""
+    lora: LoraAdapter | None = None
+    """The LoRA adapter its rows (drafts included) run with; None: the base model."""
 
     @property
     def request_id(self) -> str:

@@ -200,7 +200,10 @@ def _tensor_bytes(value: object, depth: int = 0) -> int:
 
 
 def _kv_cache_bytes(core: Core) -> int:
-    return _tensor_bytes(getattr(getattr(core, "runner", None), "kv_caches", None))
+    caches = getattr(getattr(core, "runner", None), "kv_caches", None)
+    # A core without a runner's caches (the tests' fake) holds no tensors: importing
+    # torch only to count none would add 1-2 s to its engine's start.
+    return 0 if caches is None else _tensor_bytes(caches)
 
 
 def _kv_capacity_tokens(core: Core) -> int:
@@ -283,7 +286,7 @@ def _loop(
     prefix_command: Callable[[PrefixCommand], None] | None = getattr(core, "prefix_command", None)
     take_prefix_answers: Callable[[], list[PrefixAnswer]] = getattr(core, "take_prefix_answers", list)
     # LoRA adapters (EngineCore's; a test core without them refuses every add).
-    lora_command: Callable[[LoraCommand], None] | None = getattr(core, "lora_command", None)
+    lora_command: Callable[[LoraCommand], list[EngineCoreOutput]] | None = getattr(core, "lora_command", None)
     take_lora_answers: Callable[[], list[LoraAnswer]] = getattr(core, "take_lora_answers", list)
     loras_loading: Callable[[], bool] = getattr(core, "loras_loading", lambda: False)
     last_stats = 0.0
@@ -343,7 +346,11 @@ def _loop(
                     refusal = LoraAnswer(lora.ticket, error=NO_LORA)
                     out.send_multipart([LORA_ANSWER, encoder.encode(refusal)])
                 else:
-                    lora_command(lora)  # an add is answered once its load is done (take_lora_answers)
+                    # An add is answered once its load is done (take_lora_answers); a remove ends the
+                    # requests still naming the adapter.
+                    outputs = lora_command(lora)
+                    if outputs:
+                        out.send_multipart([OUTPUTS, encoder.encode(outputs)])
                     stats_due = True
             elif kind == SHUTDOWN:
                 close: Callable[[], None] | None = getattr(core, "close", None)

@@ -46,6 +46,7 @@ class Request:
         max_tokens: int = 16,
         generator: torch.Generator | None = None,
         prepared: PreparedParams | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.index = index
@@ -56,6 +57,11 @@ class Request:
         per request by EngineCore.add_request and shared by its samples (or by
         Scheduler.add), so checking a token costs the same whatever the lists' lengths."""
         self.priority = priority
+        self.lora_name = lora_name
+        """The LoRA adapter its tokens run with (kept across preemption); None: the base model."""
+        self.hash_root: bytes | None = None
+        """Where its prefix-cache hash chain starts: None for the base, its adapter's root
+        (stoker/engine/lora_registry.py) set by the scheduler each time it is admitted."""
         self.deadline = deadline
         self.max_tokens = max_tokens
         """params.max_tokens resolved against the context length."""

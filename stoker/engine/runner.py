@@ -20,6 +20,7 @@ from stoker.engine.params import TokenLogprob
 from stoker.engine.sampler import SampledToken, Sampler, SampleRow, is_greedy
 from stoker.models.attention import AttentionInputs, AttentionMetadata, PrefillChunk, select_attention_backend
 from stoker.models.kv_quant import row_width
+from stoker.models.lora import LoraAdapter, LoraBatch
 from stoker.models.registry import DecoderModel
 
 
@@ -59,6 +60,8 @@ class StepInputs:
     logits_indices: torch.Tensor
     """The sampling sequences' last tokens first, then the scored prompt positions."""
     num_sampling: int
+    lora: LoraBatch | None = None
+    """Each row's LoRA adapter; None when no scheduled sequence has one (the base model's path exactly)."""
 
 
 class ModelRunner:
@@ -125,6 +128,7 @@ class ModelRunner:
             meta,
             self._tensor(logits_indices + prompt_indices),
             len(logits_indices),
+            lora_batch(step),
         )
 
     @torch.inference_mode()
@@ -132,6 +136,10 @@ class ModelRunner:
         """float32 logits: one row per sampling sequence in step.scheduled
         order, then one per scored prompt position."""
         inputs = self.prepare(step)
+        if inputs.lora is not None:
+            return self.model.forward(
+                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices, inputs.lora
+            )
         return self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices
         )
@@ -164,6 +172,19 @@ class ModelRunner:
                 out.prompt_logprobs[s.key] = score_prompt(logits[row : row + count], s, s.num_prompt_logprobs)
                 row += count
         return out
+
+
+def lora_batch(step: SchedulerOutput) -> LoraBatch | None:
+    """Each flattened row's adapter, as an index into the step's distinct adapters (-1: the base);
+    a sequence's drafts run with its adapter like its other rows."""
+    if all(s.lora is None for s in step.scheduled):
+        return None
+    adapters: dict[LoraAdapter, int] = {}
+    rows: list[int] = []
+    for s in step.scheduled:
+        index = -1 if s.lora is None else adapters.setdefault(s.lora, len(adapters))
+        rows.extend([index] * s.num_new_tokens)
+    return LoraBatch(list(adapters), torch.tensor(rows, dtype=torch.int32))
 
 
 def verification_rows(s: ScheduledRequest) -> list[SampleRow]:

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 
 import torch
 
 from stoker.engine.kv_cache import Block, KVCacheManager
 from stoker.engine.kv_disk_tier import DiskTier, Fetch
+from stoker.engine.lora_registry import LoraRegistry
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import EngineCoreOutput, FinishReason
 from stoker.engine.queues import POLICIES, make_queue
 from stoker.engine.request import Request, RequestStatus
 from stoker.engine.sampler import SampleRow, prepare
 from stoker.engine.spec.speculator import Speculator
+from stoker.models.lora import LoraAdapter
 
 RECENT_STEPS = 256
 """Per-step timings kept for the metrics poller, which reads them every second or so."""
@@ -43,6 +45,8 @@ class Scheduler:
         max_model_len: int = 2**31,
         speculator: Speculator | None = None,
         disk: DiskTier | None = None,
+        loras: LoraRegistry | None = None,
+        max_loras: int = 4,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -54,6 +58,10 @@ class Scheduler:
         self.speculator = speculator
         self.disk = disk
         """The prefix cache's disk tier (--kv-cache-disk): waiting requests' blocks are read from it."""
+        self.loras = loras
+        """LoRA adapters: a waiting request's adapter is made resident before it is admitted."""
+        self.max_loras = max_loras
+        """Distinct adapters among running requests (--max-loras)."""
         self.waiting = make_queue(policy)
         self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
@@ -162,6 +170,7 @@ class Scheduler:
             targets = request.prompt_token_ids[num_computed + 1 : min(end + 1, request.num_prompt_tokens)]
         return ScheduledRequest(
             key=request.key,
+            lora=self._adapter(request),
             token_ids=request.token_ids[num_computed:end] + drafts,
             num_computed_tokens=num_computed,
             block_ids=self.kv.block_ids(request),
@@ -171,6 +180,24 @@ class Scheduler:
             num_draft_tokens=len(drafts),
             draft_bitmasks=draft_bitmasks,
         )
+
+    def _adapter(self, request: Request) -> LoraAdapter | None:
+        if request.lora_name is None:
+            return None
+        resident = self.loras.resident(request.lora_name) if self.loras is not None else None
+        if resident is None:  # admission made it resident and running requests' adapters are never evicted
+            raise RuntimeError(f"LoRA adapter {request.lora_name!r} of a scheduled request is not in memory")
+        return resident.adapter
+
+    def loras_in_use(self) -> set[str]:
+        """Adapters of running requests: never evicted, and at most max_loras of them."""
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def lora_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Running and waiting sequences by adapter (vllm:lora_requests_info)."""
+        running = Counter(r.lora_name for r in self.running if r.lora_name is not None)
+        waiting = Counter(r.lora_name for r in self.waiting if r.lora_name is not None)
+        return dict(running), dict(waiting)
 
     def _drafts(self) -> tuple[dict[RequestKey, list[int]], dict[RequestKey, list[torch.Tensor]]]:
         """Speculative tokens for this step's decoding sequences: never past a
@@ -261,10 +288,17 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: list[int]) -> None:
         now = time.time()
+        adapters = self.loras_in_use()
+        adapter_held = False
         for request in self.waiting:
             if budget[0] <= 0:
                 break
             if self._leader_prefilling(request):
+                continue
+            if request.lora_name is not None and (adapter_held or not self._adapter_ready(request, adapters)):
+                # Held back by --max-loras, later adapter requests wait behind it (base ones go on),
+                # so the adapters in use drain and it never starves.
+                adapter_held = adapter_held or request.lora_name not in adapters
                 continue
             cached: list[Block] = []
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
@@ -296,6 +330,20 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(self._scheduled(request, computed, num_new))
             budget[0] -= num_new
+
+    def _adapter_ready(self, request: Request, adapters: set[str]) -> bool:
+        """Whether the request's adapter may join this step (adding it to `adapters`, the step's
+        adapters and those loading for it) and is in memory; a load starts here when it is not."""
+        name = request.lora_name
+        assert name is not None and self.loras is not None
+        if name not in adapters and len(adapters) >= self.max_loras:
+            return False
+        adapters.add(name)
+        resident = self.loras.ensure(name, adapters)
+        if resident is None:
+            return False  # loading: the request waits, the others go ahead
+        request.hash_root = resident.hash_root
+        return True
 
     def _preempt_for(
         self,
