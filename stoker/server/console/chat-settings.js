@@ -17,6 +17,7 @@ export const DEFAULTS = Object.freeze({
   top_logprobs: 0,
   schema: '',
   tools: '',
+  tool_choice: 'auto',
 });
 
 const INT32 = 2 ** 31 - 1;
@@ -103,7 +104,10 @@ export function requestFields(s) {
     if (!schema || typeof schema !== 'object' || Array.isArray(schema)) throw new FieldError('schema', 'must be a JSON object (a JSON schema)');
     out.response_format = { type: 'json_schema', json_schema: { name: 'reply', schema, strict: true } };
   }
-  if (s.tools.trim()) out.tools = parseTools(s.tools);
+  if (s.tools.trim()) {
+    out.tools = parseTools(s.tools);
+    out.tool_choice = s.tool_choice;
+  }
   return out;
 }
 
@@ -119,6 +123,7 @@ const LABELS = {
   top_logprobs: 'Top logprobs (0–20)',
   schema: 'JSON schema (structured output)',
   tools: 'Tools (JSON list of function definitions)',
+  tool_choice: 'Tool choice',
 };
 
 /** The form; onChange() runs after any edit. Returns {element, read, write, setModels, check}. */
@@ -135,6 +140,10 @@ export function createSettings(onChange) {
     top_logprobs: h('input', { id: 'pg-top_logprobs', type: 'number', min: '0', max: '20', step: '1', inputmode: 'numeric' }),
     schema: h('textarea', { id: 'pg-schema', rows: '5', spellcheck: 'false', placeholder: '{"type": "object", "properties": {...}}' }),
     tools: h('textarea', { id: 'pg-tools', rows: '5', spellcheck: 'false', placeholder: '[{"type": "function", "function": {"name": "get_weather", "parameters": {...}}}]' }),
+    tool_choice: h('select', { id: 'pg-tool_choice' },
+      h('option', { value: 'auto' }, 'auto: the model decides'),
+      h('option', { value: 'required' }, 'required: a call'),
+      h('option', { value: 'none' }, 'none: no call')),
   };
   const errors = {};
   const modelNote = h('p', { class: 'pg-note', id: 'pg-model-note', role: 'status' });
@@ -162,7 +171,7 @@ export function createSettings(onChange) {
     row('model'), modelNote, row('system'),
     h('div', { class: 'field-grid' }, row('temperature'), row('top_p'), row('max_tokens'), row('seed')),
     row('stop'), row('logprobs'), row('top_logprobs'),
-    h('details', { class: 'pg-advanced' }, h('summary', {}, 'Structured output and tools'), row('schema'), row('tools')));
+    h('details', { class: 'pg-advanced' }, h('summary', {}, 'Structured output and tools'), row('schema'), row('tools'), row('tool_choice')));
 
   function read() {
     const s = {};
@@ -209,7 +218,7 @@ export function createSettings(onChange) {
       replace(errors[name], `${LABELS[name].replace(/ \(.*/, '')}: ${error.message}`);
       errors[name].hidden = false;
       inputs[name].setAttribute('aria-invalid', 'true');
-      if (name === 'schema' || name === 'tools') element.querySelector('.pg-advanced').open = true;
+      if (name === 'schema' || name === 'tools' || name === 'tool_choice') element.querySelector('.pg-advanced').open = true;
       inputs[name].focus();
       return null;
     }

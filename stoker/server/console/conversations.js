@@ -32,6 +32,7 @@ const SETTING_TYPES = {
   top_logprobs: 'number',
   schema: 'string',
   tools: 'string',
+  tool_choice: 'string',
 };
 
 export function newId() {
@@ -240,14 +241,14 @@ export function parseImport(text) {
   return file.conversations;
 }
 
-/** The file's conversations kept; one whose id is already here gets a new id, so an import never overwrites. */
+/** The file's conversations kept (and returned); one whose id is already here gets a new id, so an import never overwrites. */
 export async function importConversations(text) {
   const incoming = parseImport(text);
   const existing = new Set((await listConversations()).map((c) => c.id));
-  for (const c of incoming) {
-    const kept = existing.has(c.id) ? { ...c, id: newId() } : c;
-    existing.add(kept.id);
-    await saveConversation(kept);
+  const kept = incoming.map((c) => (existing.has(c.id) ? { ...c, id: newId() } : c));
+  for (const c of kept) {
+    existing.add(c.id);
+    await saveConversation(c);
   }
-  return incoming.length;
+  return kept;
 }

@@ -33,6 +33,7 @@ function slug(text) {
 export async function mount(root, ctx) {
   let conversation = store.newConversation(DEFAULTS);
   let streaming = null; // the AbortController of the reply in flight
+  let modelProblem = null; // why the model list could not be had (a refused key, say)
   const tokensShown = new Set();
   const tooltip = createTooltip();
 
@@ -141,6 +142,10 @@ export async function mount(root, ctx) {
     if (streaming) return;
     const text = input.value;
     if (!text.trim()) return;
+    if (modelProblem) {
+      say(modelProblem);
+      return;
+    }
     if (!settings.check()) return;
     const user = store.addMessage(conversation, conversation.leaf, { role: 'user', content: text });
     input.value = '';
@@ -235,7 +240,10 @@ export async function mount(root, ctx) {
       conversation.messages.splice(conversation.messages.indexOf(reply), 1);
       conversation.leaf = parentId;
     }
-    if (failure) say(failure.message);
+    if (failure) {
+      stats.finish_reason ??= 'error';
+      say(failure.message);
+    }
     await persist();
     if (!ctx.signal.aborted) render();
   }
@@ -305,11 +313,10 @@ export async function mount(root, ctx) {
     ioNote.className = 'pg-note';
     try {
       if (file.size > store.LIMITS.fileBytes) throw new Error(`file: larger than ${store.LIMITS.fileBytes / 1024 / 1024} MiB`);
-      const count = await store.importConversations(await file.text());
-      replace(ioNote, `Imported ${count} conversation${count === 1 ? '' : 's'} from ${file.name}.`);
-      const all = await store.listConversations();
-      await refreshList();
-      if (count && all.length) await open(all[0]);
+      const kept = await store.importConversations(await file.text());
+      replace(ioNote, `Imported ${kept.length} conversation${kept.length === 1 ? '' : 's'} from ${file.name}.`);
+      if (kept.length) await open(kept[0]);
+      else await refreshList();
     } catch (error) {
       ioNote.className = 'pg-note error';
       replace(ioNote, `${file.name} was not imported: ${error.message}`);
@@ -323,12 +330,15 @@ export async function mount(root, ctx) {
       const listing = await ctx.api.fetchJSON('/v1/models', { signal: ctx.signal });
       // Chat models are the fleet's, which carry a version; the embedding model's entry has none.
       const ids = (listing?.data ?? []).filter((m) => m.version !== undefined).map((m) => m.id);
+      modelProblem = null;
+      say(null);
       settings.setModels(ids, ids.length ? null : 'This server serves no chat model.');
       if (conversation.settings.model && ids.includes(conversation.settings.model)) settings.write(conversation.settings);
       conversation.settings.model = settings.read().model;
     } catch (error) {
       if (error.name === 'AbortError') return;
-      settings.setModels([], `The models could not be listed: ${error.message}`);
+      modelProblem = `The models could not be listed: ${error.message}`;
+      settings.setModels([], modelProblem);
     }
   }
 

@@ -22,7 +22,7 @@ function percent(logprob) {
 
 /** A token as a person can read it: whitespace and control characters made visible. */
 export function showToken(token) {
-  return JSON.stringify(token).slice(1, -1) || '(empty)';
+  return JSON.stringify(token).slice(1, -1).replace(/ /g, '␣') || '(empty)';
 }
 
 function describeToken(entry) {
