@@ -86,6 +86,15 @@ class PoolingEngine(AsyncEngineClient):
             self.batcher.close()
         await super().shutdown(timeout)
 
+    async def sleep(self, timeout: float = 10.0) -> None:
+        """Drop the cross-encoder (its arrays are the memory a reranker holds); wake() reads it again."""
+        batcher, self.batcher = self.batcher, None
+        if batcher is not None:
+            batcher.close()
+
+    async def wake(self) -> EngineInfo:
+        return await self.start()
+
     def generate(self, request: EngineCoreRequest) -> AsyncIterator[EngineCoreOutput]:
         raise RequestRejectedError(f"model {self.name} is a reranker: it serves /v1/rerank and /v1/score only")
 

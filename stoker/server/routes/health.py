@@ -25,7 +25,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready")
 async def ready(request: Request) -> StrictJSONResponse:
-    """Ready: model loaded, warm-up done, engine alive, not draining. 503 otherwise.
+    """Ready: model loaded, warm-up done, engine alive (or asleep: its next request
+    wakes it, docs/sleep.md), not draining. 503 otherwise.
     The body tells why, with the engine's latest load snapshot, to a caller that
     may see it; a probe without a key gets only {"ready": ...}."""
     state = get_state(request)
@@ -37,6 +38,7 @@ async def ready(request: Request) -> StrictJSONResponse:
         "loaded": state.loaded,
         "draining": state.draining,
         "engine_alive": engine.ready,
+        "sleeping": state.default_version.sleep.asleep,
         "engine_restarts": engine.restart_count,
         "engine_pid": engine.info.pid if engine.info and engine.ready else None,
         "in_flight": state.num_in_flight,
@@ -48,6 +50,7 @@ async def ready(request: Request) -> StrictJSONResponse:
             m.name: {
                 "ready": m.available,
                 "engine_alive": m.stable.engine.ready,
+                "sleeping": m.stable.sleep.asleep,
                 "engine_restarts": m.stable.engine.restart_count,
                 "in_flight": sum(v.engine.num_in_flight for v in m.versions()),
             }

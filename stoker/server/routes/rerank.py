@@ -112,6 +112,7 @@ async def _scores(
     """Each pair's score and the tokens read, admitted before any forward pass."""
     state = get_state(request)
     if scorer.version is not None:
+        await state.fleet.sleep.wake(scorer.version)  # a sleeping reranker reads its weights again
         pooling = scorer.version.pooling
         assert pooling is not None and pooling.batcher is not None
         batcher = pooling.batcher

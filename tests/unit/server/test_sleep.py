@@ -1,0 +1,218 @@
+"""Idle sleep on a real server (docs/sleep.md): a tiny random-weight model
+sleeps after 1 s idle (its engine process ends, the server's memory drops),
+stays listed and ready, and the next request through the official client
+wakes it and answers the same greedy text; concurrent requests share one
+wake; a request racing the sleep waits and wakes it; operators sleep and
+wake models with /sleep, /wake_up, /is_sleeping (admin key only). A second
+model, never idle-slept, keeps its engine throughout."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+from conftest import ServerProcess, start_server
+from prometheus_client.parser import text_string_to_metric_families
+from tiny_models import make_tiny_hf_model
+
+from stoker.control.db import open_db
+from stoker.control.keys import KeyStore
+from stoker.server.config import ServerConfig
+from stoker.server.fleet import FleetError, plan_fleet
+from stoker.server.sleep import MAX_IDLE_SECONDS, SleepChoices, parse_sleep_choices
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = [{"role": "user", "content": "Say something about ships."}]
+KEYS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    tmp = tmp_path_factory.mktemp("sleep-server")
+    dozy = make_tiny_hf_model("llama", tmp, seed=3)
+    awake = make_tiny_hf_model("qwen2", tmp, seed=4)
+    db = str(tmp / "keys.db")
+    store = KeyStore(open_db(db))
+    KEYS["admin"] = store.create("root", admin=True)[1]
+    KEYS["user"] = store.create("user")[1]
+    server = start_server(
+        ["--no-embedding-model", "--max-model-len", "256", "--model", f"dozy={dozy}", "--model", f"awake={awake}"]
+        # No speculation: an engine's start (each wake) skips measuring its steps.
+        + ["--sleep-idle-seconds", "dozy=1", "--speculative-method", "none"],
+        str(tmp),
+        env={"STOKER_DB": db},
+    )
+    server.key = KEYS["admin"]
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _admin() -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS['admin']}"}
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEYS["user"], max_retries=0, timeout=120)
+
+
+def _greedy(server: ServerProcess, model: str = "dozy") -> str:
+    answer = _client(server).chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    return answer.choices[0].message.content or ""
+
+
+def _stable(server: ServerProcess, name: str) -> dict:
+    listing = httpx.get(f"{server.url}/admin/models", headers=_admin(), timeout=10).json()
+    return next(m["stable"] for m in listing["data"] if m["name"] == name)
+
+
+def _wait_asleep(server: ServerProcess, name: str = "dozy", timeout: float = 60) -> dict:
+    """The version once asleep: its gate shut and its engine process gone."""
+    deadline = time.monotonic() + timeout
+    while not (stable := _stable(server, name))["sleeping"] or stable["engine_pid"] is not None:
+        assert time.monotonic() < deadline, f"{name} did not fall asleep in {timeout} s"
+        time.sleep(0.1)
+    return stable
+
+
+def _metric(server: ServerProcess, sample: str, model: str) -> float:
+    body = httpx.get(f"{server.url}/metrics", headers=_admin(), timeout=10).text
+    for family in text_string_to_metric_families(body):
+        for s in family.samples:
+            if s.name == sample and s.labels.get("model_name") == model:
+                return s.value
+    return 0.0
+
+
+def _engines_rss(server: ServerProcess) -> int:
+    """Resident bytes of the server's engine processes (its children, the resource tracker aside)."""
+    children = psutil.Process(server.proc.pid).children(recursive=True)
+    return sum(c.memory_info().rss for c in children if "resource_tracker" not in " ".join(c.cmdline()))
+
+
+def test_an_idle_model_sleeps_and_the_next_request_wakes_it_with_the_same_answer(server: ServerProcess) -> None:
+    other_pid = _stable(server, "awake")["engine_pid"]
+    before = _greedy(server)
+    pid, rss = _stable(server, "dozy")["engine_pid"], _engines_rss(server)  # up: it just answered
+    assert pid is not None
+    stable = _wait_asleep(server)
+    assert stable["ready"] and stable["status"] == "serving"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert _engines_rss(server) < rss - 20 * 2**20  # one engine process fewer
+    assert httpx.get(f"{server.url}/ready").status_code == 200
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    listed = {m["id"]: m for m in _client(server).models.list().model_dump()["data"]}
+    assert listed["dozy"]["sleeping"] is True and listed["awake"]["sleeping"] is False
+    time.sleep(0.6)  # the metrics feed runs every 0.25 s
+    assert _metric(server, "stoker:model_sleeping", "dozy") == 1.0
+    assert _metric(server, "stoker:model_sleeping", "awake") == 0.0
+    wakes = _metric(server, "stoker:model_wake_seconds_count", "dozy")
+
+    assert _greedy(server) == before  # the woken engine answers as the first one did
+    stable = _stable(server, "dozy")
+    assert stable["engine_pid"] not in (None, pid) and stable["last_wake_seconds"] > 0
+    assert _stable(server, "awake")["engine_pid"] == other_pid  # the never-sleeping model kept its engine
+    time.sleep(0.6)
+    assert _metric(server, "stoker:model_wake_seconds_count", "dozy") >= wakes + 1
+
+
+def test_concurrent_requests_during_a_wake_all_succeed_with_one_wake(server: ServerProcess) -> None:
+    wakes = _wait_asleep(server)["wakes"]
+
+    async def ask_all() -> list[str]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["user"], max_retries=0, timeout=120)
+        asks = [
+            client.chat.completions.create(model="dozy", messages=PROMPT, max_tokens=6, temperature=0)  # type: ignore[arg-type]
+            for _ in range(6)
+        ] + [client.completions.create(model="dozy", prompt="Once upon a time", max_tokens=4, temperature=0)]
+        answers = await asyncio.gather(*asks)
+        await client.close()
+        return [a.choices[0].finish_reason for a in answers]
+
+    assert set(asyncio.run(ask_all())) <= {"stop", "length"}
+    assert _stable(server, "dozy")["wakes"] == wakes + 1
+
+
+def test_sleep_drains_first_and_a_request_arriving_meanwhile_waits_and_wakes_it(server: ServerProcess) -> None:
+    user = {"Authorization": f"Bearer {KEYS['user']}"}
+    long = {"model": "awake", "messages": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    short = {"model": "awake", "messages": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    async def race() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            in_flight = asyncio.create_task(client.post("/v1/chat/completions", json=long, headers=user))
+            while not _stable(server, "awake")["in_flight"]:
+                await asyncio.sleep(0.01)
+            sleeping = asyncio.create_task(client.post("/sleep", params={"model": "awake"}, headers=_admin()))
+            while not _stable(server, "awake")["sleeping"]:  # the gate is shut; the engine still runs
+                await asyncio.sleep(0.01)
+            late = await client.post("/v1/chat/completions", json=short, headers=user)
+            return await in_flight, await sleeping, late
+
+    wakes = _stable(server, "awake")["wakes"]
+    in_flight, sleeping, late = asyncio.run(race())
+    assert in_flight.status_code == 200 and in_flight.json()["usage"]["completion_tokens"] == 40
+    assert sleeping.status_code == 200, sleeping.text
+    assert late.status_code == 200, late.text
+    stable = _stable(server, "awake")
+    assert stable["wakes"] == wakes + 1 and not stable["sleeping"]  # it slept, and the late request woke it
+
+
+def test_operators_sleep_and_wake_models_and_nobody_else_may(server: ServerProcess) -> None:
+    url = server.url
+    for who, expected in ((None, 401), (KEYS["user"], 403)):
+        headers = {"Authorization": f"Bearer {who}"} if who else {}
+        assert httpx.post(f"{url}/sleep", headers=headers).status_code == expected
+        assert httpx.post(f"{url}/wake_up", headers=headers).status_code == expected
+        assert httpx.get(f"{url}/is_sleeping", headers=headers).status_code == expected
+        assert httpx.post(f"{url}/admin/models/awake/sleep", headers=headers).status_code == expected
+    assert not _stable(server, "awake")["sleeping"]
+
+    answer = httpx.post(f"{url}/sleep", params={"model": "awake", "level": 1}, headers=_admin(), timeout=60)
+    assert answer.status_code == 200 and answer.json()["is_sleeping"] is True, answer.text
+    assert httpx.get(f"{url}/is_sleeping", params={"model": "awake"}, headers=_admin()).json()["is_sleeping"]
+    assert _stable(server, "awake")["engine_pid"] is None
+    assert httpx.get(f"{url}/ready").status_code == 200
+    woke = httpx.post(f"{url}/wake_up", params={"model": "awake"}, headers=_admin(), timeout=120)
+    assert woke.status_code == 200 and woke.json()["is_sleeping"] is False
+    assert _stable(server, "awake")["engine_pid"] is not None
+
+    # The admin API's verbs, as `stoker models sleep|wake` sends them.
+    slept = httpx.post(f"{url}/admin/models/awake/sleep", headers=_admin(), timeout=60)
+    assert slept.status_code == 200 and slept.json() == {
+        "name": "awake",
+        "is_sleeping": True,
+        "models": {"awake": {"is_sleeping": True}},
+    }
+    assert _greedy(server, "awake")  # a request wakes it as well
+    assert httpx.post(f"{url}/admin/models/awake/wake", headers=_admin(), timeout=60).json()["is_sleeping"] is False
+
+    missing = httpx.post(f"{url}/sleep", params={"model": "nope"}, headers=_admin())
+    assert missing.status_code == 404 and "dozy, awake" in missing.json()["error"]["message"]
+    assert httpx.post(f"{url}/sleep", params={"level": 3}, headers=_admin()).status_code == 400
+    assert httpx.delete(f"{url}/admin/models/awake/sleep", headers=_admin()).status_code == 405
+
+
+def test_idle_seconds_are_parsed_and_bounded() -> None:
+    assert parse_sleep_choices(["600", "big=30", "small=0"]) == SleepChoices(600.0, {"big": 30.0, "small": 0.0})
+    for bad in ("-1", "big=soon", "=5", f"{MAX_IDLE_SECONDS + 1}", "nan", "inf"):
+        with pytest.raises(ValueError, match="sleep-idle-seconds"):
+            parse_sleep_choices([bad])
+    assert ServerConfig(sleep_idle_seconds=600).sleep_idle_seconds == ["600"]  # type: ignore[arg-type]  # YAML's number
+    assert ServerConfig(sleep_idle_seconds="a=1 b=2").sleep_idle_seconds == ["a=1", "b=2"]  # type: ignore[arg-type]
+
+
+def test_a_per_model_idle_time_must_name_a_model(tmp_path: Path) -> None:
+    from stoker.config import EngineConfig, default_model_path
+
+    config = ServerConfig(models=[f"one={default_model_path()}"], sleep_idle_seconds=["two=5"])
+    with pytest.raises(FleetError, match="--sleep-idle-seconds names two"):
+        plan_fleet(config, EngineConfig())
