@@ -108,6 +108,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="other servers to run the same workload against, alternating A,B,A,B per repetition",
     )
     g.add_argument("--model", default=None, help="model name to send; default: the first one each server lists")
+    g.add_argument(
+        "--models",
+        action="append",
+        default=None,
+        metavar="A,B,C",
+        help="model names the requests take in turn (round robin: LoRA adapters of one base, several models); "
+        "repeat once per server, --url first then each --compare, to give each its own (the same URL twice "
+        "compares two mixes on one server)",
+    )
     add_key_options(g, ("STOKER_API_KEY", "OPENAI_API_KEY"))
     g.add_argument(
         "--endpoint",
@@ -321,8 +330,13 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
     console = Console(stderr=False)
     slo = stats.parse_slo(args.slo)
     urls = [args.url] + ([u for u in args.compare.split(",") if u] if args.compare else [])
+    try:
+        targets = serve.make_targets(urls, args.model, args.models)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
     cfg = serve.BenchConfig(
-        targets=serve.make_targets(urls, args.model),
+        targets=targets,
         stages=build_stages(args),
         endpoint=args.endpoint,
         num_requests=args.num_requests,

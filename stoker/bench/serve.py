@@ -50,6 +50,12 @@ class Target:
     """Base URL without /v1."""
     label: str
     model: str | None = None
+    models: list[str] = field(default_factory=list)
+    """Model names its requests take in turn (request i names models[i % len]), e.g. LoRA adapters
+    of one base; empty: every request names `model`."""
+
+    def model_for(self, index: int) -> str | None:
+        return self.models[index % len(self.models)] if self.models else self.model
 
 
 @dataclass
@@ -81,7 +87,11 @@ class BetweenRunsError(RuntimeError):
     """The --between-runs command failed, or the target was not ready after it."""
 
 
-def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
+def make_targets(urls: list[str], model: str | None = None, models: list[str] | None = None) -> list[Target]:
+    """models: one comma-separated list of names per URL, in order (one list alone: for every URL)."""
+    rounds = [[m.strip() for m in entry.split(",") if m.strip()] for entry in models or []]
+    if len(rounds) > 1 and len(rounds) != len(urls):
+        raise ValueError(f"--models was given {len(rounds)} times for {len(urls)} servers: once, or once per server")
     targets: list[Target] = []
     for i, url in enumerate(urls):
         base = url.rstrip("/")
@@ -89,7 +99,8 @@ def make_targets(urls: list[str], model: str | None = None) -> list[Target]:
         label = urlparse(base).netloc or base
         if any(t.label == label for t in targets):
             label = f"{label}#{i}"
-        targets.append(Target(base, label, model))
+        names = rounds[i if len(rounds) > 1 else 0] if rounds else []
+        targets.append(Target(base, label, model, names))
     return targets
 
 
@@ -204,7 +215,8 @@ async def run_stage(
 
     async def one(i: int) -> None:
         spec = specs[i % len(specs)]
-        res = await send_request(client, url, build_payload(spec, cfg, target.model), headers, i, t_run, spec.input_len)
+        payload = build_payload(spec, cfg, target.model_for(i))
+        res = await send_request(client, url, payload, headers, i, t_run, spec.input_len)
         results.append(res)
         if on_done:
             on_done(res)
@@ -326,14 +338,14 @@ async def run_bench(
     runs: list[dict[str, object]] = []
     async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
         for target in cfg.targets:
-            if target.model is None:
+            if target.model is None and not target.models:
                 target.model = await discover_model(client, target, cfg)
             for i in range(cfg.warmup):  # first requests pay for lazy init and cold caches
                 spec = RequestSpec(prompt="Warm up.", messages=None, output_len=8)
                 await send_request(
                     client,
                     f"{target.url}/v1/{'chat/completions' if cfg.endpoint == 'chat' else 'completions'}",
-                    build_payload(spec, cfg, target.model),
+                    build_payload(spec, cfg, target.model_for(i)),
                     _headers(cfg),
                     -1 - i,
                     time.perf_counter(),
@@ -344,7 +356,7 @@ async def run_bench(
                 filled = await send_request(
                     client,
                     url,
-                    build_payload(spec, cfg, target.model),
+                    build_payload(spec, cfg, target.model_for(i)),
                     _headers(cfg),
                     -1 - i,
                     time.perf_counter(),
@@ -369,7 +381,7 @@ async def run_bench(
                     {
                         "target": target.label,
                         "url": target.url,
-                        "model": target.model,
+                        "model": ",".join(target.models) or target.model,
                         "stage": stage.label,
                         "mode": stage.mode,
                         "stage_value": stage.value,

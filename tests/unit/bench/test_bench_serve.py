@@ -126,6 +126,19 @@ async def test_compare_alternates_servers_and_reports_ratios() -> None:
     assert row["ratios"]["output_tok_s"]["pairs"] == 2
 
 
+async def test_models_spread_one_servers_requests_over_names_round_robin() -> None:
+    """Two mixes on one server (the base alone, four adapters) compared as two targets."""
+    async with FakeServer(ttft=0.0, itl=0.0) as server:
+        targets = make_targets([server.url, server.url], models=["base", "a,b, c,d"])
+        cfg = BenchConfig(targets=targets, stages=[Stage("closed", 1)], num_requests=6, warmup=1, timeout=10.0)
+        runs = await run_bench(cfg, SPECS)
+    sent = [q["body"]["model"] for q in server.requests if q["method"] == "POST"]
+    assert sent == ["base", "a"] + ["base"] * 6 + ["a", "b", "c", "d", "a", "b"]  # warm-ups first
+    assert [r["model"] for r in runs] == ["base", "a,b,c,d"] and runs[0]["target"] != runs[1]["target"]
+    with pytest.raises(ValueError, match="--models was given 2 times for 3 servers"):
+        make_targets(["http://x", "http://y", "http://z"], models=["a", "b"])
+
+
 async def test_each_stage_and_repetition_gets_fresh_prompts_shared_by_all_targets() -> None:
     asked: list[int] = []
 
