@@ -160,64 +160,108 @@ function checkNumber(value, where) {
   check(typeof value === 'number' && Number.isFinite(value), where, 'must be a finite number');
 }
 
+function isObject(value) {
+  return value !== null && typeof value === 'object' && !Array.isArray(value);
+}
+
+function checkOptional(value, where, type) {
+  if (value !== undefined && value !== null) check(typeof value === type && (type !== 'number' || Number.isFinite(value)), where, `must be a ${type} or null`);
+  return value ?? null;
+}
+
+// Each check returns the part rebuilt from the fields this console knows, so
+// nothing else a file carries is kept (or ever sent to the server with a turn).
+
 function checkLogprob(entry, where) {
-  check(entry !== null && typeof entry === 'object', where, 'must be an object');
+  check(isObject(entry), where, 'must be an object');
   checkString(entry.token, `${where}.token`, LIMITS.contentChars);
   checkNumber(entry.logprob, `${where}.logprob`);
+  return { token: entry.token, logprob: entry.logprob };
+}
+
+function checkToolCall(call, at) {
+  check(isObject(call) && isObject(call.function), at, 'must be {"id", "type": "function", "function": {"name", "arguments"}}');
+  if (call.id !== undefined) checkString(call.id, `${at}.id`, 256);
+  check(call.type === undefined || call.type === 'function', `${at}.type`, 'must be "function"');
+  checkString(call.function.name, `${at}.function.name`, 64);
+  checkString(call.function.arguments, `${at}.function.arguments`, LIMITS.contentChars);
+  return { id: call.id ?? '', type: 'function', function: { name: call.function.name, arguments: call.function.arguments } };
+}
+
+function checkStats(stats, where) {
+  check(isObject(stats), where, 'must be an object');
+  let usage = null;
+  if (stats.usage !== undefined && stats.usage !== null) {
+    check(isObject(stats.usage), `${where}.usage`, 'must be an object or null');
+    usage = {};
+    for (const key of ['prompt_tokens', 'completion_tokens', 'total_tokens']) {
+      checkNumber(stats.usage[key], `${where}.usage.${key}`);
+      usage[key] = stats.usage[key];
+    }
+  }
+  const finish = checkOptional(stats.finish_reason, `${where}.finish_reason`, 'string');
+  check(finish === null || finish.length <= 64, `${where}.finish_reason`, 'longer than 64 characters');
+  return {
+    ttft_ms: checkOptional(stats.ttft_ms, `${where}.ttft_ms`, 'number'),
+    tokens_per_s: checkOptional(stats.tokens_per_s, `${where}.tokens_per_s`, 'number'),
+    finish_reason: finish,
+    usage,
+  };
 }
 
 function checkMessage(m, where, seen) {
-  check(m !== null && typeof m === 'object' && !Array.isArray(m), where, 'must be an object');
+  check(isObject(m), where, 'must be an object');
   checkString(m.id, `${where}.id`, 100);
   check(!seen.has(m.id), `${where}.id`, `"${m.id}" is used twice`);
   check(m.parent === null || seen.has(m.parent), `${where}.parent`, 'must be null or the id of an earlier message');
   check(ROLES.has(m.role), `${where}.role`, 'must be "user" or "assistant"');
   checkString(m.content, `${where}.content`, LIMITS.contentChars);
-  if (m.reasoning !== undefined) checkString(m.reasoning, `${where}.reasoning`, LIMITS.contentChars);
-  if (m.model !== undefined) checkString(m.model, `${where}.model`, 256);
+  const kept = { id: m.id, parent: m.parent, role: m.role, content: m.content };
+  if (m.created !== undefined) kept.created = checkOptional(m.created, `${where}.created`, 'number');
+  if (m.reasoning !== undefined) {
+    checkString(m.reasoning, `${where}.reasoning`, LIMITS.contentChars);
+    kept.reasoning = m.reasoning;
+  }
+  if (m.model !== undefined) {
+    checkString(m.model, `${where}.model`, 256);
+    kept.model = m.model;
+  }
   if (m.tool_calls !== undefined) {
     check(Array.isArray(m.tool_calls) && m.tool_calls.length <= 128, `${where}.tool_calls`, 'must be a list of at most 128 calls');
-    m.tool_calls.forEach((call, k) => {
-      const at = `${where}.tool_calls[${k}]`;
-      check(call !== null && typeof call === 'object' && call.function && typeof call.function === 'object', at, 'must be {id, type, function: {name, arguments}}');
-      checkString(call.function.name, `${at}.function.name`, 64);
-      checkString(call.function.arguments, `${at}.function.arguments`, LIMITS.contentChars);
-    });
+    kept.tool_calls = m.tool_calls.map((call, k) => checkToolCall(call, `${where}.tool_calls[${k}]`));
   }
   if (m.logprobs !== undefined) {
     check(Array.isArray(m.logprobs) && m.logprobs.length <= LIMITS.logprobs, `${where}.logprobs`, `must be a list of at most ${LIMITS.logprobs} tokens`);
-    m.logprobs.forEach((entry, k) => {
-      checkLogprob(entry, `${where}.logprobs[${k}]`);
-      const top = entry.top_logprobs ?? [];
-      check(Array.isArray(top) && top.length <= LIMITS.topLogprobs, `${where}.logprobs[${k}].top_logprobs`, `must be a list of at most ${LIMITS.topLogprobs}`);
-      top.forEach((alt, j) => checkLogprob(alt, `${where}.logprobs[${k}].top_logprobs[${j}]`));
+    kept.logprobs = m.logprobs.map((entry, k) => {
+      const at = `${where}.logprobs[${k}]`;
+      const top = entry?.top_logprobs ?? [];
+      check(Array.isArray(top) && top.length <= LIMITS.topLogprobs, `${at}.top_logprobs`, `must be a list of at most ${LIMITS.topLogprobs}`);
+      return { ...checkLogprob(entry, at), top_logprobs: top.map((alt, j) => checkLogprob(alt, `${at}.top_logprobs[${j}]`)) };
     });
   }
-  if (m.stats !== undefined) {
-    check(m.stats !== null && typeof m.stats === 'object' && !Array.isArray(m.stats), `${where}.stats`, 'must be an object');
-    for (const [key, value] of Object.entries(m.stats)) {
-      check(value === null || ['number', 'string'].includes(typeof value) || typeof value === 'object', `${where}.stats.${key}`, 'has an unexpected type');
-    }
-  }
+  if (m.stats !== undefined) kept.stats = checkStats(m.stats, `${where}.stats`);
   seen.add(m.id);
+  return kept;
 }
 
 function checkConversation(c, where) {
-  check(c !== null && typeof c === 'object' && !Array.isArray(c), where, 'must be an object');
+  check(isObject(c), where, 'must be an object');
   checkString(c.id, `${where}.id`, 100);
   checkString(c.title, `${where}.title`, LIMITS.titleChars);
   checkNumber(c.created, `${where}.created`);
   checkNumber(c.updated, `${where}.updated`);
-  check(c.settings !== null && typeof c.settings === 'object' && !Array.isArray(c.settings), `${where}.settings`, 'must be an object');
+  check(isObject(c.settings), `${where}.settings`, 'must be an object');
   for (const [key, value] of Object.entries(c.settings)) {
     check(key in SETTING_TYPES, `${where}.settings.${key}`, `is not a setting (known: ${Object.keys(SETTING_TYPES).join(', ')})`);
     check(value === null || typeof value === SETTING_TYPES[key], `${where}.settings.${key}`, `must be a ${SETTING_TYPES[key]} or null`);
+    if (typeof value === 'string') check(value.length <= LIMITS.contentChars, `${where}.settings.${key}`, `longer than ${LIMITS.contentChars} characters`);
   }
   check(Array.isArray(c.messages), `${where}.messages`, 'must be a list');
   check(c.messages.length <= LIMITS.messages, `${where}.messages`, `more than ${LIMITS.messages} messages`);
   const seen = new Set();
-  c.messages.forEach((m, i) => checkMessage(m, `${where}.messages[${i}]`, seen));
+  const messages = c.messages.map((m, i) => checkMessage(m, `${where}.messages[${i}]`, seen));
   check(c.leaf === null || seen.has(c.leaf), `${where}.leaf`, 'must be null or the id of one of its messages');
+  return { id: c.id, title: c.title, created: c.created, updated: c.updated, settings: { ...c.settings }, messages, leaf: c.leaf };
 }
 
 /**
@@ -237,8 +281,7 @@ export function parseImport(text) {
   check(file.version === FORMAT_VERSION, 'version', `must be ${FORMAT_VERSION}; this file says ${JSON.stringify(file.version)}`);
   check(Array.isArray(file.conversations), 'conversations', 'must be a list');
   check(file.conversations.length <= LIMITS.conversations, 'conversations', `more than ${LIMITS.conversations}`);
-  file.conversations.forEach((c, i) => checkConversation(c, `conversations[${i}]`));
-  return file.conversations;
+  return file.conversations.map((c, i) => checkConversation(c, `conversations[${i}]`));
 }
 
 /** The file's conversations kept (and returned); one whose id is already here gets a new id, so an import never overwrites. */

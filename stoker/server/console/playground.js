@@ -41,7 +41,8 @@ export async function mount(root, ctx) {
     if (!streaming) conversation.settings = settings.read();
   });
   const list = h('ul', { class: 'pg-list' });
-  const importInput = h('input', { id: 'pg-import', type: 'file', accept: 'application/json,.json', class: 'visually-hidden' });
+  // The file input is reached through its label (a button to the eye and to Tab), so it is no tab stop of its own.
+  const importInput = h('input', { id: 'pg-import', type: 'file', accept: 'application/json,.json', class: 'visually-hidden', tabindex: '-1' });
   const ioNote = h('p', { class: 'pg-note', id: 'pg-io-note', role: 'status' });
   const log = h('div', { class: 'pg-log', role: 'log', 'aria-label': 'Conversation', tabindex: '0' });
   const problem = h('p', { class: 'pg-error', id: 'pg-error', role: 'alert', hidden: true });
@@ -325,9 +326,14 @@ export async function mount(root, ctx) {
 
   // ---- models and keys ------------------------------------------------------
 
+  let listings = 0;
+
   async function loadModels() {
+    // Only the latest listing counts: one asked before a key was entered may answer after the one asked with it.
+    const mine = ++listings;
     try {
       const listing = await ctx.api.fetchJSON('/v1/models', { signal: ctx.signal });
+      if (mine !== listings) return;
       // Chat models are the fleet's, which carry a version; the embedding model's entry has none.
       const ids = (listing?.data ?? []).filter((m) => m.version !== undefined).map((m) => m.id);
       modelProblem = null;
@@ -336,7 +342,7 @@ export async function mount(root, ctx) {
       if (conversation.settings.model && ids.includes(conversation.settings.model)) settings.write(conversation.settings);
       conversation.settings.model = settings.read().model;
     } catch (error) {
-      if (error.name === 'AbortError') return;
+      if (error.name === 'AbortError' || mine !== listings) return;
       modelProblem = `The models could not be listed: ${error.message}`;
       settings.setModels([], modelProblem);
     }

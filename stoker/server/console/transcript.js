@@ -64,11 +64,24 @@ export function createTooltip() {
   return { element: tip, show, hide };
 }
 
-/** The reply's tokens, each coloured by its probability, its alternatives on hover or focus. */
+/**
+ * The reply's tokens, each coloured by its probability, its alternatives on hover or focus.
+ * One tab stop for the whole reply; the arrow keys, Home and End move between its tokens.
+ */
 export function renderTokens(logprobs, tooltip) {
-  const view = h('div', { class: 'tokens', role: 'group', 'aria-label': 'Reply tokens coloured by probability' });
-  for (const entry of logprobs) {
-    const span = h('span', { class: `tok ${band(entry.logprob)}`, tabindex: '0', 'aria-label': describeToken(entry) }, entry.token);
+  const view = h('div', { class: 'tokens', role: 'group', 'aria-label': 'Reply tokens coloured by probability (arrow keys move between them)' });
+  view.addEventListener('keydown', (event) => {
+    const spans = [...view.children];
+    const at = spans.indexOf(document.activeElement);
+    const to = { ArrowRight: at + 1, ArrowDown: at + 1, ArrowLeft: at - 1, ArrowUp: at - 1, Home: 0, End: spans.length - 1 }[event.key];
+    if (at < 0 || to === undefined || !spans[to]) return;
+    event.preventDefault();
+    spans[at].tabIndex = -1;
+    spans[to].tabIndex = 0;
+    spans[to].focus();
+  });
+  for (const [i, entry] of logprobs.entries()) {
+    const span = h('span', { class: `tok ${band(entry.logprob)}`, tabindex: i === 0 ? '0' : '-1', 'aria-label': describeToken(entry) }, entry.token);
     span.addEventListener('mouseenter', () => tooltip.show(span, entry));
     span.addEventListener('focus', () => tooltip.show(span, entry));
     span.addEventListener('mouseleave', () => tooltip.hide(span));

@@ -103,9 +103,12 @@ def test_chat_streams_shows_figures_and_switches_model(
     reply.get_by_role("button", name="Tokens").click()
     tokens = reply.locator(".tokens .tok")
     expect(tokens).to_have_count(completion)
-    tokens.nth(1).focus()
+    tokens.first.focus()
+    page.keyboard.press("ArrowRight")  # one tab stop; the arrows walk the tokens
+    expect(tokens.nth(1)).to_be_focused()
     tip = page.get_by_role("tooltip")
     expect(tip).to_be_visible()
+    expect(tokens.nth(1)).to_have_attribute("aria-describedby", "tok-tip")
     expect(tip.locator("tbody tr")).to_have_count(3)
     screenshot(page, "playground-tokens")
 
