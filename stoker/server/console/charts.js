@@ -12,6 +12,7 @@ function cssVar(name) {
 /** A number for people: 3 significant figures, units by format(kind). */
 export function format(value, kind) {
   if (value === null || value === undefined || Number.isNaN(value)) return '–';
+  if (value === 0 && kind !== 'percent') return kind === 'rate' ? '0/s' : '0';
   if (kind === 'percent') return `${(value * 100).toFixed(value < 0.1 ? 1 : 0)}%`;
   if (kind === 'seconds') {
     if (value < 1) return `${(value * 1000).toPrecision(3)} ms`;

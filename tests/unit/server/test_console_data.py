@@ -4,15 +4,23 @@ bounded inputs with 400s, figures that match what the requests did."""
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 import openai
 import pytest
-from conftest import FAKE_CORE, start_server
+from conftest import FAKE_CORE
+from fastapi.testclient import TestClient
 
-from stoker.server.console_live import bucket_growth, bucket_quantile
+from stoker.engine.params import EngineStats, RequestTimes
+from stoker.observe.metrics import Metrics
+from stoker.server import cli as serve_cli
+from stoker.server.app import create_app
+from stoker.server.console_data import RecentRequests
+from stoker.server.console_live import LiveSampler, bucket_growth, bucket_quantile
 
 if TYPE_CHECKING:
     from browser import ConsoleServer
@@ -39,6 +47,39 @@ def test_bucket_quantile_interpolates_as_prometheus_does() -> None:
     assert bucket_quantile(0.99, ((1.0, 1.0), (float("inf"), 5.0))) == 1.0  # in +Inf: the last finite bound
     grown = bucket_growth(((1.0, 12.0), (float("inf"), 15.0)), ((1.0, 10.0), (float("inf"), 10.0)))
     assert grown == ((1.0, 2.0), (float("inf"), 5.0))
+
+
+def test_sampler_turns_the_registry_into_rates_and_quantiles() -> None:
+    metrics = Metrics()
+    sampler = LiveSampler(metrics)
+    stats = EngineStats(num_running=2, num_waiting=1, kv_blocks_total=10, kv_blocks_used=5, block_size=16)
+    metrics.update_from_engine_stats(stats, model_name="a")
+    first = sampler.sample(at=100.0)
+    assert first.models["a"]["running"] == 2 and first.models["a"]["output_tokens_per_s"] is None
+    metrics.update_from_engine_stats(
+        EngineStats(num_running=1, kv_blocks_total=10, kv_blocks_used=2, block_size=16, generation_tokens=30, steps=3),
+        model_name="a",
+    )
+    times = RequestTimes(arrival=0.0, scheduled=0.01, first_token=0.2, finished=0.5, token_times=[0.2, 0.3, 0.4])
+    metrics.observe_sample(times, "stop", "a")
+    metrics.admission_rejections.labels("queue_full").inc(4)
+    metrics.rate_limit_rejections.labels("rpm").inc(2)
+    second = sampler.sample(at=102.0)
+    figures = second.models["a"]
+    assert figures["output_tokens_per_s"] == 15 and figures["requests_per_s"] == 0.5
+    assert figures["running"] == 1 and figures["waiting"] == 0 and figures["kv_usage"] == 0.2
+    assert 0.15 < figures["ttft_p50"] <= 0.25  # the one TTFT, 0.2 s, lies in the (0.15, 0.25] bucket
+    assert 0.075 < figures["itl_p50"] <= 0.1  # two gaps of 0.1 s
+    assert second.refusals_per_s == {"queue_full": 2.0, "rate_limit:rpm": 1.0}
+    assert [s.t for s in sampler.since(100.0)] == [102.0]
+
+
+def test_recent_requests_keep_the_newest() -> None:
+    recent = RecentRequests(size=3)
+    for i in range(5):
+        recent({"request_id": f"r{i}", "status": 200, "prompt": "never kept"})
+    assert [line["request_id"] for line in recent.newest(10)] == ["r4", "r3", "r2"]
+    assert "prompt" not in recent.newest(1)[0]
 
 
 def test_console_endpoints_need_an_admin_key(console_server: ConsoleServer) -> None:
@@ -84,13 +125,13 @@ def test_requests_live_figures_and_usage_follow_real_requests(console_server: Co
     admin = console_server.admin_headers()
     before = httpx.get(console_server.url + "/console/live", headers=admin).json()["now"]
     user = console_server.make_key("console-traffic")
-    replies = [_chat(console_server, user["secret"], f"count to {i}", max_tokens=16) for i in range(3)]
+    replies = [_chat(console_server, user["secret"], f"count to {i}") for i in range(2)]
     completion_tokens = sum(r.usage.completion_tokens for r in replies if r.usage)
     all_tokens = sum(r.usage.total_tokens for r in replies if r.usage)
 
     recent = httpx.get(console_server.url + "/console/requests?limit=10", headers=admin).json()
     mine = [r for r in recent["data"] if r["key_id"] == user["id"]]
-    assert len(mine) == 3 and recent["size"] == 500
+    assert len(mine) == 2 and recent["size"] == 500
     for row in mine:
         assert row["status"] == 200 and row["model"] == "tiny-llama" and row["key_name"] == "console-traffic"
         assert row["finish_reason"] in ("stop", "length") and row["latency"] > 0
@@ -117,7 +158,7 @@ def test_requests_live_figures_and_usage_follow_real_requests(console_server: Co
     (entry,) = report["keys"]
     assert entry["key_name"] == "console-traffic"
     assert sum(p["prompt_tokens"] + p["completion_tokens"] for p in entry["series"]) == all_tokens
-    assert sum(p["requests"] for p in entry["series"]) == 3
+    assert sum(p["requests"] for p in entry["series"]) == 2
     assert entry["used_this_period"] == all_tokens
     assert report["bucket"] == "hour" and report["start"] % 3600 == 0
 
@@ -165,14 +206,25 @@ def test_openapi_documents_the_console_endpoints(console_server: ConsoleServer) 
     assert "/ui/" not in schema["paths"]  # the static files are not API
 
 
-def test_no_ui_leaves_the_console_out(tmp_path_factory: pytest.TempPathFactory) -> None:
-    server = start_server(
-        ["--engine-core", FAKE_CORE, "--no-embedding-model", "--max-model-len", "256", "--no-ui"],
-        str(tmp_path_factory.mktemp("no-ui")),
-    )
-    try:
-        for path in ("/", "/ui/", "/ui/app.js", "/console/live"):
-            assert httpx.get(server.url + path, timeout=10).status_code == 404, path
-        assert httpx.get(server.url + "/health", timeout=10).status_code == 200
-    finally:
-        server.stop()
+def _app_from_command_line(tmp_path: Path, *flags: str) -> TestClient:
+    """The app `stoker serve MODEL FLAGS` builds, its engine never started (routes only)."""
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers())
+    model = tmp_path / "model.gguf"
+    model.touch()
+    args = parser.parse_args(["serve", str(model), "--engine-core", FAKE_CORE, "--no-embedding-model", *flags])
+    engine_config, server_config = serve_cli.resolve_configs(args)
+    app = create_app(server_config, engine_config, extras={"control_config": {"db": f"sqlite:///{tmp_path}/k.db"}})
+    return TestClient(app)
+
+
+def test_no_ui_leaves_the_console_out(tmp_path: Path) -> None:
+    off = _app_from_command_line(tmp_path, "--no-ui")
+    for path in ("/", "/ui/", "/ui/app.js", "/console/live", "/console/requests", "/console/usage"):
+        assert off.get(path).status_code == 404, path
+    assert off.get("/health").status_code == 200
+    on = _app_from_command_line(tmp_path)
+    assert on.get("/").status_code == 200
+    # Open mode (no key was ever created): the console's figures stay shut, as every operator endpoint.
+    refused = on.get("/console/live")
+    assert refused.status_code == 403 and "admin key" in refused.json()["error"]["message"]

@@ -23,7 +23,7 @@ def _chat(server: ConsoleServer, key: str, n: int) -> None:
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
     for i in range(n):
         client.chat.completions.create(
-            model="tiny-llama", messages=[{"role": "user", "content": f"say {i}"}], max_tokens=12, temperature=0
+            model="tiny-llama", messages=[{"role": "user", "content": f"say {i}"}], max_tokens=8, temperature=0
         )
 
 
@@ -70,12 +70,12 @@ def test_live_charts_move_under_load(console_server: ConsoleServer, page: Page, 
     expect(finished).to_be_visible()
     before = int(finished.inner_text())
     user = console_server.make_key("live-load")
-    _chat(console_server, user["secret"], 4)
+    _chat(console_server, user["secret"], 2)
     expect(finished).not_to_have_text(str(before), timeout=15_000)
     deadline = time.monotonic() + 10
-    while int(finished.inner_text()) < before + 4 and time.monotonic() < deadline:
+    while int(finished.inner_text()) < before + 2 and time.monotonic() < deadline:
         page.wait_for_timeout(500)
-    assert int(finished.inner_text()) >= before + 4
+    assert int(finished.inner_text()) >= before + 2
     tokens = page.locator('[data-chart="Output tokens/s"]').first
     expect(tokens.get_by_role("img")).to_have_attribute("aria-label", re.compile("Output tokens/s, latest"))
     expect(page.locator('[data-chart="Time to first token"] li[data-series="p50"]').first).not_to_contain_text("–")
