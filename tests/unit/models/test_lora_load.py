@@ -21,7 +21,7 @@ from tiny_models import TINY_SIZES, make_tiny_hf_model
 
 from stoker.config import ModelConfig
 from stoker.models.loader import load_model
-from stoker.models.lora import LoraAdapter, LoraBatch, LoraError, load_lora
+from stoker.models.lora import STACKS, LoraAdapter, LoraBatch, LoraError, load_lora
 
 HEADS, KV_HEADS = TINY_SIZES["num_attention_heads"], TINY_SIZES["num_key_value_heads"]
 
@@ -230,3 +230,34 @@ def test_refuses_gguf_files(base, tmp_path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 3])
     _refused(path, config, "neither a PEFT folder nor a readable GGUF")
+
+
+def test_each_module_update_equals_peft_merge(base, tmp_path: Path) -> None:
+    """rank_pattern, alpha_pattern, rsLoRA and layers_to_transform read as PEFT reads them:
+    every module's scale * B A equals what merge_and_unload adds to that base weight."""
+    from tiny_loras import merged_reference
+
+    folder, config, _, _ = base
+    path = make_peft_adapter(
+        folder,
+        tmp_path / "patterns",
+        rank=4,
+        targets=ALL_MODULES,
+        alpha=8,
+        use_rslora=True,
+        rank_pattern={"v_proj": 2},
+        alpha_pattern={"down_proj": 3},
+        layers_to_transform=[1],
+        seed=5,
+    )
+    adapter = load_lora("patterns", str(path), config, max_rank=8)
+    assert set(adapter.layers[0]) == set() and set(adapter.layers[1]) == set(STACKS)
+    assert [p.rank for p in adapter.layers[1]["qkv"].parts] == [4, 4, 2]
+    merged = merged_reference(folder, path).state_dict()
+    plain = load_file(str(folder / "model.safetensors"))
+    for stack, lin in adapter.layers[1].items():
+        for part in lin.parts:
+            where = "mlp" if stack in ("gate_up", "down") else "self_attn"
+            weight = f"model.layers.1.{where}.{part.module}.weight"
+            a = lin.a[part.rank_start : part.rank_start + part.rank]
+            torch.testing.assert_close(part.bt.T @ a, merged[weight] - plain[weight], atol=2e-6, rtol=1e-4)
