@@ -17,9 +17,13 @@ import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 REPO = os.path.dirname(TESTS_DIR)
 FAKE_CORE = "server_fakes:FakeEngineCore"
@@ -131,6 +135,24 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def transformers_default_model() -> PreTrainedModel:
+    """transformers' float32 model of the default GGUF, loaded once: its GGUF
+    reader dequantizes every tensor in Python (~10 s on 2 cores), and both the
+    loader's bit-for-bit weight check and the fidelity test's reference
+    generations read the same model (neither changes it)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from stoker.config import default_model_path
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(path), gguf_file=os.path.basename(path), torch_dtype=torch.float32, local_files_only=True
+    ).eval()
 
 
 def auth(secret: str, **headers: str) -> dict[str, str]:

@@ -10,6 +10,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from stoker.config import default_model_path
 from stoker.models.loader import LoadedModel, load_model, load_tokenizer
@@ -48,16 +49,9 @@ def test_config(loaded: LoadedModel) -> None:
     assert loaded.tokenizer.convert_ids_to_tokens(2) == "<|im_end|>"
 
 
-def test_weights_equal_transformers(gguf_path: str, loaded: LoadedModel) -> None:
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(gguf_path),
-        gguf_file=os.path.basename(gguf_path),
-        torch_dtype=torch.float32,
-        local_files_only=True,
-    )
-    expected = {k: v for k, v in ref.state_dict().items() if not k.endswith("inv_freq")}
+def test_weights_equal_transformers(loaded: LoadedModel, transformers_default_model: PreTrainedModel) -> None:
+    state = transformers_default_model.state_dict()
+    expected = {k: v for k, v in state.items() if not k.endswith("inv_freq")}
     expected.pop("lm_head.weight")  # tied: transformers exposes the embedding under both names
     assert sorted(loaded.weights) == sorted(expected)
     for name, tensor in expected.items():

@@ -4,11 +4,9 @@ chunks, preempts or hits its prefix cache."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from stoker import LLM, SamplingParams
 from stoker.config import default_model_path
@@ -47,21 +45,15 @@ def _prompts(tokenizer) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference() -> tuple[list[list[int]], list[list[int]]]:
+def reference(transformers_default_model: PreTrainedModel) -> tuple[list[list[int]], list[list[int]]]:
     """Transformers' greedy tokens for each prompt alone (batch 1, no padding)."""
-    from transformers import AutoModelForCausalLM
-
     from stoker.models.loader import load_tokenizer
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    path = Path(default_model_path())
-    tokenizer = load_tokenizer(str(path))
+    tokenizer = load_tokenizer(default_model_path())
     prompts = _prompts(tokenizer)
     lengths = [len(p) for p in prompts]
     assert min(lengths) <= 8 and max(lengths) >= 500, lengths
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, torch_dtype=torch.float32
-    ).eval()
+    model = transformers_default_model
     outputs = []
     with torch.inference_mode():
         for p in prompts:
