@@ -188,12 +188,14 @@ def test_entry_size_bound(served) -> None:
         error = refused.json()["error"]
         assert error["param"] == "store" and str(ENTRY_BYTES) in error["message"]
         # An input that fits, with an output that pushes the entry over: "store" false at the end,
-        # streamed or not.
-        near = "y" * (ENTRY_BYTES - 1200)
-        r = create(http, bob, input=near, max_output_tokens=300)
+        # streamed or not. Each output token (one byte here) weighs two bytes, in the response and
+        # in the conversation: with this input the entry is over from ~66 tokens on, so 100 tokens
+        # (2 s at the fake's 50 tokens/s) are over by a margin, and one token is well under.
+        near = "y" * (ENTRY_BYTES - 1050)
+        r = create(http, bob, input=near, max_output_tokens=100)
         assert r.status_code == 200 and r.json()["store"] is False
         assert http.get(f"/v1/responses/{r.json()['id']}", headers=auth(bob)).status_code == 404
-        body = {"model": "fake-model", "input": near, "max_output_tokens": 300, "stream": True}
+        body = {"model": "fake-model", "input": near, "max_output_tokens": 100, "stream": True}
         with http.stream("POST", "/v1/responses", json=body, headers=auth(bob)) as streamed:
             events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: ")]
         assert events[0]["response"]["store"] is True and events[-1]["response"]["store"] is False
