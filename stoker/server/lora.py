@@ -287,6 +287,8 @@ class Adapters:
                 raise FleetError(
                     f"adapter {spec.name}: digest mismatch for {spec.path}: expected {spec.digest}, got {adapter.digest}"
                 )
+            for version in base.versions():
+                await fleet.sleep.wake(version)  # a sleeping base wakes: its engine checks the adapter
             engines = [v.engine for v in base.versions()]
             adapter.info = await self._register(spec, engines)
         except BaseException:
@@ -353,7 +355,9 @@ class Adapters:
         base = self.fleet.models.get(adapter.base)
         engines = [v.engine for v in base.versions()] if base is not None else []
         try:
-            await asyncio.gather(*(e.remove_lora(adapter.name) for e in engines if e.ready), return_exceptions=True)
+            # Every engine, a sleeping or restarting one too: its client forgets the adapter, so no later start
+            # registers it again.
+            await asyncio.gather(*(e.remove_lora(adapter.name) for e in engines), return_exceptions=True)
         finally:
             if self.adapters.get(adapter.name) is adapter:
                 del self.adapters[adapter.name]

@@ -124,12 +124,16 @@ class VersionSleep:
         return taken
 
 
-def is_idle(version: ModelVersion) -> bool:
+Holds = Callable[["ModelVersion"], int]
+"""Requests routed to a version and not yet done with it, through its adapters' views too."""
+
+
+def is_idle(version: ModelVersion, holds: Holds) -> bool:
     """Nothing routed to it is in its engine or on the way there (the gate's waiters aside)."""
-    return version.engine.num_in_flight == 0 and version.holds <= version.sleep.waiting
+    return version.engine.num_in_flight == 0 and holds(version) <= version.sleep.waiting
 
 
-def begin_sleep(version: ModelVersion, drain_timeout: float, spawn: Spawn) -> asyncio.Task[None] | None:
+def begin_sleep(version: ModelVersion, drain_timeout: float, holds: Holds, spawn: Spawn) -> asyncio.Task[None] | None:
     """Start putting the version to sleep: shut the gate, then (in the task
     returned) let what is past it finish, up to drain_timeout, then abort it
     as a drain does, and stop the engine. None when it cannot sleep now (not
@@ -138,17 +142,17 @@ def begin_sleep(version: ModelVersion, drain_timeout: float, spawn: Spawn) -> as
     if sleep.asleep or version.status not in SLEEP_STATUSES or not version.engine.ready:
         return None
     sleep.asleep, sleep.waking = True, False
-    task = spawn(_sleep(version, drain_timeout))
+    task = spawn(_sleep(version, drain_timeout, holds))
     sleep.transition = task
     return task
 
 
-async def _sleep(version: ModelVersion, drain_timeout: float) -> None:
+async def _sleep(version: ModelVersion, drain_timeout: float, holds: Holds) -> None:
     sleep = version.sleep
     try:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout
-        while not is_idle(version) and loop.time() < deadline:
+        while not is_idle(version, holds) and loop.time() < deadline:
             await asyncio.sleep(0.02)
         if version.engine.num_in_flight:
             log.warning(
@@ -255,6 +259,10 @@ class IdleWatch:
         times = [s for s in [self.choices.default, *self.choices.per_model.values()] if s > 0]
         return min(1.0, max(0.05, min(times, default=10.0) / 10))
 
+    def holds(self, version: ModelVersion) -> int:
+        """Its own holds and those of its adapters' views (each view counts its requests apart)."""
+        return version.holds + self.fleet.adapters.holds_on(version)
+
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.tick)
@@ -267,15 +275,15 @@ class IdleWatch:
             seconds = self.choices.for_model(version.name)
             if seconds <= 0 or sleep.asleep or version.status not in SLEEP_STATUSES:
                 continue
-            if not is_idle(version) or not version.engine.ready:
+            if not is_idle(version, self.holds) or not version.engine.ready:
                 sleep.last_active = now  # busy (or restarting): idleness counts from when it is seen idle
             elif now - sleep.last_active >= seconds:
                 log.info("model %s %s idle for %g s: it sleeps", version.name, version.label, seconds)
-                begin_sleep(version, self.drain_timeout, self.spawn)
+                begin_sleep(version, self.drain_timeout, self.holds, self.spawn)
 
     async def sleep(self, version: ModelVersion) -> bool:
         """Put the version to sleep now (draining it first); False when it cannot sleep."""
-        task = begin_sleep(version, self.drain_timeout, self.spawn)
+        task = begin_sleep(version, self.drain_timeout, self.holds, self.spawn)
         if task is None:
             return False
         await asyncio.shield(task)

@@ -19,6 +19,7 @@ import psutil
 import pytest
 from conftest import ServerProcess, start_server
 from prometheus_client.parser import text_string_to_metric_families
+from tiny_loras import ALL_MODULES, ATTENTION, make_peft_adapter
 from tiny_models import make_tiny_hf_model
 
 from stoker.control.db import open_db
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(300)
 
 PROMPT = [{"role": "user", "content": "Say something about ships."}]
 KEYS: dict[str, str] = {}
+ADAPTERS: dict[str, Path] = {}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     tmp = tmp_path_factory.mktemp("sleep-server")
     dozy = make_tiny_hf_model("llama", tmp, seed=3)
     awake = make_tiny_hf_model("qwen2", tmp, seed=4)
+    ADAPTERS["styled"] = make_peft_adapter(dozy, tmp / "styled", rank=4, targets=ALL_MODULES, seed=5, magnitude=0.5)
+    ADAPTERS["late"] = make_peft_adapter(dozy, tmp / "late", rank=8, targets=ATTENTION, seed=6, magnitude=0.5)
     db = str(tmp / "keys.db")
     store = KeyStore(open_db(db))
     KEYS["admin"] = store.create("root", admin=True)[1]
@@ -45,6 +49,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     server = start_server(
         ["--no-embedding-model", "--max-model-len", "256", "--model", f"dozy={dozy}", "--model", f"awake={awake}"]
         # No speculation: an engine's start (each wake) skips measuring its steps.
+        + ["--lora-modules", f"dozy:styled={ADAPTERS['styled']}"]
         + ["--sleep-idle-seconds", "dozy=1", "--speculative-method", "none"],
         str(tmp),
         env={"STOKER_DB": db},
@@ -199,6 +204,39 @@ def test_operators_sleep_and_wake_models_and_nobody_else_may(server: ServerProce
     assert missing.status_code == 404 and "dozy, awake" in missing.json()["error"]["message"]
     assert httpx.post(f"{url}/sleep", params={"level": 3}, headers=_admin()).status_code == 400
     assert httpx.delete(f"{url}/admin/models/awake/sleep", headers=_admin()).status_code == 405
+
+
+def _registered(server: ServerProcess, expected: int) -> int:
+    """Adapters dozy's engine holds registered (dozy is the first model: /ready's engine), as its
+    stats say once they caught up with the request just answered (before it sleeps again)."""
+    deadline = time.monotonic() + 0.5
+    while True:
+        stats = httpx.get(f"{server.url}/ready", headers=_admin(), timeout=10).json()["engine_stats"]
+        if stats["lora_registered"] == expected or time.monotonic() > deadline:
+            return int(stats["lora_registered"])
+        time.sleep(0.02)
+
+
+def test_adapters_serve_after_a_wake_and_load_and_unload_while_their_base_sleeps(server: ServerProcess) -> None:
+    styled = _greedy(server, "styled")
+    assert styled != _greedy(server)
+    _wait_asleep(server)
+    assert _greedy(server, "styled") == styled  # the woken engine registered the adapter again
+
+    _wait_asleep(server)
+    late = {"lora_name": "late", "lora_path": str(ADAPTERS["late"]), "base_model_name": "dozy"}
+    loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=late, headers=_admin(), timeout=120)
+    assert loaded.status_code == 200, loaded.text  # its base woke to check it
+    assert _greedy(server, "late") not in (styled, _greedy(server))
+    assert _registered(server, 2) == 2
+
+    _wait_asleep(server)
+    gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=_admin())
+    assert gone.status_code == 200, gone.text
+    with pytest.raises(openai.NotFoundError):
+        _greedy(server, "late")
+    assert _greedy(server, "styled") == styled  # wakes it: the unloaded adapter stays gone
+    assert _registered(server, 1) == 1
 
 
 def test_idle_seconds_are_parsed_and_bounded() -> None:
