@@ -30,7 +30,6 @@ changes tracked files.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -148,17 +147,16 @@ class ConsoleServer:
 
 
 def create_admin_key(db_path: str, name: str = "console-admin") -> str:
-    """An admin key in the database at db_path, through the CLI (before the server starts: keys on)."""
-    env = {**os.environ, "STOKER_DB": db_path, "PYTHONPATH": os.pathsep.join([TESTS_DIR, REPO])}
-    created = subprocess.run(
-        [sys.executable, "-m", "stoker.cli", "keys", "create", "--name", name, "--admin", "--json"],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=True,
-        cwd=REPO,
-    )
-    secret: str = json.loads(created.stdout)["secret"]
+    """An admin key in the database at db_path, made before the server starts (so keys are on),
+    as `stoker keys create --admin` makes it."""
+    from stoker.control.db import open_db
+    from stoker.control.keys import KeyStore
+
+    engine = open_db(db_path)
+    try:
+        _, secret = KeyStore(engine).create(name, admin=True)
+    finally:
+        engine.dispose()
     return secret
 
 

@@ -121,7 +121,8 @@ def usage_report(
     now: float,
 ) -> dict[str, Any]:
     """Per key (the MAX_USAGE_KEYS with the most tokens in the window, or key_id's), requests and
-    tokens per bucket over the last `buckets` buckets, and its tokens this budget period."""
+    tokens per bucket over the last `buckets` buckets, and its tokens this budget period; and every
+    active key's budget with the tokens it used this period (used before the window too)."""
     ledger.flush()
     seconds = BUCKET_SECONDS[bucket]
     first = int(now // seconds) - buckets + 1
@@ -178,7 +179,17 @@ def usage_report(
             entry["period_start"] = period_start(key.budget_period, now)
             entry["used_this_period"] = ledger.used(kid, key.budget_period, now)
         report.append(entry)
-    return {"bucket": bucket, "bucket_seconds": seconds, "start": start, "keys": report}
+    budgets = [
+        {
+            "key_id": key.id,
+            "budget_tokens": key.budget_tokens,
+            "budget_period": key.budget_period,
+            "used_this_period": ledger.used(key.id, key.budget_period, now),
+        }
+        for key in keys
+        if key.budget_tokens is not None and not key.revoked
+    ]
+    return {"bucket": bucket, "bucket_seconds": seconds, "start": start, "keys": report, "budgets": budgets}
 
 
 @router.get("/usage")

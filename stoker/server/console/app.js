@@ -74,7 +74,7 @@ function parseRoute() {
 
 let current = null; // {controller, unmount}
 
-async function route() {
+async function route(event) {
   if (current) {
     current.controller.abort();
     if (typeof current.unmount === 'function') current.unmount();
@@ -117,6 +117,8 @@ async function route() {
   } catch (err) {
     replace(root, h('p', { class: 'error', role: 'alert' }, err.message || String(err)));
   }
+  // A page changed by a link: focus goes to it, so keyboard and screen-reader users land in the new page.
+  if (event?.type === 'hashchange') view.focus({ preventScroll: true });
 }
 
 function setUpKeyForm() {

@@ -89,7 +89,7 @@ export function chart({ title, kind, series, seconds = 300, id }) {
       g.stroke();
       g.fillText(format(top * frac, kind), 2, yy + 4);
     }
-    g.fillText(`−${Math.round(seconds / 60)} min`, pad.left, height - 4);
+    g.fillText(`−${span(seconds)}`, pad.left, height - 4);
     g.fillText('now', width - pad.right - 22, height - 4);
     series.forEach((_, i) => {
       g.strokeStyle = palette[i];
@@ -122,6 +122,12 @@ export function chart({ title, kind, series, seconds = 300, id }) {
   }
 
   return { element, update, redraw: draw };
+}
+
+function span(seconds) {
+  if (seconds >= 2 * 86400) return `${Math.round(seconds / 86400)} days`;
+  if (seconds >= 2 * 3600) return `${Math.round(seconds / 3600)} h`;
+  return `${Math.round(seconds / 60)} min`;
 }
 
 function niceCeiling(value) {

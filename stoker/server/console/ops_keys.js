@@ -210,7 +210,8 @@ export function mount(root, ctx) {
         api.fetchJSON('/admin/keys', { signal: ctx.signal }),
         api.fetchJSON(`/console/usage?${query}`, { signal: ctx.signal }),
       ]);
-      const usage = new Map(report.keys.map((k) => [k.key_id, k]));
+      // Budgets first: they count the whole period, also before the chart's window.
+      const usage = new Map([...report.keys, ...report.budgets].map((k) => [k.key_id, k]));
       const keys = list.data.slice().sort((a, b) => (a.status === 'revoked') - (b.status === 'revoked') || b.created_at - a.created_at);
       replace(
         tableSlot,

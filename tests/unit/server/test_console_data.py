@@ -172,9 +172,12 @@ def test_edit_key_limits_and_budget(console_server: ConsoleServer) -> None:
     assert (
         edited.json()["rpm"] == 1 and edited.json()["budget_tokens"] == 5000 and edited.json()["name"] == "console-edit"
     )
-    _chat(console_server, key["secret"])
+    used = _chat(console_server, key["secret"]).usage
     with pytest.raises(openai.RateLimitError):  # the new rpm holds at once
         _chat(console_server, key["secret"])
+    budgets = httpx.get(f"{console_server.url}/console/usage?key_id=0000", headers=admin).json()["budgets"]
+    (budget,) = [b for b in budgets if b["key_id"] == key["id"]]  # every budget, whatever the chart shows
+    assert used is not None and budget["used_this_period"] == used.total_tokens and budget["budget_tokens"] == 5000
     cleared = httpx.patch(url, json={"rpm": None, "models": ["tiny-llama"]}, headers=admin).json()
     assert cleared["rpm"] is None and cleared["models"] == ["tiny-llama"] and cleared["budget_tokens"] == 5000
     for body in (
