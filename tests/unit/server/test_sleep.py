@@ -70,7 +70,7 @@ def _client(server: ServerProcess) -> openai.OpenAI:
 
 
 def _greedy(server: ServerProcess, model: str = "dozy") -> str:
-    answer = _client(server).chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0)  # type: ignore[arg-type]
+    answer = _client(server).chat.completions.create(model=model, messages=PROMPT, max_tokens=12, temperature=0)
     return answer.choices[0].message.content or ""
 
 
@@ -135,8 +135,7 @@ def test_concurrent_requests_during_a_wake_all_succeed_with_one_wake(server: Ser
     async def ask_all() -> list[str]:
         client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEYS["user"], max_retries=0, timeout=120)
         asks = [
-            client.chat.completions.create(model="dozy", messages=PROMPT, max_tokens=6, temperature=0)  # type: ignore[arg-type]
-            for _ in range(6)
+            client.chat.completions.create(model="dozy", messages=PROMPT, max_tokens=6, temperature=0) for _ in range(6)
         ] + [client.completions.create(model="dozy", prompt="Once upon a time", max_tokens=4, temperature=0)]
         answers = await asyncio.gather(*asks)
         await client.close()
@@ -244,8 +243,8 @@ def test_idle_seconds_are_parsed_and_bounded() -> None:
     for bad in ("-1", "big=soon", "=5", f"{MAX_IDLE_SECONDS + 1}", "nan", "inf"):
         with pytest.raises(ValueError, match="sleep-idle-seconds"):
             parse_sleep_choices([bad])
-    assert ServerConfig(sleep_idle_seconds=600).sleep_idle_seconds == ["600"]  # type: ignore[arg-type]  # YAML's number
-    assert ServerConfig(sleep_idle_seconds="a=1 b=2").sleep_idle_seconds == ["a=1", "b=2"]  # type: ignore[arg-type]
+    assert ServerConfig(sleep_idle_seconds=600).sleep_idle_seconds == ["600"]  # YAML's number
+    assert ServerConfig(sleep_idle_seconds="a=1 b=2").sleep_idle_seconds == ["a=1", "b=2"]
 
 
 def test_a_per_model_idle_time_must_name_a_model(tmp_path: Path) -> None:
@@ -254,3 +253,36 @@ def test_a_per_model_idle_time_must_name_a_model(tmp_path: Path) -> None:
     config = ServerConfig(models=[f"one={default_model_path()}"], sleep_idle_seconds=["two=5"])
     with pytest.raises(FleetError, match="--sleep-idle-seconds names two"):
         plan_fleet(config, EngineConfig())
+
+
+def test_a_reranker_sleeps_by_dropping_its_arrays_and_wakes_scoring_the_same(tmp_path: Path) -> None:
+    from tiny_rerankers import make_tiny_cross_encoder
+
+    from stoker.config import EngineConfig
+    from stoker.engine.pooling import PoolingEngine
+    from stoker.server.fleet import ModelSpec, ModelVersion
+    from stoker.server.sleep import begin_sleep, wake_for
+
+    path = str(make_tiny_cross_encoder("bert", tmp_path / "rr"))
+    engine = PoolingEngine(EngineConfig(model=path, served_model_name="rr"))
+    version = ModelVersion("rr", 1, ModelSpec("rr", path, kind="rerank"), engine, lambda _: None, status="serving")
+
+    async def scores() -> list[float]:
+        assert engine.batcher is not None
+        pairs = [engine.batcher.model.pair("where is Paris?", text, True) for text in ("France", "a lazy dog")]
+        return await engine.batcher.score(pairs)
+
+    async def cycle() -> None:
+        spawn = asyncio.create_task
+        await engine.start()
+        before = await scores()
+        task = begin_sleep(version, 5.0, lambda v: v.holds, spawn)
+        assert task is not None and version.sleep.asleep
+        await task
+        assert engine.batcher is None and not engine.ready and version.ready  # asleep, still taking requests
+        await asyncio.gather(*(wake_for(version, None, spawn) for _ in range(3)))
+        assert not version.sleep.asleep and version.sleep.wakes == 1  # three callers, one wake
+        assert await scores() == before
+        await engine.shutdown()
+
+    asyncio.run(cycle())
