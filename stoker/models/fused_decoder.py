@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import weakref
 from collections.abc import Sequence
 from functools import cache
 from typing import TYPE_CHECKING
@@ -24,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from stoker.models.attention import AttentionMetadata
+from stoker.models.fused_lora import LoraTables
 from stoker.models.kv_quant import KV_FORMATS, row_width
-from stoker.models.lora import STACKS, LoraAdapter, LoraBatch
+from stoker.models.lora import LoraBatch
 from stoker.models.quant.weights import GGMLLinear, LinearWeight, kernels
 
 if TYPE_CHECKING:
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.models")
 
 MAX_PARTS = 4  # as in decoder_layer.c
-LORA_MAX_MODULES = 3  # as in decoder_layer.c
 _i, _f, _p = ctypes.c_int, ctypes.c_float, ctypes.c_void_p
 
 
@@ -79,23 +78,6 @@ class _Model(ctypes.Structure):
         ("max_positions", _i),
         ("layers", ctypes.POINTER(_Layer)),
     ]
-
-
-class _LoraLinear(ctypes.Structure):
-    _fields_ = [
-        ("rank", _i),
-        ("a", _p),
-        ("num_modules", _i),
-        ("rank_start", _i * LORA_MAX_MODULES),
-        ("rank_count", _i * LORA_MAX_MODULES),
-        ("col_start", _i * LORA_MAX_MODULES),
-        ("col_count", _i * LORA_MAX_MODULES),
-        ("bt", _p * LORA_MAX_MODULES),
-    ]
-
-
-class _LoraLayer(ctypes.Structure):
-    _fields_ = [("linears", _LoraLinear * len(STACKS))]  # in STACKS' order, as decoder_layer.c's LORA_* enum
 
 
 class _Step(ctypes.Structure):
@@ -217,10 +199,7 @@ class FusedDecoder:
         self._owner = model
         self._caches_key: tuple[int, ...] = ()
         self._cache_ptrs: tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]] | None = None
-        # Each adapter's C tables (pointing into its tensors) and its widest rank, while it lives.
-        self._lora_tables: weakref.WeakKeyDictionary[LoraAdapter, tuple[ctypes.Array[_LoraLayer], int]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._lora = LoraTables(model.layers)
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecoder | str:
@@ -316,15 +295,11 @@ class FusedDecoder:
             kv_format=KV_FORMATS[kv_caches[0][0].dtype],
         )
         if lora is not None:
-            if lora.row_adapter.shape != (n,):
-                raise ValueError(f"the LoRA batch covers {lora.row_adapter.shape} rows, the step {n}")
-            row_lora = lora.row_adapter.to(torch.int32).contiguous()
-            adapter_tables = [self._lora_table(adapter) for adapter in lora.adapters]
-            lora_ptrs = (_p * len(adapter_tables))(*(ctypes.addressof(t) for t, _ in adapter_tables))
-            step.row_lora = row_lora.data_ptr()
-            step.loras = ctypes.addressof(lora_ptrs)
-            step.num_loras = len(adapter_tables)
-            step.lora_width = max((width for _, width in adapter_tables), default=0)
+            lora_step = self._lora.step(lora, n)
+            step.row_lora = lora_step.row_lora.data_ptr()
+            step.loras = ctypes.addressof(lora_step.tables)
+            step.num_loras = lora_step.num_loras
+            step.lora_width = lora_step.width
         rc = lib.decoder_forward(
             ctypes.byref(self._model), ctypes.byref(step), hidden.data_ptr(), torch.get_num_threads()
         )
@@ -337,39 +312,6 @@ class FusedDecoder:
         if rc != 0:
             raise RuntimeError(f"the fused decoder failed (code {rc})")
         return hidden
-
-    def _lora_table(self, adapter: LoraAdapter) -> tuple[ctypes.Array[_LoraLayer], int]:
-        """The adapter's C tables, built on its first step here and kept while it lives."""
-        if adapter not in self._lora_tables:
-            self._lora_tables[adapter] = _lora_layers(adapter, self._owner)
-        return self._lora_tables[adapter]
-
-
-def _lora_layers(adapter: LoraAdapter, model: LlamaModel) -> tuple[ctypes.Array[_LoraLayer], int]:
-    """decoder_layer.c's LoraLayer per layer (pointers into the adapter's tensors) and its widest rank."""
-    if len(adapter.layers) != len(model.layers):
-        raise ValueError(
-            f"LoRA adapter {adapter.name!r} has {len(adapter.layers)} layers, the model {len(model.layers)}"
-        )
-    layers = (_LoraLayer * len(model.layers))()
-    width = 0
-    for i, (shares, layer) in enumerate(zip(adapter.layers, model.layers)):
-        for k, stack in enumerate(STACKS):
-            lin = shares.get(stack)
-            if lin is None:
-                continue
-            base: LinearWeight = getattr(layer, stack)
-            table = layers[i].linears[k]
-            if not (_f32(lin.a) and lin.a.shape[1] == base.in_features and len(lin.parts) <= LORA_MAX_MODULES):
-                raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {stack} does not fit this model")
-            table.rank, table.a, table.num_modules = lin.rank, lin.a.data_ptr(), len(lin.parts)
-            for m, part in enumerate(lin.parts):
-                if not (_f32(part.bt) and part.col_start + part.cols <= base.out_features):
-                    raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {part.module} does not fit this model")
-                table.rank_start[m], table.rank_count[m] = part.rank_start, part.rank
-                table.col_start[m], table.col_count[m], table.bt[m] = part.col_start, part.cols, part.bt.data_ptr()
-            width = max(width, lin.rank)
-    return layers, width
 
 
 def _step_tables(meta: AttentionMetadata, n: int) -> tuple[torch.Tensor, torch.Tensor | None]:
