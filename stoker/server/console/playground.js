@@ -7,6 +7,7 @@
 import { h, replace } from './dom.js';
 import * as store from './conversations.js';
 import { createSettings, DEFAULTS } from './chat-settings.js';
+import { createConversationList } from './conversation-list.js';
 import { createTooltip, renderBody, renderMessage, statsLine } from './transcript.js';
 
 /** A message of the branch as the API takes it. */
@@ -15,19 +16,6 @@ function apiMessage(m) {
     return { role: 'assistant', content: m.content || null, tool_calls: m.tool_calls };
   }
   return { role: m.role, content: m.content };
-}
-
-function download(name, text) {
-  const url = URL.createObjectURL(new Blob([text], { type: 'application/json' }));
-  const a = h('a', { href: url, download: name });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 10_000);
-}
-
-function slug(text) {
-  return text.toLowerCase().replace(/[^a-z0-9]+/g, '-').replace(/^-|-$/g, '').slice(0, 40) || 'chat';
 }
 
 export async function mount(root, ctx) {
@@ -40,10 +28,11 @@ export async function mount(root, ctx) {
   const settings = createSettings(() => {
     if (!streaming) conversation.settings = settings.read();
   });
-  const list = h('ul', { class: 'pg-list' });
-  // The file input is reached through its label (a button to the eye and to Tab), so it is no tab stop of its own.
-  const importInput = h('input', { id: 'pg-import', type: 'file', accept: 'application/json,.json', class: 'visually-hidden', tabindex: '-1' });
-  const ioNote = h('p', { class: 'pg-note', id: 'pg-io-note', role: 'status' });
+  const sidebar = createConversationList({
+    current: () => conversation,
+    open: (c) => open(c),
+    fresh: () => store.newConversation(settings.read()),
+  });
   const log = h('div', { class: 'pg-log', role: 'log', 'aria-label': 'Conversation', tabindex: '0' });
   const problem = h('p', { class: 'pg-error', id: 'pg-error', role: 'alert', hidden: true });
   const input = h('textarea', { id: 'pg-input', rows: '3', placeholder: 'Message', 'aria-describedby': 'pg-keys-hint' });
@@ -55,16 +44,7 @@ export async function mount(root, ctx) {
       h('span', { class: 'pg-note', id: 'pg-keys-hint' }, 'Enter sends · Shift+Enter: new line · Esc stops the reply')));
 
   replace(root, h('div', { class: 'pg' },
-    h('aside', { class: 'pg-side', 'aria-labelledby': 'pg-side-title' },
-      h('h2', { id: 'pg-side-title' }, 'Conversations'),
-      h('button', { type: 'button', onclick: () => open(store.newConversation(settings.read())) }, 'New chat'),
-      list,
-      h('div', { class: 'pg-io' },
-        h('button', { type: 'button', onclick: exportCurrent }, 'Export this'),
-        h('button', { type: 'button', onclick: exportAll }, 'Export all'),
-        h('label', { for: 'pg-import', class: 'button', tabindex: '0', onkeydown: (e) => { if (e.key === 'Enter' || e.key === ' ') { e.preventDefault(); importInput.click(); } } }, 'Import JSON'),
-        importInput),
-      ioNote),
+    sidebar.element,
     h('section', { class: 'pg-main', 'aria-labelledby': 'pg-chat-title' },
       h('h2', { id: 'pg-chat-title', class: 'visually-hidden' }, 'Chat'),
       log, problem, composer),
@@ -259,20 +239,7 @@ export async function mount(root, ctx) {
     } catch (error) {
       say(`This conversation could not be kept in the browser: ${error.message}`);
     }
-    await refreshList();
-  }
-
-  async function refreshList() {
-    let all;
-    try {
-      all = await store.listConversations();
-    } catch (error) {
-      replace(list, h('li', { class: 'error' }, error.message));
-      return;
-    }
-    replace(list, all.map((c) => h('li', {},
-      h('button', { type: 'button', class: 'pg-open', 'aria-current': c.id === conversation.id ? 'true' : null, onclick: () => open(c) }, c.title),
-      h('button', { type: 'button', class: 'pg-delete', 'aria-label': `Delete conversation: ${c.title}`, onclick: () => remove(c) }, '×'))));
+    await sidebar.refresh();
   }
 
   async function open(c) {
@@ -282,47 +249,8 @@ export async function mount(root, ctx) {
     settings.write(c.settings);
     say(null);
     render();
-    await refreshList();
+    await sidebar.refresh();
   }
-
-  async function remove(c) {
-    if (!window.confirm(`Delete the conversation "${c.title}" from this browser?`)) return;
-    await store.deleteConversation(c.id);
-    if (c.id === conversation.id) await open(store.newConversation(settings.read()));
-    else await refreshList();
-  }
-
-  function exportCurrent() {
-    if (!conversation.messages.length) {
-      replace(ioNote, 'This conversation is empty: nothing to export.');
-      return;
-    }
-    download(`stoker-chat-${slug(conversation.title)}.json`, store.exportJSON([conversation]));
-    replace(ioNote, 'Exported this conversation.');
-  }
-
-  async function exportAll() {
-    const all = await store.listConversations();
-    download(`stoker-conversations-${new Date().toISOString().slice(0, 10)}.json`, store.exportJSON(all));
-    replace(ioNote, `Exported ${all.length} conversation${all.length === 1 ? '' : 's'}.`);
-  }
-
-  importInput.addEventListener('change', async () => {
-    const file = importInput.files[0];
-    importInput.value = '';
-    if (!file) return;
-    ioNote.className = 'pg-note';
-    try {
-      if (file.size > store.LIMITS.fileBytes) throw new Error(`file: larger than ${store.LIMITS.fileBytes / 1024 / 1024} MiB`);
-      const kept = await store.importConversations(await file.text());
-      replace(ioNote, `Imported ${kept.length} conversation${kept.length === 1 ? '' : 's'} from ${file.name}.`);
-      if (kept.length) await open(kept[0]);
-      else await refreshList();
-    } catch (error) {
-      ioNote.className = 'pg-note error';
-      replace(ioNote, `${file.name} was not imported: ${error.message}`);
-    }
-  });
 
   // ---- models and keys ------------------------------------------------------
 
@@ -368,7 +296,7 @@ export async function mount(root, ctx) {
   ctx.onReconnect(loadModels);
   settings.write(DEFAULTS);
   render();
-  await Promise.all([loadModels(), refreshList()]);
+  await Promise.all([loadModels(), sidebar.refresh()]);
   input.focus();
 
   return () => {

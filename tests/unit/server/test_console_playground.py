@@ -52,9 +52,15 @@ def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console
         process.stop()
 
 
-def open_chat(server: ConsoleServer, page: Page) -> None:
+def log_in(server: ConsoleServer, page: Page, key: str | None = None) -> None:
     page.goto(server.url + "/ui/#/chat")
-    server.log_in(page)
+    # The shell fills its key field when its module runs: a key typed before then would be wiped.
+    expect(page.get_by_label("Message", exact=True)).to_be_visible()
+    server.log_in(page, key)
+
+
+def open_chat(server: ConsoleServer, page: Page) -> None:
+    log_in(server, page)
     expect(page.locator("#pg-model option")).to_have_count(2, timeout=15_000)
     page.get_by_role("button", name="New chat").click()
 
@@ -348,8 +354,7 @@ def test_markdown_renderer(console_server: ConsoleServer, page: Page) -> None:
 
 
 def test_wrong_key_says_so(console_server: ConsoleServer, page: Page, screenshot: Screenshot) -> None:
-    page.goto(console_server.url + "/ui/#/chat")
-    console_server.log_in(page, key="sk-not-a-real-key")
+    log_in(console_server, page, key="sk-not-a-real-key")
     expect(page.locator("#pg-model-note")).to_contain_text(
         "The models could not be listed: The server refused this API key"
     )
