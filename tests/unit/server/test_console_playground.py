@@ -61,6 +61,11 @@ def log_in(server: ConsoleServer, page: Page, key: str | None = None) -> None:
 
 def open_chat(server: ConsoleServer, page: Page) -> None:
     log_in(server, page)
+    # Anything the page tries that its CSP refuses (an inline style, a script) is collected here.
+    page.evaluate(
+        "window.violations = [];"
+        "document.addEventListener('securitypolicyviolation', (e) => window.violations.push(e.violatedDirective))"
+    )
     expect(page.locator("#pg-model option")).to_have_count(2, timeout=15_000)
     page.get_by_role("button", name="New chat").click()
 
@@ -127,6 +132,7 @@ def test_chat_streams_shows_figures_and_switches_model(
     reasoning.locator("summary").click()
     expect(reasoning.locator(".reasoning-text")).not_to_be_empty()
     screenshot(page, "playground-reasoning")
+    assert page.evaluate("window.violations") == []
 
 
 def test_enter_sends_shift_enter_breaks_escape_stops(console_server: ConsoleServer, page: Page) -> None:
@@ -316,7 +322,7 @@ def test_model_output_cannot_run_script(
         })"""
     )
     assert made == {"elements": 0, "scripted": 0, "pwned": None}
-    assert dialogs == []
+    assert dialogs == [] and page.evaluate("window.violations") == []
 
 
 MARKDOWN_CASES = {
