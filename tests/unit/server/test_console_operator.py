@@ -114,3 +114,28 @@ def test_non_admin_wrong_and_revoked_keys_get_a_clear_message(console_server: Co
             httpx.get(console_server.url + path, headers={"Authorization": f"Bearer {user['secret']}"}).status_code
             == 403
         )
+
+
+def test_canary_loaded_resized_and_rolled_back(console_server: ConsoleServer, page: Page) -> None:
+    listing = httpx.get(console_server.url + "/admin/models", headers=console_server.admin_headers()).json()
+    path = listing["data"][0]["stable"]["path"]
+    _open(page, console_server, "models")
+    form = page.get_by_role("form", name="Load a model")
+    form.get_by_label("Name").fill("tiny-llama")
+    form.get_by_label("Path on the server").fill(path)
+    form.get_by_label("Canary % (optional)").fill("50")
+    form.get_by_role("button", name="Load").click()
+    card = page.locator('[data-model="tiny-llama"]')
+    expect(card).to_contain_text("canary at 50%", timeout=120_000)
+    expect(card.locator("tr", has_text="canary")).to_contain_text("v2")
+    share = page.get_by_role("form", name="Canary share of tiny-llama")
+    share.get_by_label("Canary %").fill("20")
+    share.get_by_role("button", name="Set share").click()
+    expect(card).to_contain_text("canary at 20%")
+    shown = httpx.get(console_server.url + "/admin/models", headers=console_server.admin_headers()).json()
+    assert shown["data"][0]["canary_percent"] == 20
+    card.get_by_role("button", name="Roll back canary").click()
+    expect(page.get_by_role("status").filter(has_text="Rolling back")).to_contain_text("done")
+    expect(card).not_to_contain_text("canary at")
+    after = httpx.get(console_server.url + "/admin/models", headers=console_server.admin_headers()).json()
+    assert after["data"][0]["canary"] is None and after["data"][0]["stable"]["version"] == "v1"

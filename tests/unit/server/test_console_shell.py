@@ -6,10 +6,13 @@ and recovers by itself when it is back."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from playwright.sync_api import ConsoleMessage, Page, expect
+from conftest import REPO
+from playwright.sync_api import BrowserContext, ConsoleMessage, Page, expect
 
 if TYPE_CHECKING:
     from browser import ConsoleServer, Screenshot
@@ -26,9 +29,12 @@ UNLABELLED = """els => els.filter(el => !(
 PAINT_AND_WEIGHT = """() => {
   const paint = Object.fromEntries(performance.getEntriesByType('paint').map(e => [e.name, e.startTime]));
   const nav = performance.getEntriesByType('navigation')[0];
-  const files = [nav, ...performance.getEntriesByType('resource')].map(e => [e.name, e.decodedBodySize]);
+  const files = [nav, ...performance.getEntriesByType('resource')]
+    .filter(e => e.name.includes('/ui/')).map(e => [e.name, e.decodedBodySize]);
   return {paint, files};
 }"""
+PAINT_ROUNDS = 4
+CONSOLE_FILES = {path.name for path in (Path(REPO) / "stoker" / "server" / "console").iterdir()} | {"index.html"}
 
 
 def test_page_and_assets_carry_a_strict_csp(console_server: ConsoleServer) -> None:
@@ -58,24 +64,26 @@ def test_console_files_only(console_server: ConsoleServer) -> None:
         assert answer.status_code == 404, path
 
 
-def test_first_paint_and_page_weight(console_server: ConsoleServer, page: Page) -> None:
+def test_first_paint_and_page_weight(console_server: ConsoleServer, browser: BrowserContext) -> None:
+    """Each page loaded in a fresh tab, the two alternating: docs/console.md's figures (run with -s)."""
+    runs: dict[str, list[dict[str, Any]]] = {"ops/live": [], "chat": []}
+    for round in range(PAINT_ROUNDS):
+        for route in sorted(runs, reverse=round % 2 == 1):
+            tab = browser.new_page()
+            try:
+                tab.goto(f"{console_server.url}/ui/#/{route}", wait_until="networkidle")
+                runs[route].append(tab.evaluate(PAINT_AND_WEIGHT))
+            finally:
+                tab.close()
     figures = {}
-    for route in ("ops/live", "chat"):
-        page.goto("about:blank")  # a new document each time: a hash change alone paints nothing anew
-        page.goto(f"{console_server.url}/ui/#/{route}", wait_until="networkidle")
-        measured = page.evaluate(PAINT_AND_WEIGHT)
-        files = {
-            name.split("#")[0].rsplit("/", 1)[-1] or "index.html": size
-            for name, size in measured["files"]
-            if "/ui/" in name
-        }
+    for route, measured in runs.items():
+        paints = [m["paint"]["first-contentful-paint"] for m in measured]
+        files = {name.split("#")[0].rsplit("/", 1)[-1] or "index.html": size for name, size in measured[-1]["files"]}
         figures[route] = {
-            "first_paint_ms": measured["paint"].get("first-paint"),
-            "first_contentful_paint_ms": measured["paint"].get("first-contentful-paint"),
-            "bytes": sum(files.values()),
-            "files": files,
+            "first_contentful_paint_ms": {"first": paints[0], "median": statistics.median(paints), "max": max(paints)},
+            "bytes": sum(size for name, size in files.items() if name in CONSOLE_FILES),
         }
-        assert measured["paint"]["first-contentful-paint"] < 1000, measured
+        assert max(paints) < 1000, (route, paints)
     print("console figures:", json.dumps(figures))
 
 
