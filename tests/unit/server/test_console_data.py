@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -14,12 +15,17 @@ import openai
 import pytest
 from conftest import FAKE_CORE
 from fastapi.testclient import TestClient
+from postgres_server import PostgresServer
 
+from stoker.control.db import open_db
+from stoker.control.keys import KeyStore
+from stoker.control.ledger import UsageLedger
 from stoker.engine.params import EngineStats, RequestTimes
+from stoker.observe.logs import RequestRecord
 from stoker.observe.metrics import Metrics
 from stoker.server import cli as serve_cli
 from stoker.server.app import create_app
-from stoker.server.console_data import RecentRequests
+from stoker.server.console_data import RecentRequests, usage_report
 from stoker.server.console_live import LiveSampler, bucket_growth, bucket_quantile
 
 if TYPE_CHECKING:
@@ -72,6 +78,59 @@ def test_sampler_turns_the_registry_into_rates_and_quantiles() -> None:
     assert 0.075 < figures["itl_p50"] <= 0.1  # two gaps of 0.1 s
     assert second.refusals_per_s == {"queue_full": 2.0, "rate_limit:rpm": 1.0}
     assert [s.t for s in sampler.since(100.0)] == [102.0]
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def usage_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A fresh database of each kind: the time buckets are SQL whose floor() differs between them."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('usage')}/usage.db"
+        return
+    server = PostgresServer()
+    try:
+        server.start()
+        yield server.create_database("console_usage")
+    finally:
+        server.remove()
+
+
+def test_usage_buckets_per_key_on_each_database(usage_db: str) -> None:
+    engine = open_db(usage_db)
+    try:
+        keys = KeyStore(engine)
+        spender, _ = keys.create("spender", budget_tokens=10_000, budget_period="day")
+        idle, _ = keys.create("idle")
+        ledger = UsageLedger(engine)
+        now = 1_800_000_000.0 + 1800  # 08:30 UTC: fixed, so no row falls on the other side of an hour by chance
+        # (seconds before now, completion tokens): two in this hour, one an hour back, one out of the window.
+        for number, (ago, completion) in enumerate([(60, 1), (1700, 2), (3700, 4), (30 * 3600, 8)]):
+            record = RequestRecord(
+                request_id=f"r{number}",
+                status=200,
+                model="m",
+                key_id=spender.id,
+                prompt_tokens=10,
+                completion_tokens=completion,
+                created_at=now - ago,
+            )
+            ledger.record(record)
+        report = usage_report(ledger, keys.list_keys(), "hour", 24, None, now)
+        (entry,) = report["keys"]  # a key without rows in the window is not charted
+        this_hour = int(now // 3600) * 3600
+        assert entry["key_id"] == spender.id and entry["key_name"] == "spender"
+        assert entry["series"] == [
+            {"t": this_hour - 3600, "requests": 1, "prompt_tokens": 10, "completion_tokens": 4},
+            {"t": this_hour, "requests": 2, "prompt_tokens": 20, "completion_tokens": 3},
+        ]
+        assert report["start"] == this_hour - 23 * 3600
+        day_start = int(now // 86400) * 86400
+        used_today = sum(10 + c for ago, c in [(60, 1), (1700, 2), (3700, 4), (30 * 3600, 8)] if now - ago >= day_start)
+        assert report["budgets"] == [
+            {"key_id": spender.id, "budget_tokens": 10_000, "budget_period": "day", "used_this_period": used_today}
+        ]
+        assert usage_report(ledger, keys.list_keys(), "day", 2, idle.id, now)["keys"] == []
+    finally:
+        engine.dispose()
 
 
 def test_recent_requests_keep_the_newest() -> None:
