@@ -27,7 +27,7 @@ export function format(value, kind) {
  * update(points): points is a list of [t (s), [value per series]] oldest first;
  * null values leave a gap.
  */
-export function chart({ title, kind, series, seconds = 300, id }) {
+export function chart({ title, kind, series, seconds = 300 }) {
   const canvas = h('canvas', { class: 'chart', role: 'img', 'aria-label': `${title}: no data yet` });
   const values = series.map(() => h('span', { class: 'value' }, '–'));
   const legend = h(
@@ -43,7 +43,7 @@ export function chart({ title, kind, series, seconds = 300, id }) {
       ),
     ),
   );
-  const element = h('figure', { class: 'card', id, 'data-chart': title }, h('h3', {}, title), canvas, legend);
+  const element = h('figure', { class: 'card', 'data-chart': title }, h('h3', {}, title), canvas, legend);
   let last = [];
 
   function colours() {
@@ -121,7 +121,7 @@ export function chart({ title, kind, series, seconds = 300, id }) {
     if (element.isConnected) draw();
   }
 
-  return { element, update, redraw: draw };
+  return { element, update };
 }
 
 function span(seconds) {
