@@ -102,7 +102,7 @@ export function createConversationList({ current, open, fresh }) {
     h('div', { class: 'pg-io' },
       h('button', { type: 'button', onclick: exportCurrent }, 'Export this'),
       h('button', { type: 'button', onclick: exportAll }, 'Export all'),
-      h('label', { for: 'pg-import', class: 'button', tabindex: '0', onkeydown: openPicker }, 'Import JSON'),
+      h('label', { for: 'pg-import', class: 'button', role: 'button', tabindex: '0', onkeydown: openPicker }, 'Import JSON'),
       importInput),
     note);
 

@@ -372,11 +372,21 @@ def test_wrong_key_says_so(console_server: ConsoleServer, page: Page, screenshot
     screenshot(page, "playground-wrong-key")
 
 
-def test_narrow_window(console_server: ConsoleServer, page: Page, screenshot: Screenshot) -> None:
+def test_narrow_window_and_named_controls(console_server: ConsoleServer, page: Page, screenshot: Screenshot) -> None:
     page.set_viewport_size({"width": 390, "height": 844})
     open_chat(console_server, page)
+    page.get_by_label("Logprobs (token view)").check()
     send(page, "hi", max_tokens=8)
     overflow = page.evaluate("document.scrollingElement.scrollWidth - document.scrollingElement.clientWidth")
     assert overflow <= 0, f"the page scrolls sideways by {overflow}px at 390px wide"
     expect(page.get_by_role("button", name="Send")).to_be_visible()
     screenshot(page, "playground-narrow", full_page=True)
+
+    page.get_by_role("button", name="Tokens").click()
+    page.get_by_text("Structured output and tools").click()
+    unnamed = page.evaluate(
+        """() => [...document.querySelectorAll('main :is(input, select, textarea, button, [tabindex="0"])')]
+            .filter((el) => !(el.labels?.length || el.getAttribute('aria-label') || el.textContent.trim()))
+            .map((el) => el.outerHTML)"""
+    )
+    assert unnamed == [], "controls a screen reader cannot name"
