@@ -90,7 +90,8 @@ export function requestFields(s) {
   if (topP !== null) out.top_p = topP;
   const maxTokens = number('max_tokens', s.max_tokens, { min: 1, max: INT32, integer: true });
   if (maxTokens !== null) out.max_tokens = maxTokens;
-  const seed = number('seed', s.seed, { min: -(2 ** 63), max: 2 ** 63 - 1024, integer: true });
+  // The server takes 64-bit seeds, but a browser's numbers hold whole numbers exactly only this far.
+  const seed = number('seed', s.seed, { min: -Number.MAX_SAFE_INTEGER, max: Number.MAX_SAFE_INTEGER, integer: true });
   if (seed !== null) out.seed = seed;
   const stops = parseStops(s.stop);
   if (stops.length) out.stop = stops;
