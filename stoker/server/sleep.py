@@ -266,7 +266,10 @@ class IdleWatch:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(self.tick)
-            self.check(time.monotonic())
+            try:
+                self.check(time.monotonic())
+            except Exception:  # the watch outlives one bad round: a model that never sleeps costs only memory
+                log.exception("idle sleep: checking the models failed")
 
     def check(self, now: float) -> None:
         """Start the sleep of each version idle past its time."""

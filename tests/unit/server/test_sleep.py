@@ -205,6 +205,28 @@ def test_operators_sleep_and_wake_models_and_nobody_else_may(server: ServerProce
     assert httpx.delete(f"{url}/admin/models/awake/sleep", headers=_admin()).status_code == 405
 
 
+def test_a_deadline_passing_during_a_wake_is_a_504_and_the_wake_goes_on(server: ServerProcess) -> None:
+    wakes = _wait_asleep(server)["wakes"]
+    body = {"model": "dozy", "messages": PROMPT, "max_tokens": 4}
+    headers = {"Authorization": f"Bearer {KEYS['user']}", "x-stoker-deadline-ms": "50"}
+    late = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+    assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded", late.text
+    assert "woke from sleep" in late.json()["error"]["message"]
+    deadline = time.monotonic() + 60
+    while _stable(server, "dozy")["wakes"] == wakes:  # nobody waits for it any more, and it still finishes
+        assert time.monotonic() < deadline, "the wake stopped with the request that started it"
+        time.sleep(0.1)
+
+
+def test_a_swap_to_a_sleeping_models_name_replaces_it(server: ServerProcess) -> None:
+    before = _wait_asleep(server)
+    swap = {"name": "dozy", "path": before["path"]}
+    answer = httpx.post(f"{server.url}/admin/models", json=swap, headers=_admin(), timeout=300)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["version"] != before["version"] and not answer.json()["sleeping"]
+    assert _client(server).models.retrieve("dozy").model_dump()["version"] == answer.json()["version"]
+
+
 def _registered(server: ServerProcess, expected: int) -> int:
     """Adapters dozy's engine holds registered (dozy is the first model: /ready's engine), as its
     stats say once they caught up with the request just answered (before it sleeps again)."""
