@@ -274,6 +274,12 @@ class Adapters:
             raise FleetError(f"adapter {spec.name}: no model {spec.base} to apply it to", 400, "model_not_found")
         if base.stable.kind != "generate":
             raise FleetError(f"adapter {spec.name}: model {spec.base} is a reranker; adapters apply to chat models")
+        if base.loading is not None:  # its new engine takes the adapters registered when it is ready, not this one
+            raise FleetError(
+                f"adapter {spec.name}: model {spec.base} is loading a new version; try again when it is done",
+                409,
+                "load_in_progress",
+            )
         adapter = ServedAdapter(spec)
         self.adapters[spec.name] = adapter  # holds the name while it loads; routes only once serving
         try:

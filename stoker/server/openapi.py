@@ -88,6 +88,7 @@ ROUTE_ERRORS = {
         "back or resize, the last model served, or not enough memory."
     },
     "/admin/prefixes": {"409": "The model has no disk tier for its prefix cache (start it with --kv-cache-disk)."},
+    "/v1/load_lora_adapter": {"409": "The adapter's base model is loading a new version; retry when it is done."},
 }
 
 

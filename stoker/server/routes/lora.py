@@ -6,7 +6,7 @@
 They answer as vLLM does, in plain text ("Success: LoRA adapter 'sql' added
 successfully."); a refusal is a JSON error naming the adapter and the reason
 (400 for a bad adapter or name, 403 for a path outside --model-root, 404 for
-an unload of an adapter not loaded). An unloaded adapter takes no new request
+an unload of an adapter not loaded, 409 while its base loads a new version). An unloaded adapter takes no new request
 at once (404); its requests in flight finish before it leaves the engine.
 The same actions go through /admin/models (its `base` field) and
 `stoker models load NAME PATH --base BASE` / `stoker models unload NAME`.
