@@ -1,6 +1,6 @@
 // Keys: create (the secret shown once), list, edit limits and budgets, revoke;
 // usage per key over time from GET /console/usage (the ledger).
-import { chart, format } from './charts.js';
+import { chart } from './charts.js';
 import { h, replace } from './dom.js';
 import { showRefusal } from './operator.js';
 
@@ -109,9 +109,9 @@ export function mount(root, ctx) {
   }
 
   function budgetCell(key, usage) {
-    const used = usage?.used_this_period;
-    if (!key.budget_tokens) return used !== undefined ? `${used} tokens this ${key.budget_period}, no budget` : 'no budget';
-    const spent = used ?? 0;
+    if (!key.budget_tokens) return 'no budget';
+    const spent = usage?.used_this_period;
+    if (spent === undefined) return `${key.budget_tokens} tokens per ${key.budget_period}`; // revoked: not counted
     return h(
       'span',
       {},
@@ -188,18 +188,29 @@ export function mount(root, ctx) {
     picker.addEventListener('change', () => { usageKey = picker.value; refresh(); });
     bucket.addEventListener('change', () => { usageBucket = bucket.value; refresh(); });
     const shown = (usageKey ? active.filter((k) => k.key_id === usageKey) : active).slice(0, 4);
-    const controls = h('form', { class: 'inline', 'aria-label': 'Usage view' }, h('label', { for: 'usage-key' }, 'Key', picker), h('label', { for: 'usage-bucket' }, 'Buckets', bucket));
+    // Labels beside their selects, not around them: a wrapped select's options would join the label's name.
+    const controls = h(
+      'form',
+      { class: 'inline', 'aria-label': 'Usage view' },
+      h('span', { class: 'field' }, h('label', { for: 'usage-key' }, 'Key'), picker),
+      h('span', { class: 'field' }, h('label', { for: 'usage-bucket' }, 'Buckets'), bucket),
+    );
     if (!shown.length) {
       replace(usageSlot, controls, h('p', { class: 'muted' }, 'No usage recorded in this time.'));
       return;
     }
     const span = report.bucket_seconds * (usageBucket === 'hour' ? 24 : 30);
     const c = chart({ title: `Tokens per ${usageBucket} (prompt + completion)`, kind: 'count', series: shown.map((k) => k.key_name ?? k.key_id), seconds: span });
-    const times = [...new Set(shown.flatMap((k) => k.series.map((p) => p.t)))].sort((a, b) => a - b);
+    // Every bucket of the window, 0 where a key used nothing: a line from what happened, not between gaps.
+    const times = [];
+    for (let t = report.start; t <= Date.now() / 1000; t += report.bucket_seconds) times.push(t);
     const lookup = shown.map((k) => new Map(k.series.map((p) => [p.t, p.prompt_tokens + p.completion_tokens])));
     replace(usageSlot, controls, c.element);
     c.update(times.map((t) => [t, lookup.map((m) => m.get(t) ?? 0)]));
-    const total = shown.map((k) => `${k.key_name ?? k.key_id}: ${format(k.series.reduce((a, p) => a + p.requests, 0), 'count')} requests`);
+    const total = shown.map((k) => {
+      const requests = k.series.reduce((a, p) => a + p.requests, 0);
+      return `${k.key_name ?? k.key_id}: ${requests} request${requests === 1 ? '' : 's'}`;
+    });
     usageSlot.append(h('p', { class: 'muted' }, total.join('; ')));
   }
 

@@ -95,6 +95,12 @@ def test_models_and_recent_requests(console_server: ConsoleServer, page: Page, s
     expect(table.locator("tr", has_text="table-user").first).to_contain_text("/v1/chat/completions")
     expect(table.locator("tr", has_text="table-user").first).to_contain_text("200")
     screenshot(page, "requests")
+    page.get_by_role("link", name="Keys").click()
+    page.get_by_label("Key", exact=True).select_option(label="table-user")
+    usage = page.locator('[data-chart="Tokens per hour (prompt + completion)"]')
+    expect(usage.locator('li[data-series="table-user"]')).not_to_contain_text("–")
+    expect(page.get_by_text("table-user: 1 request", exact=True)).to_be_visible()
+    screenshot(page, "keys-usage", full_page=True)
 
 
 def test_non_admin_wrong_and_revoked_keys_get_a_clear_message(console_server: ConsoleServer, page: Page) -> None:
