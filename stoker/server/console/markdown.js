@@ -20,24 +20,27 @@ export function safeHref(raw) {
 }
 
 // One alternation, tried left to right at each position; the first group that matched names the span.
+// Every span and address has a length bound, so a hostile line costs at most its length times that bound.
 const INLINE = new RegExp(
   [
-    /(?<code>`+)(?<codeText>[\s\S]*?[^`])\k<code>(?!`)/,
-    /!\[(?<imgAlt>[^\]]*)\]\((?<imgUrl>[^)\s]*)(?:\s+"[^"]*")?\)/,
-    /\[(?<linkText>[^\]]+)\]\((?<linkUrl>[^)\s]*)(?:\s+"[^"]*")?\)/,
-    /<(?<autolink>(?:https?:\/\/|mailto:)[^\s>]+)>/,
-    /(?<bare>https?:\/\/[^\s<]*[^\s<.,;:!?)\]'"])/,
-    /\*\*(?<strong>[^*\s](?:[\s\S]*?[^*\s])?)\*\*/,
-    /__(?<strongU>[^_\s](?:[\s\S]*?[^_\s])?)__(?!\w)/,
-    /~~(?<del>[^~\s](?:[\s\S]*?[^~\s])?)~~/,
-    /\*(?<em>[^*\s](?:[^*]*?[^*\s])?)\*/,
-    /(?<!\w)_(?<emU>[^_\s](?:[^_]*?[^_\s])?)_(?!\w)/,
+    /(?<code>`{1,16})(?<codeText>[^]{0,2000}?[^`])\k<code>(?!`)/,
+    /!\[(?<imgAlt>[^\]]{0,500})\]\((?<imgUrl>[^)\s]{0,2048})(?:\s+"[^"]{0,500}")?\)/,
+    /\[(?<linkText>[^\]]{1,500})\]\((?<linkUrl>[^)\s]{0,2048})(?:\s+"[^"]{0,500}")?\)/,
+    /<(?<autolink>(?:https?:\/\/|mailto:)[^\s>]{1,2048})>/,
+    /(?<bare>https?:\/\/[^\s<]{0,2047}[^\s<.,;:!?)\]'"])/,
+    /\*\*(?<strong>[^*\s](?:[^]{0,1000}?[^*\s])?)\*\*/,
+    /__(?<strongU>[^_\s](?:[^]{0,1000}?[^_\s])?)__(?!\w)/,
+    /~~(?<del>[^~\s](?:[^]{0,1000}?[^~\s])?)~~/,
+    /\*(?<em>[^*\s](?:[^*]{0,1000}?[^*\s])?)\*/,
+    /(?<!\w)_(?<emU>[^_\s](?:[^_]{0,1000}?[^_\s])?)_(?!\w)/,
     /\\(?<escaped>[\\`*_{}[\]()#+\-.!~|>])/,
   ]
     .map((part) => part.source)
     .join('|'),
   'g',
 );
+/** A line longer than this is shown as plain text: markdown in it would cost too much to find. */
+const MAX_INLINE_CHARS = 20_000;
 
 function element(tag, text) {
   const node = document.createElement(tag);
@@ -55,6 +58,10 @@ function link(href, text) {
 
 /** Inline markdown of text appended to parent: code, emphasis, links; everything else as text. */
 export function renderInline(text, parent) {
+  if (text.length > MAX_INLINE_CHARS) {
+    parent.append(text);
+    return;
+  }
   let last = 0;
   INLINE.lastIndex = 0;
   for (const match of text.matchAll(INLINE)) {
@@ -107,12 +114,27 @@ function renderLines(lines, parent) {
   });
 }
 
+// Block patterns are matched against one line each; none may backtrack more than linearly,
+// as a model's line can be long (the heading's closing #s and the table's rule are done by hand).
 const FENCE = /^ {0,3}(`{3,}|~{3,})\s*([\w+#.-]*)/;
-const HEADING = /^ {0,3}(#{1,6})\s+(.*?)\s*#*\s*$/;
+const HEADING = /^ {0,3}(#{1,6})[ \t]+(.*)$/;
 const RULE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
 const QUOTE = /^ {0,3}> ?(.*)$/;
 const ITEM = /^( *)([-*+]|\d{1,9}[.)])\s+(.*)$/;
-const TABLE_RULE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+const RULE_CELL = /^:?-+:?$/;
+
+/** A heading's text without the closing #s markdown allows after it. */
+function headingText(raw) {
+  const text = raw.trimEnd();
+  let end = text.length;
+  while (end > 0 && text[end - 1] === '#') end -= 1;
+  return end === 0 || /\s/.test(text[end - 1]) ? text.slice(0, end).trimEnd() : text;
+}
+
+/** Whether line is a table's header rule: |---|:-:| and the like. */
+function isTableRule(line) {
+  return line.includes('-') && cells(line).every((cell) => RULE_CELL.test(cell));
+}
 
 function cells(row) {
   return row
@@ -230,7 +252,7 @@ function renderBlocks(lines, parent, tight = false) {
       // The page holds the h1 and h2s: a reply's headings sit below them in the outline.
       const level = Math.min(6, m[1].length + 2);
       const heading = element(`h${level}`);
-      renderInline(m[2], heading);
+      renderInline(headingText(m[2]), heading);
       parent.append(heading);
       i += 1;
     } else if (RULE.test(line)) {
@@ -250,7 +272,7 @@ function renderBlocks(lines, parent, tight = false) {
     } else if (ITEM.test(line)) {
       endParagraph();
       i = renderList(lines, i, parent);
-    } else if (line.includes('|') && i + 1 < lines.length && TABLE_RULE.test(lines[i + 1]) && lines[i + 1].includes('-')) {
+    } else if (line.includes('|') && i + 1 < lines.length && isTableRule(lines[i + 1])) {
       endParagraph();
       const rows = [];
       i += 2;

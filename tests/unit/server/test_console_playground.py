@@ -329,6 +329,7 @@ MARKDOWN_CASES = {
     "plain <b>bold</b>": "p(plain <b>bold</b>)",
     "**bold _em_** ~~gone~~ `a<b`": "p(strong(bold em(em)) del(gone) code(a<b))",
     "# Title\ntext": "h3(Title)p(text)",
+    "## Closed ##\n###### C# #": "h4(Closed)h6(C#)",
     "- one\n- two *x*\n  - nested\n\n1. first": "ul(li(one)li(two em(x)ul(li(nested))))ol(li(first))",
     "> quoted\n> more": "blockquote(p(quotedbr()more))",
     "```js\nlet a = '<x>';\n```": "pre(code(let a = '<x>';))",
@@ -357,6 +358,21 @@ def test_markdown_renderer(console_server: ConsoleServer, page: Page) -> None:
         list(MARKDOWN_CASES),
     )
     assert rendered == MARKDOWN_CASES
+
+    # Lines built to make a backtracking pattern take quadratic (or worse) time: each must stay linear.
+    hostile = "\n".join(
+        ["# a" + " " * 20_000 + "#x", "[a](" * 5_000, " " * 20_000 + "x", "|a|", " " * 20_000, "**a" * 6_000]
+    )
+    spent = page.evaluate(
+        """async (text) => {
+            const { renderMarkdown } = await import('/ui/markdown.js');
+            const start = performance.now();
+            renderMarkdown(text);
+            return performance.now() - start;
+        }""",
+        hostile,
+    )
+    assert spent < 2000, f"{spent:.0f} ms to render {len(hostile)} characters"
 
 
 def test_wrong_key_says_so(console_server: ConsoleServer, page: Page, screenshot: Screenshot) -> None:
