@@ -7,6 +7,7 @@ cache never crosses adapters; speculation and grammars keep working."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -223,3 +224,27 @@ def test_removing_an_adapter_ends_its_requests(files: dict[str, Path], small: LL
     with pytest.raises(ValueError, match="not registered"):
         small.generate([[1, 2]], GREEDY, lora_name="mlp")
     small.add_lora("mlp", str(files["mlp"]))
+
+
+def test_more_adapters_than_memory_all_served(
+    llm: LLM, files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nine adapters registered (copies of the three under other names), three in memory, two per step:
+    one batch naming all of them and the base completes, each request with its adapter's tokens."""
+    many = LLM(str(files["base"]), dtype="float32", num_kv_blocks=128, block_size=4, max_loras=2, max_loaded_loras=3)
+    source = {}
+    for copy in range(3):
+        for name in ADAPTERS:
+            shutil.copytree(files[name], tmp_path / f"{name}-{copy}")
+            many.add_lora(f"{name}-{copy}", str(tmp_path / f"{name}-{copy}"))
+            source[f"{name}-{copy}"] = name
+    assert many.engine.stats().lora_resident == 3
+    jobs: list[tuple[list[int], str | None]] = [(PROMPTS[0], name) for name in [*source, None]]
+    expected = [reference(llm, prompt, source[name] if name else None) for prompt, name in jobs]
+    steps = record_adapters(many.engine, monkeypatch)
+    deltas = run(many.engine, jobs)
+    assert [tokens(d) for d in deltas.values()] == expected
+    assert all(d[-1].error is None for d in deltas.values())
+    assert max(len(s) for s in steps) <= 2 and set().union(*steps) == set(source)
+    stats = many.engine.stats()
+    assert stats.lora_loads >= 9 + 6 and stats.lora_evictions >= 6 + 6 and stats.lora_resident <= 3
