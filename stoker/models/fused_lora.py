@@ -96,7 +96,10 @@ class LoraTables:
                     continue
                 base = getattr(layer, stack)
                 fits = _f32(lin.a) and lin.a.shape[1] == base.in_features and len(lin.parts) <= LORA_MAX_MODULES
-                fits = fits and all(_f32(p.bt) and p.col_start + p.cols <= base.out_features for p in lin.parts)
+                # decoder_layer.c's expand tiles take 16 columns, then 8 at a module's end.
+                fits = fits and all(
+                    _f32(p.bt) and p.cols % 8 == 0 and p.col_start + p.cols <= base.out_features for p in lin.parts
+                )
                 if not fits:
                     raise ValueError(f"LoRA adapter {adapter.name!r}: layer {i} {stack} does not fit this model")
                 table = tables[i].linears[k]

@@ -127,6 +127,8 @@ class LlamaModel:
         lora: each row's adapter (None, or every row -1: the base alone, today's arithmetic)."""
         cfg = self.config
         hidden = self.embed(input_ids)
+        if lora is not None and lora.row_adapter.shape != input_ids.shape:
+            raise ValueError(f"the LoRA batch covers {lora.row_adapter.numel()} rows, the step {input_ids.numel()}")
         if lora is not None and not lora.active:
             lora = None
         if self.fused is not None and meta.backend.runs_in_fused_stack and self.fused.serves(kv_caches):

@@ -193,20 +193,53 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
 /* ---- LoRA: per adapter, its rows through A then B^T ------------------------- */
 
 #define LORA_ROW_BLOCK 16 /* rows whose x stay in cache while a thread's rows of A pass over them */
-#define LORA_COLS 64      /* output columns one expand item accumulates */
+#define LORA_COLS 64      /* output columns one expand item covers */
 
 static inline const LoraLinear *lora_linear(const Step *S, int a, int layer, int which) {
     return &S->loras[a][layer].linears[which];
 }
 
+static inline float sum8(const float *acc) {
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* out[p][q] = dot8(a[p], x[q], d) for 2 rows of A and 4 rows of x, side by side:
+ * each pair's sum in dot8's order (8 lanes, then its tree), but eight
+ * independent chains instead of one, which a single dot8 is bound by. */
+static inline void dot8_2x4(const float *restrict a0, const float *restrict a1, const float *const x[4], int d,
+                            float out[2][4]) {
+    float acc[2][4][8];
+    for (int p = 0; p < 2; p++)
+        for (int q = 0; q < 4; q++)
+            for (int l = 0; l < 8; l++) acc[p][q][l] = 0.f;
+    const float *restrict x0 = x[0], *restrict x1 = x[1], *restrict x2 = x[2], *restrict x3 = x[3];
+    for (int i = 0; i < d; i += 8)
+        for (int l = 0; l < 8; l++) {
+            const float u = a0[i + l], v = a1[i + l];
+            acc[0][0][l] = acc[0][0][l] + u * x0[i + l];
+            acc[0][1][l] = acc[0][1][l] + u * x1[i + l];
+            acc[0][2][l] = acc[0][2][l] + u * x2[i + l];
+            acc[0][3][l] = acc[0][3][l] + u * x3[i + l];
+            acc[1][0][l] = acc[1][0][l] + v * x0[i + l];
+            acc[1][1][l] = acc[1][1][l] + v * x1[i + l];
+            acc[1][2][l] = acc[1][2][l] + v * x2[i + l];
+            acc[1][3][l] = acc[1][3][l] + v * x3[i + l];
+        }
+    for (int p = 0; p < 2; p++)
+        for (int q = 0; q < 4; q++) out[p][q] = sum8(acc[p][q]);
+}
+
 /* Thread t's share of h[r] = A x_r (x [n, in], rows x_stride apart) for every row
- * with an adapter that adapts linear `which`: items are the adapters' rows of A. */
+ * with an adapter that adapts linear `which`: items are the adapters' rows of A,
+ * taken two at a time over four rows at a time (a missing one repeats the first
+ * and its result is dropped). */
 static void lora_shrink(const Step *S, const Buffers *B, int layer, int which, const float *x, long x_stride, int in,
                         int t, int nt) {
     int total = 0;
     for (int a = 0; a < S->num_loras; a++)
         if (B->lora_starts[a + 1] > B->lora_starts[a]) total += lora_linear(S, a, layer, which)->rank;
     const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt);
+    const int W = S->lora_width;
     for (int a = 0, first = 0; a < S->num_loras && first < hi; a++) {
         const int g0 = B->lora_starts[a], g1 = B->lora_starts[a + 1];
         const LoraLinear *L = lora_linear(S, a, layer, which);
@@ -214,14 +247,48 @@ static void lora_shrink(const Step *S, const Buffers *B, int layer, int which, c
         const int j0 = lo > first ? lo - first : 0, j1 = hi - first < L->rank ? hi - first : L->rank;
         for (int b0 = g0; b0 < g1; b0 += LORA_ROW_BLOCK) {
             const int b1 = b0 + LORA_ROW_BLOCK < g1 ? b0 + LORA_ROW_BLOCK : g1;
-            for (int j = j0; j < j1; j++)
-                for (int i = b0; i < b1; i++) {
-                    const int r = B->lora_rows[i];
-                    B->lora_h[(size_t)r * S->lora_width + j] = dot8(L->a + (size_t)j * in, x + (size_t)r * x_stride, in);
+            for (int j = j0; j < j1; j += 2) {
+                const int pair = j + 1 < j1;
+                const float *a0 = L->a + (size_t)j * in, *a1 = pair ? a0 + in : a0;
+                for (int i = b0; i < b1; i += 4) {
+                    const int rows = b1 - i < 4 ? b1 - i : 4;
+                    const float *xs[4];
+                    for (int q = 0; q < 4; q++) xs[q] = x + (size_t)B->lora_rows[i + (q < rows ? q : 0)] * x_stride;
+                    float out[2][4];
+                    dot8_2x4(a0, a1, xs, in, out);
+                    for (int q = 0; q < rows; q++) {
+                        float *h = B->lora_h + (size_t)B->lora_rows[i + q] * W + j;
+                        h[0] = out[0][q];
+                        if (pair) h[1] = out[1][q];
+                    }
                 }
+            }
         }
         first += L->rank;
     }
+}
+
+/* y[q][c] += sum over j of h[q][j] * bt[j, c] for c < width (16, or 8 at a
+ * module's end: its columns are a multiple of 8) and up to 4 rows side by side
+ * (a missing row repeats the first and is not written). Called with a
+ * constant width, so each is its own unrolled loop. */
+static inline void expand_tile(const float *restrict bt, int cols, int rank, const float *const h[4],
+                               float *const y[4], int rows, int width) {
+    float acc[4][16];
+    for (int q = 0; q < 4; q++)
+        for (int c = 0; c < 16; c++) acc[q][c] = 0.f;
+    for (int j = 0; j < rank; j++) {
+        const float *restrict b = bt + (size_t)j * cols;
+        const float h0 = h[0][j], h1 = h[1][j], h2 = h[2][j], h3 = h[3][j];
+        for (int c = 0; c < width; c++) {
+            acc[0][c] = acc[0][c] + b[c] * h0;
+            acc[1][c] = acc[1][c] + b[c] * h1;
+            acc[2][c] = acc[2][c] + b[c] * h2;
+            acc[3][c] = acc[3][c] + b[c] * h3;
+        }
+    }
+    for (int q = 0; q < rows; q++)
+        for (int c = 0; c < width; c++) y[q][c] = y[q][c] + acc[q][c];
 }
 
 /* Thread t's share of y[r, module columns] += h[r, module's ranks] B^T for those
@@ -236,6 +303,7 @@ static void lora_expand(const Step *S, const Buffers *B, int layer, int which, f
         for (int m = 0; m < L->num_modules; m++) total += (L->col_count[m] + LORA_COLS - 1) / LORA_COLS;
     }
     const int lo = (int)((long)total * t / nt), hi = (int)((long)total * (t + 1) / nt);
+    const int W = S->lora_width;
     int item = 0;
     for (int a = 0; a < S->num_loras && item < hi; a++) {
         const LoraLinear *L = lora_linear(S, a, layer, which);
@@ -245,17 +313,21 @@ static void lora_expand(const Step *S, const Buffers *B, int layer, int which, f
             const int cols = L->col_count[m], rank = L->rank_count[m];
             for (int c0 = 0; c0 < cols; c0 += LORA_COLS, item++) {
                 if (item < lo || item >= hi) continue;
-                const int width = c0 + LORA_COLS < cols ? LORA_COLS : cols - c0;
-                for (int i = g0; i < g1; i++) {
-                    const int r = B->lora_rows[i];
-                    const float *h = B->lora_h + (size_t)r * S->lora_width + L->rank_start[m];
-                    float acc[LORA_COLS] = {0.f};
-                    for (int j = 0; j < rank; j++) {
-                        const float hj = h[j], *b = L->bt[m] + (size_t)j * cols + c0;
-                        for (int c = 0; c < width; c++) acc[c] = acc[c] + b[c] * hj;
+                const int c1 = c0 + LORA_COLS < cols ? c0 + LORA_COLS : cols;
+                for (int i = g0; i < g1; i += 4) {
+                    const int rows = g1 - i < 4 ? g1 - i : 4;
+                    const float *h[4];
+                    float *out[4];
+                    for (int q = 0; q < 4; q++) {
+                        const int r = B->lora_rows[i + (q < rows ? q : 0)];
+                        h[q] = B->lora_h + (size_t)r * W + L->rank_start[m];
+                        out[q] = y + (size_t)r * y_stride + L->col_start[m];
                     }
-                    float *out = y + (size_t)r * y_stride + L->col_start[m] + c0;
-                    for (int c = 0; c < width; c++) out[c] = out[c] + acc[c];
+                    for (int c = c0; c < c1; c += 16) {
+                        float *at[4] = {out[0] + c, out[1] + c, out[2] + c, out[3] + c};
+                        if (c + 16 <= c1) expand_tile(L->bt[m] + c, cols, rank, h, at, rows, 16);
+                        else expand_tile(L->bt[m] + c, cols, rank, h, at, rows, 8);
+                    }
                 }
             }
         }

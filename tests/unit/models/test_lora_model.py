@@ -61,6 +61,8 @@ class Stepper:
         for step in range(max(START_STEP) + NEW_TOKENS):
             decodes = [s for s in seqs if s.start < step and len(s.tokens) < s.prompt_len + NEW_TOKENS]
             prefills = [s for s in seqs if s.start == step]
+            if not decodes + prefills:
+                break
             ids, positions, slots, rows, last = [], [], [], [], []
             tables, lens, chunks = [], [], []
             for s in decodes + prefills:
@@ -91,8 +93,9 @@ class Stepper:
 
 
 def _prompts() -> list[list[int]]:
+    """Prompts of 20 and 30 tokens give an adapter more rows in one step than the C side's 16-row blocks."""
     g = torch.Generator().manual_seed(11)
-    return [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (5, 9, 3, 14, 7, 11, 6, 2)]
+    return [torch.randint(10, 49000, (n,), generator=g).tolist() for n in (5, 20, 3, 30, 7, 11, 6, 2)]
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +174,11 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_fused_path_matches_torch_path(setup, isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Quantized weights (q8_0 at load), on every ISA path: the fused C stack with
     adapters equals the torch path with adapters on the same weights (same int8
-    tiles; only fp32 summation order differs, ~1e-7 relative here), greedy tokens
-    included. Against the merged float32 reference the logits are within 8%
+    tiles; only fp32 summation order differs, ~1e-7 relative), greedy tokens
+    included. As in test_fused_decoder.py, that order can move one activation
+    across an int8 rounding step on a long prompt (measured: the 30-token one,
+    0.6%, on the avx512_vnni and avx2 paths): so all within 1%, all but two
+    within 1e-5. Against the merged float32 reference the logits are within 8%
     (relative L2; base rows alike: int8 weights and activations of these random
     weights, not the adapters), and each adapter's rows land at least twice as
     close to their merged reference with the adapter as without it."""
@@ -187,8 +193,13 @@ def test_fused_path_matches_torch_path(setup, isa: str, monkeypatch: pytest.Monk
         assert x is not None and y is not None
         return float((x - y).norm() / y.norm())
 
+    # Batch invariance: the 30-token adapter sequence alone computes bit for bit what it did in the mix.
+    alone = Stepper(fused_model).generate([_prompts()[3]], [0], [_adapters(fused_model, folders)[SEQ_ADAPTER[3]]])
+    assert alone[0].tokens == by_fused[3].tokens and torch.equal(alone[0].first_logits, by_fused[3].first_logits)
+    exact = sum(distance(f.first_logits, t.first_logits) < 1e-5 for t, f in zip(by_torch, by_fused))
+    assert exact >= len(SEQ_ADAPTER) - 2
     for t, f, p, want, a in zip(by_torch, by_fused, plain, want_logits, SEQ_ADAPTER):
-        assert distance(f.first_logits, t.first_logits) < 1e-5
+        assert distance(f.first_logits, t.first_logits) < 1e-2
         assert f.tokens == t.tokens
         assert distance(f.first_logits, want) < 0.08
         if a >= 0:
