@@ -37,3 +37,15 @@ export function replace(node, ...children) {
   node.replaceChildren();
   return append(node, children);
 }
+
+let fieldCount = 0;
+
+/**
+ * field('Name', control): the control with its label beside it, not around it
+ * (a wrapped input's value or a select's options would join the label's
+ * accessible name). Gives the control an id when it has none.
+ */
+export function field(text, control) {
+  if (!control.id) control.id = `field-${++fieldCount}`;
+  return h('span', { class: 'field' }, h('label', { for: control.id }, text), control);
+}

@@ -1,7 +1,7 @@
 // Keys: create (the secret shown once), list, edit limits and budgets, revoke;
 // usage per key over time from GET /console/usage (the ledger).
 import { chart } from './charts.js';
-import { h, replace } from './dom.js';
+import { field, h, replace } from './dom.js';
 import { showRefusal } from './operator.js';
 
 const LIMITS = [
@@ -12,17 +12,11 @@ const LIMITS = [
 ];
 
 function numberField(name, label, value) {
-  const id = `key-${name}-${Math.random().toString(36).slice(2, 8)}`;
-  return h(
-    'label',
-    { for: id },
-    label,
-    h('input', { id, name, type: 'number', min: 1, step: 1, inputmode: 'numeric', value: value ?? '', placeholder: 'no limit' }),
-  );
+  return field(label, h('input', { name, type: 'number', min: 1, step: 1, inputmode: 'numeric', value: value ?? '', placeholder: 'no limit' }));
 }
 
 function selectField(name, label, options, value) {
-  return h('label', {}, label, h('select', { name }, options.map((o) => h('option', { value: o, selected: o === value }, o))));
+  return field(label, h('select', { name }, options.map((o) => h('option', { value: o, selected: o === value }, o))));
 }
 
 /** The form's fields as a key body: empty number fields are null (no limit). */
@@ -47,11 +41,11 @@ function readForm(form, { forEdit }) {
 
 function keyFields(key = {}) {
   return [
-    h('label', {}, 'Name', h('input', { name: 'name', required: !key.id, maxlength: 200, value: key.name ?? '', autocomplete: 'off' })),
+    field('Name', h('input', { name: 'name', required: !key.id, maxlength: 200, value: key.name ?? '', autocomplete: 'off' })),
     LIMITS.map(([field, label]) => numberField(field, label, key[field])),
     selectField('budget_period', 'Budget period', ['month', 'day'], key.budget_period ?? 'month'),
     selectField('priority', 'Priority', ['interactive', 'batch'], key.priority ?? 'interactive'),
-    h('label', {}, 'Models (comma-separated; empty: all)', h('input', { name: 'models', value: (key.models ?? []).join(', ') })),
+    field('Models (comma-separated; empty: all)', h('input', { name: 'models', value: (key.models ?? []).join(', ') })),
   ];
 }
 
@@ -188,12 +182,11 @@ export function mount(root, ctx) {
     picker.addEventListener('change', () => { usageKey = picker.value; refresh(); });
     bucket.addEventListener('change', () => { usageBucket = bucket.value; refresh(); });
     const shown = (usageKey ? active.filter((k) => k.key_id === usageKey) : active).slice(0, 4);
-    // Labels beside their selects, not around them: a wrapped select's options would join the label's name.
     const controls = h(
       'form',
       { class: 'inline', 'aria-label': 'Usage view' },
-      h('span', { class: 'field' }, h('label', { for: 'usage-key' }, 'Key'), picker),
-      h('span', { class: 'field' }, h('label', { for: 'usage-bucket' }, 'Buckets'), bucket),
+      field('Key', picker),
+      field('Buckets', bucket),
     );
     if (!shown.length) {
       replace(usageSlot, controls, h('p', { class: 'muted' }, 'No usage recorded in this time.'));

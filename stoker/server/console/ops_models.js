@@ -1,7 +1,7 @@
 // Models through the existing /admin/models API: load (a new model, a swap, or a
 // canary), canary share, promote, roll back, unload; each version's status and digest.
 import { format } from './charts.js';
-import { h, replace } from './dom.js';
+import { field, h, replace } from './dom.js';
 import { showRefusal } from './operator.js';
 
 function versionRow(role, v) {
@@ -27,10 +27,10 @@ export function mount(root, ctx) {
   const loadForm = h(
     'form',
     { class: 'inline', 'aria-label': 'Load a model' },
-    h('label', {}, 'Name', h('input', { name: 'name', required: true, maxlength: 128, autocomplete: 'off' })),
-    h('label', {}, 'Path on the server', h('input', { name: 'path', required: true, maxlength: 4096, size: 40 })),
-    h('label', {}, 'Digest (optional)', h('input', { name: 'digest', placeholder: 'sha256:…', pattern: 'sha256:[0-9a-fA-F]{64}', size: 24 })),
-    h('label', {}, 'Canary % (optional)', h('input', { name: 'canary_percent', type: 'number', min: 0, max: 100, step: 'any' })),
+    field('Name', h('input', { name: 'name', required: true, maxlength: 128, autocomplete: 'off' })),
+    field('Path on the server', h('input', { name: 'path', required: true, maxlength: 4096, size: 40 })),
+    field('Digest (optional)', h('input', { name: 'digest', placeholder: 'sha256:…', pattern: 'sha256:[0-9a-fA-F]{64}', size: 24 })),
+    field('Canary % (optional)', h('input', { name: 'canary_percent', type: 'number', min: 0, max: 100, step: 'any' })),
     h('button', { type: 'submit', class: 'primary' }, 'Load'),
   );
   replace(
@@ -76,8 +76,8 @@ export function mount(root, ctx) {
     const name = encodeURIComponent(m.name).replace(/%2F/g, '/');
     const actions = h('div', { class: 'inline' });
     if (m.canary) {
-      const percent = h('input', { type: 'number', min: 0, max: 100, step: 'any', value: m.canary_percent, id: `canary-${m.name}` });
-      const share = h('form', { class: 'inline', 'aria-label': `Canary share of ${m.name}` }, h('label', { for: percent.id }, 'Canary %', percent), h('button', { type: 'submit' }, 'Set share'));
+      const percent = h('input', { type: 'number', min: 0, max: 100, step: 'any', value: m.canary_percent });
+      const share = h('form', { class: 'inline', 'aria-label': `Canary share of ${m.name}` }, field('Canary %', percent), h('button', { type: 'submit' }, 'Set share'));
       share.addEventListener('submit', (event) => {
         event.preventDefault();
         act(`Canary share of ${m.name}`, `/admin/models/${name}/canary`, { method: 'PUT', body: { percent: Number(percent.value) } });

@@ -1,6 +1,6 @@
 // The most recent requests (GET /console/requests: the server keeps the last 500), newest first.
 import { format } from './charts.js';
-import { h, replace } from './dom.js';
+import { field, h, replace } from './dom.js';
 import { showRefusal } from './operator.js';
 
 const POLL_MS = 2000;
@@ -30,7 +30,7 @@ export function mount(root, ctx) {
   const body = h('tbody');
   replace(
     root,
-    h('form', { class: 'inline', 'aria-label': 'Table options' }, h('label', { for: 'requests-limit' }, 'Show', limit), h('label', { class: 'check', for: 'requests-pause' }, paused, 'Pause updates')),
+    h('form', { class: 'inline', 'aria-label': 'Table options' }, field('Show', limit), h('label', { class: 'check', for: 'requests-pause' }, paused, 'Pause updates')),
     status,
     h('div', { class: 'table-wrap' }, h('table', { 'aria-label': 'Recent requests' }, h('thead', {}, h('tr', {}, COLUMNS.map((c) => h('th', { scope: 'col' }, c)))), body)),
   );
