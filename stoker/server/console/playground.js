@@ -262,8 +262,9 @@ export async function mount(root, ctx) {
     try {
       const listing = await ctx.api.fetchJSON('/v1/models', { signal: ctx.signal });
       if (mine !== listings) return;
-      // Chat models are the fleet's, which carry a version; the embedding model's entry has none.
-      const ids = (listing?.data ?? []).filter((m) => m.version !== undefined).map((m) => m.id);
+      // Chat models: the fleet's of kind generate, and the LoRA adapters on them (listed with a parent);
+      // rerankers and the embedding model are left out.
+      const ids = (listing?.data ?? []).filter((m) => m.kind === 'generate' || m.parent !== undefined).map((m) => m.id);
       modelProblem = null;
       say(null);
       settings.setModels(ids, ids.length ? null : 'This server serves no chat model.');

@@ -44,6 +44,8 @@ async def list_models(request: Request) -> JSONObject:
             "max_model_len": stable.engine.info.max_model_len if stable.engine.info else None,
             "version": stable.label,
             "digest": stable.digest,
+            # What it serves ("generate": chat and completions; "rerank"), so a client can offer the right models.
+            "kind": stable.kind,
             "sleeping": stable.sleep.asleep,  # its engine sleeps; the next request wakes it (docs/sleep.md)
         }
         if model.canary is not None:

@@ -85,6 +85,9 @@ def send(page: Page, text: str, max_tokens: int = 12) -> Any:
 def test_chat_streams_shows_figures_and_switches_model(
     console_server: ConsoleServer, page: Page, screenshot: Screenshot
 ) -> None:
+    # The picker offers /v1/models' entries of kind generate (and adapters), never a reranker.
+    listed = httpx.get(console_server.url + "/v1/models", headers=console_server.admin_headers()).json()["data"]
+    assert {m["id"]: m["kind"] for m in listed} == {CHAT_MODEL: "generate", THINKING_MODEL: "generate"}
     open_chat(console_server, page)
     page.get_by_label("Logprobs (token view)").check()
     page.get_by_label("Top logprobs (0–20)").fill("3")
