@@ -243,7 +243,10 @@ export async function mount(root, ctx) {
   }
 
   async function open(c) {
-    if (streaming) return;
+    if (streaming) {
+      say('A reply is still streaming: stop it (Esc) before opening another conversation.');
+      return;
+    }
     conversation = c;
     tokensShown.clear();
     settings.write(c.settings);
