@@ -285,12 +285,15 @@ class IdleWatch:
                 begin_sleep(version, self.drain_timeout, self.holds, self.spawn)
 
     async def sleep(self, version: ModelVersion) -> bool:
-        """Put the version to sleep now (draining it first); False when it cannot sleep."""
+        """Put the version to sleep now (draining it first), or wait for the sleep
+        under way; whether it sleeps (False: its engine is not running)."""
+        sleep = version.sleep
         task = begin_sleep(version, self.drain_timeout, self.holds, self.spawn)
-        if task is None:
-            return False
-        await asyncio.shield(task)
-        return True
+        if task is None and sleep.transition is not None and not sleep.waking:
+            task = sleep.transition
+        if task is not None:
+            await asyncio.shield(task)
+        return sleep.asleep
 
     async def wake(self, version: ModelVersion, deadline: float | None = None) -> None:
         await wake_for(version, deadline, self.spawn)

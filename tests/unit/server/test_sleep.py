@@ -9,6 +9,9 @@ model, never idle-slept, keeps its engine throughout."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from conftest import ServerProcess, start_server
+from conftest import REPO, ServerProcess, start_server
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_loras import ALL_MODULES, ATTENTION, make_peft_adapter
 from tiny_models import make_tiny_hf_model
@@ -95,6 +98,14 @@ def _metric(server: ServerProcess, sample: str, model: str) -> float:
             if s.name == sample and s.labels.get("model_name") == model:
                 return s.value
     return 0.0
+
+
+def _models_cli(server: ServerProcess, *args: str) -> str:
+    command = [sys.executable, "-m", "stoker.cli", "models", "--url", server.url, *args]
+    env = {"STOKER_API_KEY": KEYS["admin"], "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def _engines_rss(server: ServerProcess) -> int:
@@ -189,13 +200,10 @@ def test_operators_sleep_and_wake_models_and_nobody_else_may(server: ServerProce
     assert woke.status_code == 200 and woke.json()["is_sleeping"] is False
     assert _stable(server, "awake")["engine_pid"] is not None
 
-    # The admin API's verbs, as `stoker models sleep|wake` sends them.
-    slept = httpx.post(f"{url}/admin/models/awake/sleep", headers=_admin(), timeout=60)
-    assert slept.status_code == 200 and slept.json() == {
-        "name": "awake",
-        "is_sleeping": True,
-        "models": {"awake": {"is_sleeping": True}},
-    }
+    # The admin API's verbs, through `stoker models sleep|list`.
+    slept = _models_cli(server, "sleep", "awake")
+    assert json.loads(slept) == {"name": "awake", "is_sleeping": True, "models": {"awake": {"is_sleeping": True}}}
+    assert any(line.split()[:3] == ["awake", "v1", "sleeping"] for line in _models_cli(server, "list").splitlines())
     assert _greedy(server, "awake")  # a request wakes it as well
     assert httpx.post(f"{url}/admin/models/awake/wake", headers=_admin(), timeout=60).json()["is_sleeping"] is False
 
