@@ -89,8 +89,10 @@ async def generate(attempt: Generation) -> Response:
     outcome: Outcome | None = None  # None: nothing to report (an unexpected failure propagates)
     try:
         try:
-            # A sleeping model wakes first (docs/sleep.md); its wake failing is a 503, its deadline passing a 504.
-            await until_disconnect(attempt.request, attempt.state.fleet.sleep.wake(attempt.version, job.deadline))
+            # A sleeping model wakes first (docs/sleep.md), watching for the client leaving meanwhile; its wake
+            # failing is a 503, its deadline passing a 504. An awake one passes at once, with no task to start.
+            waking = attempt.state.fleet.sleep.wake(attempt.version, job.deadline)
+            await (until_disconnect(attempt.request, waking) if attempt.version.sleep.asleep else waking)
             # Wait for the first delta before committing to a status, so early
             # failures (engine down, request rejected, deadline) are real HTTP errors.
             first = await until_disconnect(attempt.request, events.__anext__())
