@@ -287,6 +287,10 @@ class Adapters:
                 adapter.digest = await in_worker(
                     lambda cancel: adapter_digest(spec.path, cancel), fleet.check_timeout, f"adapter {spec.name}"
                 )
+            except FileNotFoundError:
+                if spec.digest is not None or not os.path.isdir(spec.path):
+                    raise FleetError(f"adapter {spec.name}: no {spec.path} to read its digest from") from None
+                # A folder without adapter_model.safetensors (.bin weights, a wrong folder): the engine says why.
             except OSError as exc:
                 raise FleetError(f"adapter {spec.name}: cannot read {spec.path}: {exc}") from None
             if spec.digest is not None and adapter.digest != spec.digest:

@@ -53,6 +53,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     found["wide"] = _widened(found["sql"], root / "wide", 2 * MAX_LORA_RANK)
     found["corrupt"] = _copy(found["chat"], root / "corrupt")
     (found["corrupt"] / "adapter_model.safetensors").write_bytes(b"\x00not a safetensors file" * 10)
+    found["pickled"] = _copy(found["chat"], root / "pickled")
+    (found["pickled"] / "adapter_model.safetensors").rename(found["pickled"] / "adapter_model.bin")
     found["alien"] = _reshaped(found["chat"], root / "alien")
     found["renamed"] = _renamed_module(found["chat"], root / "renamed")
     return found
@@ -256,13 +258,14 @@ BAD_ADAPTERS = [
     ("renamed", "renamed", {}, r"adapter renamed: .*qkv_fused"),
     ("corrupt", "corrupt", {}, r"adapter corrupt: .*(corrupt|unreadable)"),
     ("missing", "nowhere", {}, r"adapter missing: no adapter at .*nowhere"),
+    ("pickled", "pickled", {}, r"adapter pickled: adapter_model.bin is a pickle"),
     ("pinned", "mlp", {"digest": "sha256:" + "0" * 64}, r"adapter pinned: digest mismatch"),
     ("sql", "mlp", {}, r"adapter sql: the name is taken by an adapter"),
     ("tiny", "mlp", {}, r"adapter tiny: the name is taken by a model"),
     ("other", "mlp", {"base_model_name": "huge"}, r"adapter other: no model huge"),
 ]
 """(name, file, extra body, the reason the 400 gives): another base's shapes, a rank above
---max-lora-rank, a module Llama does not have, a corrupt or missing file, a digest mismatch,
+--max-lora-rank, a module Llama does not have, a corrupt, missing or pickled file, a digest mismatch,
 a name taken, a base not served."""
 
 
