@@ -15,6 +15,7 @@ open: sleeping a model makes every client wait for its wake.
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -68,8 +69,7 @@ def _state(models: list[ServedModel]) -> dict[str, Any]:
 
 async def _sleep(state: ServerState, models: list[ServedModel]) -> dict[str, Any]:
     versions = _versions(models)
-    for version in versions:
-        await state.fleet.sleep.sleep(version)
+    await asyncio.gather(*(state.fleet.sleep.sleep(v) for v in versions))  # each drains at once
     down = [v for v in versions if not v.sleep.asleep]
     if down:
         # Its engine is restarting after a crash (or failed): nothing to put to sleep, and no wake would follow.
@@ -83,8 +83,7 @@ async def _sleep(state: ServerState, models: list[ServedModel]) -> dict[str, Any
 
 
 async def _wake(state: ServerState, models: list[ServedModel]) -> dict[str, Any]:
-    for version in _versions(models):
-        await state.fleet.sleep.wake(version)
+    await asyncio.gather(*(state.fleet.sleep.wake(v) for v in _versions(models)))
     return _state(models)
 
 

@@ -142,5 +142,7 @@ async def flush_cache(request: Request) -> dict[str, Any]:
     except EngineUnavailableError as exc:
         raise unavailable(str(exc)) from None
     if not flushed:
+        if any(v.sleep.asleep for v in state.fleet.versions()):
+            return {"flushed": True, "num_blocks": 0}  # a sleeping engine's RAM cache ended with its process
         raise unavailable("no engine is running")
     return {"flushed": True, "num_blocks": sum(flushed)}

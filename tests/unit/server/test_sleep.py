@@ -191,11 +191,13 @@ def test_operators_sleep_and_wake_models_and_nobody_else_may(server: ServerProce
         assert httpx.post(f"{url}/admin/models/awake/sleep", headers=headers).status_code == expected
     assert not _stable(server, "awake")["sleeping"]
 
-    answer = httpx.post(f"{url}/sleep", params={"model": "awake", "level": 1}, headers=_admin(), timeout=60)
+    answer = httpx.post(f"{url}/sleep", params={"level": 1}, headers=_admin(), timeout=60)  # every model
     assert answer.status_code == 200 and answer.json()["is_sleeping"] is True, answer.text
     assert httpx.get(f"{url}/is_sleeping", params={"model": "awake"}, headers=_admin()).json()["is_sleeping"]
-    assert _stable(server, "awake")["engine_pid"] is None
+    assert _stable(server, "awake")["engine_pid"] is None and _stable(server, "dozy")["engine_pid"] is None
     assert httpx.get(f"{url}/ready").status_code == 200
+    flushed = httpx.post(f"{url}/flush_cache", headers=_admin())  # a router's fan-out finds nothing to flush
+    assert flushed.status_code == 200 and flushed.json() == {"flushed": True, "num_blocks": 0}, flushed.text
     woke = httpx.post(f"{url}/wake_up", params={"model": "awake"}, headers=_admin(), timeout=120)
     assert woke.status_code == 200 and woke.json()["is_sleeping"] is False
     assert _stable(server, "awake")["engine_pid"] is not None
