@@ -32,7 +32,7 @@ from typing import Any, Literal
 from stoker.engine.client import AsyncEngineClient, EngineUnavailableError, LoraRejectedError
 from stoker.engine.params import LoraInfo
 from stoker.errors import APIError
-from stoker.models.digest import file_sha256
+from stoker.models.digest import model_digest
 from stoker.server.fleet import (
     Fleet,
     FleetError,
@@ -48,8 +48,6 @@ from stoker.server.fleet import (
 
 log = logging.getLogger("stoker.server")
 
-PEFT_WEIGHTS = "adapter_model.safetensors"
-"""The file a PEFT adapter folder's digest is taken of (its config is small and read as it loads)."""
 LORA_FORM = "[BASE:]NAME=PATH[@sha256:DIGEST]"
 
 AdapterStatus = Literal["loading", "serving", "draining"]
@@ -63,7 +61,7 @@ class AdapterSpec:
     path: str
     """A PEFT folder (adapter_config.json + adapter_model.safetensors) or a llama.cpp GGUF LoRA file."""
     digest: str | None = None
-    """"sha256:<hex>" its weights must have (a PEFT folder: of adapter_model.safetensors), or None: not pinned."""
+    """"sha256:<hex>" its files must have (adapter_digest), or None: not pinned."""
 
 
 def parse_lora_module(text: str, models: Sequence[str]) -> AdapterSpec:
@@ -126,10 +124,10 @@ def _reason(name: str, message: str) -> str:
 
 
 def adapter_digest(path: str, cancel: threading.Event | None = None) -> str:
-    """ "sha256:<hex>" of a GGUF LoRA file, or of a PEFT folder's
-    adapter_model.safetensors (the same as `sha256sum FOLDER/adapter_model.safetensors`)."""
-    target = os.path.join(path, PEFT_WEIGHTS) if os.path.isdir(path) else path
-    return "sha256:" + file_sha256(target, cancel)
+    """ "sha256:<hex>" of a GGUF LoRA file (`sha256sum FILE`), or of a PEFT folder the way a model
+    folder's is taken (stoker/models/digest.py): its adapter_config.json counts, since its alpha,
+    rank and target settings change the arithmetic as much as the weights do."""
+    return model_digest(path, cancel)
 
 
 @dataclass(eq=False)
@@ -287,7 +285,7 @@ class Adapters:
                 adapter.digest = await in_worker(
                     lambda cancel: adapter_digest(spec.path, cancel), fleet.check_timeout, f"adapter {spec.name}"
                 )
-            except FileNotFoundError:
+            except (FileNotFoundError, ValueError):  # ValueError: a folder with no weight or config file
                 if spec.digest is not None or not os.path.isdir(spec.path):
                     raise FleetError(f"adapter {spec.name}: no {spec.path} to read its digest from") from None
                 # A folder without adapter_model.safetensors (.bin weights, a wrong folder): the engine says why.

@@ -339,3 +339,17 @@ def test_yaml_and_environment_name_adapters_too(files: dict[str, Path]) -> None:
     from_env = env_values(ServerConfig, {"STOKER_LORA_MODULES": " ".join(entries)})
     assert ServerConfig.model_validate(from_env).lora_modules == entries
     assert ServerConfig.model_validate({"lora_modules": entries}).lora_modules == entries
+
+
+def test_a_pin_covers_the_adapters_config_not_only_its_weights(files: dict[str, Path], tmp_path: Path) -> None:
+    # lora_alpha scales the update as much as the weights do: a pinned adapter whose config was
+    # edited must not pass its pin. A README is no part of the arithmetic and may change.
+    folder = tmp_path / "sql"
+    shutil.copytree(files["sql"], folder)
+    pinned = adapter_digest(str(folder))
+    (folder / "README.md").write_text("edited model card\n")
+    assert adapter_digest(str(folder)) == pinned
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config["lora_alpha"] = config["lora_alpha"] * 4
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert adapter_digest(str(folder)) != pinned
