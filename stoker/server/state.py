@@ -95,6 +95,18 @@ def get_state(request: Request) -> ServerState:
     return state
 
 
+async def operator_state(request: Request) -> ServerState:
+    """The state for an operator's change to the fleet (models, sleep): the key may operate
+    (hooks.run_operator), and the server is loaded and not shutting down."""
+    state = get_state(request)
+    await state.hooks.run_operator(request)
+    if state.draining:
+        raise APIError(503, "the server is shutting down", type="service_unavailable", code="draining")
+    if not state.loaded:
+        raise APIError(503, "the server is still loading its models", type="service_unavailable", retry_after=1)
+    return state
+
+
 async def run_before_hooks(request: Request) -> None:
     """FastAPI dependency on every API route: authentication and limits plug in here."""
     await get_state(request).hooks.run_before(request)

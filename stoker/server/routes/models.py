@@ -31,7 +31,7 @@ from starlette.convertors import Convertor, register_url_convertor
 from stoker.errors import APIError
 from stoker.json_types import Number
 from stoker.server.fleet import NAME_PATTERN, FleetError
-from stoker.server.state import ServerState, get_state
+from stoker.server.state import ServerState, operator_state
 
 router = APIRouter(prefix="/admin/models", tags=["admin"])
 
@@ -80,16 +80,6 @@ class CanaryShare(BaseModel):
     percent: Number = Field(ge=0, le=100)
 
 
-async def _operator(request: Request) -> ServerState:
-    state = get_state(request)
-    await state.hooks.run_operator(request)
-    if state.draining:
-        raise APIError(503, "the server is shutting down", type="service_unavailable", code="draining")
-    if not state.loaded:
-        raise APIError(503, "the server is still loading its models", type="service_unavailable", retry_after=1)
-    return state
-
-
 def _listing(state: ServerState) -> dict[str, Any]:
     return {
         "object": "list",
@@ -105,12 +95,12 @@ def _bad(exc: FleetError) -> APIError:
 
 @router.get("")
 async def list_models(request: Request) -> dict[str, Any]:
-    return _listing(await _operator(request))
+    return _listing(await operator_state(request))
 
 
 @router.post("")
 async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     try:
         if body.base is not None:
             if body.canary_percent is not None:
@@ -126,7 +116,7 @@ async def load_model(body: LoadModel, request: Request) -> dict[str, Any]:
 
 
 async def _end_canary(name: str, action: Literal["promote", "rollback"], request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     try:
         version = state.fleet.promote(name) if action == "promote" else state.fleet.rollback(name)
     except FleetError as exc:
@@ -150,7 +140,7 @@ async def rollback(name: str, request: Request) -> dict[str, Any]:
 
 @router.put("/{name:model_name}/canary")
 async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     try:
         state.fleet.set_canary_percent(name, body.percent)
     except FleetError as exc:
@@ -160,7 +150,7 @@ async def canary_share(name: str, body: CanaryShare, request: Request) -> dict[s
 
 @router.delete("/{name:model_name}")
 async def unload(name: str, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     if name not in state.fleet.models and name in state.fleet.adapters.adapters:
         adapter = state.fleet.adapters.remove(name)
         return {"name": name, "base": adapter.base, "unloaded": "adapter", "draining": True}

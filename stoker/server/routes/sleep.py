@@ -22,21 +22,11 @@ from fastapi import APIRouter, Query, Request
 
 from stoker.errors import APIError
 from stoker.server.fleet import ModelVersion, ServedModel
-from stoker.server.state import ServerState, get_state
+from stoker.server.state import ServerState, operator_state
 
 router = APIRouter(tags=["admin"])
 
 MODEL_QUERY = Query(None, min_length=1, max_length=128, description="the model to act on; none: every model")
-
-
-async def _operator(request: Request) -> ServerState:
-    state = get_state(request)
-    await state.hooks.run_operator(request)
-    if state.draining:
-        raise APIError(503, "the server is shutting down", type="service_unavailable", code="draining")
-    if not state.loaded:
-        raise APIError(503, "the server is still loading its models", type="service_unavailable", retry_after=1)
-    return state
 
 
 def _models(state: ServerState, name: str | None) -> list[ServedModel]:
@@ -90,30 +80,30 @@ async def _wake(state: ServerState, models: list[ServedModel]) -> dict[str, Any]
 @router.post("/sleep")
 async def sleep(request: Request, model: str | None = MODEL_QUERY, level: int = Query(1, ge=1, le=2)) -> dict[str, Any]:
     """Put a model (none: every model) to sleep now; its requests in flight finish first."""
-    state = await _operator(request)
+    state = await operator_state(request)
     return await _sleep(state, _models(state, model))
 
 
 @router.post("/wake_up")
 async def wake_up(request: Request, model: str | None = MODEL_QUERY) -> dict[str, Any]:
     """Wake a sleeping model (none: every model); answers once its engine serves."""
-    state = await _operator(request)
+    state = await operator_state(request)
     return await _wake(state, _models(state, model))
 
 
 @router.get("/is_sleeping")
 async def is_sleeping(request: Request, model: str | None = MODEL_QUERY) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     return _state(_models(state, model))
 
 
 @router.post("/admin/models/{name:model_name}/sleep")
 async def admin_sleep(name: str, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     return {"name": name, **await _sleep(state, _models(state, name))}
 
 
 @router.post("/admin/models/{name:model_name}/wake")
 async def admin_wake(name: str, request: Request) -> dict[str, Any]:
-    state = await _operator(request)
+    state = await operator_state(request)
     return {"name": name, **await _wake(state, _models(state, name))}
