@@ -188,9 +188,12 @@ def console_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Console
         server.process.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A headless Chromium with a fresh profile: a Playwright BrowserContext."""
+    """A headless Chromium with a fresh profile: a Playwright BrowserContext. Per module, never per
+    session: Playwright's sync API keeps an event loop running in the main thread while it is open,
+    and every later test that calls asyncio.run() would fail ("cannot be called from a running
+    event loop")."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is not installed (apt-get install chromium)")
     from playwright.sync_api import sync_playwright

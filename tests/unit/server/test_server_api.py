@@ -197,10 +197,10 @@ def test_openapi_documents_every_answer(http: httpx.Client) -> None:
 
 
 def test_405_names_every_method_of_the_path(http: httpx.Client) -> None:
-    # GET and DELETE /admin/keys/{id} are two routes: Starlette's 405 named only the first.
+    # GET, PATCH and DELETE /admin/keys/{id} are three routes: Starlette's 405 named only the first.
     answer = http.request("PUT", "/admin/keys/nope")
     error_of(answer, 405)
-    assert set(answer.headers["allow"].split(", ")) == {"GET", "DELETE"}
+    assert set(answer.headers["allow"].split(", ")) == {"GET", "PATCH", "DELETE"}
     answer = http.request("PUT", "/v1/completions")
     assert answer.status_code == 405 and answer.headers["allow"] == "POST"
 
