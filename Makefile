@@ -41,7 +41,7 @@ CHROMIUM ?= /usr/bin/chromium
 browser:
 	@test -x $(CHROMIUM) || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] \
 		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
-		|| echo "note: $(CHROMIUM) is missing and cannot be installed here; the console's browser tests will fail"; }
+		|| echo "note: $(CHROMIUM) is missing and cannot be installed here; the console's browser tests will be skipped"; }
 
 serve: install
 	$(PY) -m stoker.cli serve $(ARGS)
