@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
+from stoker.bench.server_ready import wait_until_ready
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -58,18 +60,13 @@ class ServerProcess:
             return f.read()
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        why = wait_until_ready(self.url, self.proc, timeout, interval=0.1)
+        if why is None:
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server {why}:\n{self.log()[-4000:]}")
         self.stop()
-        raise TimeoutError(f"server not ready in {timeout} s:\n{self.log()[-4000:]}")
+        raise TimeoutError(f"server {why}:\n{self.log()[-4000:]}")
 
     def stop(self, timeout: float = 30) -> int:
         if self.proc.poll() is None:

@@ -45,6 +45,7 @@ from typing import Any
 
 import httpx
 
+from stoker.bench.server_ready import wait_until_ready
 from stoker.cli_keys import add_key_options, api_key_of
 
 CASES = ("stop", "bias", "fffd", "grammar")
@@ -353,18 +354,9 @@ def started_server(tree: str, serve_args: str, log_dir: str) -> Iterator[str]:
         proc = subprocess.Popen([*cmd, *serve_args.split()], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tree)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server from {tree} exited ({proc.returncode}); see {log_path}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the server from {tree} was not ready in 900 s; see {log_path}")
-            time.sleep(0.5)
+        why = wait_until_ready(url, proc, 900, interval=0.5)
+        if why is not None:
+            raise RuntimeError(f"the server from {tree} {why}; see {log_path}")
         yield url
     finally:
         proc.terminate()

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from stoker.bench.server_ready import wait_until_ready
 from stoker.bench.workload import fit_text
 
 PHASES = ("new", "ram", "disk")
@@ -127,17 +128,10 @@ class Server:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"stoker serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise BenchError(f"stoker serve not ready in {timeout:g} s (--ready-timeout):\n{self.log_tail()}")
+        why = wait_until_ready(self.url, self.proc, timeout, interval=0.2)
+        if why is not None:
+            bound = "" if self.proc.poll() is not None else " (--ready-timeout)"
+            raise BenchError(f"stoker serve {why}{bound}:\n{self.log_tail()}")
 
     def stop(self, timeout: float = 120) -> None:
         if self.proc.poll() is None:

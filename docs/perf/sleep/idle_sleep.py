@@ -22,6 +22,7 @@ import time
 import httpx
 import psutil
 
+from stoker.bench.server_ready import wait_until_ready
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
 
@@ -64,13 +65,9 @@ def main(cycles: int) -> None:
         time.sleep(0.5)
 
     try:
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        why = wait_until_ready(url, server, 600, interval=0.2)
+        if why is not None:
+            raise RuntimeError(f"stoker serve {why}; see {os.path.join(tmp, 'server.log')}")
         ttft()  # the first request of a fresh engine
         for cycle in range(cycles):
             awake = ttft()

@@ -1,0 +1,26 @@
+"""Waiting for a `stoker serve` started as a child process: its /ready polled until
+it answers 200, the child's exit or the deadline ending the wait. The benches that
+start servers and the tests' server fixture all wait this way."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import httpx
+
+
+def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, interval: float) -> str | None:
+    """None once GET url/ready answers 200; else why it never will: "exited with CODE"
+    or "not ready in T s". The caller raises its own error with its own log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return f"exited with {proc.returncode}"
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return None
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    return f"not ready in {timeout:g} s"
