@@ -136,12 +136,8 @@ class ModelRunner:
         """float32 logits: one row per sampling sequence in step.scheduled
         order, then one per scored prompt position."""
         inputs = self.prepare(step)
-        if inputs.lora is not None:
-            return self.model.forward(
-                inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices, inputs.lora
-            )
         return self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, inputs.logits_indices, inputs.lora
         )
 
     @torch.inference_mode()
