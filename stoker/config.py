@@ -175,6 +175,22 @@ class EngineConfig(BaseModel):
     kv_cache_disk_size: ByteSize | None = None
     """Most bytes the disk tier keeps (e.g. 20GB, 512MiB); least recently used blocks are removed beyond it.
     At least one block, at most the disk's size. None: a tenth of the disk holding kv_cache_disk."""
+    kv_role: Literal["both", "prefill", "decode"] = "both"
+    """Disaggregated serving behind a PD router (sglang-router --pd-disaggregation; docs/scaling.md). both: every
+    request is served whole here (the default). prefill: a request carrying a bootstrap room runs its prompt and
+    keeps its KV blocks for the decode worker that pulls them from the KV transfer server (kv_transfer_host,
+    kv_transfer_port). decode: a request carrying a bootstrap room pulls its prompt's blocks from the prefill
+    worker it names before computing the rest itself (whatever does not arrive in time is computed here)."""
+    kv_transfer_host: str = Field("127.0.0.1", min_length=1, max_length=253)
+    """Address the KV transfer server of a prefill worker binds (kv_role prefill). It serves prompts' KV blocks
+    to whoever connects: keep it on a private network."""
+    kv_transfer_port: int = Field(8998, ge=0, le=65535)
+    """Port of the KV transfer server (kv_role prefill); 0 takes a free port (reported at start). It is the
+    router's bootstrap port for this worker (sglang-router --prefill URL PORT)."""
+    kv_transfer_timeout: float = Field(30.0, gt=0, le=3600)
+    """Seconds. Decode: the longest a request waits for its prompt's blocks from the prefill worker, counted from
+    its arrival, before computing them itself. Prefill: how long a prompt's blocks wait for a pull before they
+    are released (and how long a pull waits for a prompt that has not finished)."""
     max_loras: int = Field(4, ge=1, le=64)
     """LoRA adapters applied in one step (vLLM's --max-loras): a request whose adapter would be one more waits
     for a later step, and requests for other adapters queue behind it so it never starves (base requests go on).

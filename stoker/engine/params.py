@@ -194,6 +194,21 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(frozen=True)
+class KVTransferParams:
+    """Pairs the two halves of one request split by a PD router (sglang-router's bootstrap fields)."""
+
+    room: int
+    """bootstrap_room: the same number on the prefill worker's request and the decode worker's."""
+    send: bool
+    """True on a prefill worker: run the prompt and park its blocks for a peer. False on a decode
+    worker: pull the prompt's blocks from peer_host:peer_port before computing what is left."""
+    peer_host: str = ""
+    """The prefill worker's KV transfer server (its host); used when send is False."""
+    peer_port: int = 0
+    """The prefill worker's KV transfer server (its port); used when send is False."""
+
+
 @dataclass
 class EngineCoreRequest:
     """One prompt submitted to the engine. n > 1 fans out inside the engine."""
@@ -209,6 +224,8 @@ class EngineCoreRequest:
     """time.time() after which the request is dropped (waiting) or aborted (running)."""
     lora_name: str | None = None
     """The registered LoRA adapter applied to this request (AsyncEngineClient.add_lora); None: the base model."""
+    kv_transfer: KVTransferParams | None = None
+    """Set when a PD router split this request (stoker/engine/kv_transfer.py); None: served whole here."""
 
 
 @dataclass(frozen=True)
@@ -425,6 +442,29 @@ class EngineStats:
     kv_disk_bytes_used: int = 0
     kv_disk_degraded: str | None = None
     """Why the disk tier's writes are paused (disk full, read-only, gone); None while healthy or off."""
+    kv_transfer_blocks_sent: int = 0
+    """KV blocks a prefill worker sent to decode workers (cumulative; --role prefill)."""
+    kv_transfer_bytes_sent: int = 0
+    """Bytes of those blocks on the wire, framing included (cumulative)."""
+    kv_transfer_blocks_received: int = 0
+    """KV blocks a decode worker received from prefill workers, verified and indexed (cumulative; --role decode)."""
+    kv_transfer_bytes_received: int = 0
+    """Bytes of those blocks on the wire, framing included (cumulative)."""
+    kv_transfer_blocks_skipped: int = 0
+    """Prompt blocks a decode worker held already (its own prefix cache), so not asked for (cumulative)."""
+    kv_transfer_pulls: int = 0
+    """Pulls a decode worker finished, whatever they brought (cumulative); kv_transfer_pull_seconds sums them."""
+    kv_transfer_pull_seconds: float = 0.0
+    """Seconds from a pull's start to its blocks indexed, summed over kv_transfer_pulls (cumulative)."""
+    kv_transfer_pulls_failed: int = 0
+    """Pulls that brought nothing usable: refused, unknown room, unreachable peer, a block that failed its
+    checks; those tokens were computed here (cumulative)."""
+    kv_transfer_pulls_timed_out: int = 0
+    """Pulls given up after kv_transfer_timeout; the rest of the prompt was computed here (cumulative)."""
+    kv_transfer_rooms_parked: int = 0
+    """Rooms whose blocks a prefill worker holds for a decode worker now."""
+    kv_transfer_rooms_expired: int = 0
+    """Rooms released unpulled after kv_transfer_timeout (cumulative)."""
     max_loras: int = 0
     """LoRA adapters one step may apply (--max-loras; vllm:lora_requests_info's max_lora label)."""
     lora_running: dict[str, int] = field(default_factory=dict)

@@ -109,6 +109,11 @@ class EngineInfo:
     """The int8 kernels' ISA path (avx512_vnni, avx_vnni, avx2, portable), or none (weights dequantized)."""
     weights: str = ""
     """The weights' formats and size, e.g. 'Q4_1 (210 tensors) + Q8_0 (1) + F32 (61), 78 MiB'."""
+    kv_layout: dict[str, str | int] | None = None
+    """What must match between a prefill and a decode worker for KV blocks to move between them (model digest,
+    KV dtype, block size, block bytes, layout version); None on kv_role both."""
+    kv_transfer_port: int | None = None
+    """The port a prefill worker's KV transfer server bound (kv_transfer_port, or the free one 0 took)."""
 
 
 @dataclass
