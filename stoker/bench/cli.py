@@ -1,6 +1,6 @@
 """`stoker bench`: serve (load test any OpenAI-compatible server), offline (the
 engine without HTTP vs Hugging Face transformers), kernels, quality,
-self-draft, hostile, rerank and prefix-restart (docs/bench.md)."""
+self-draft, hostile, rerank, prefix-restart and pd (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,9 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(
-        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank,prefix-restart}"
+        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank,prefix-restart,pd}"
     )
-    from stoker.bench import hostile, kernels, offline, prefix_restart, quality, rerank, self_draft
+    from stoker.bench import hostile, kernels, offline, pd, prefix_restart, quality, rerank, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
         ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
@@ -62,6 +62,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "TTFT of long prompts new, in RAM and on disk after a restart (starts stoker serve --kv-cache-disk)",
             prefix_restart.add_arguments,
             prefix_restart.run,
+        ),
+        (
+            "pd",
+            "decode streams' ITL alone, beside long prompts, and with prefill split off behind sglang-router "
+            "(starts the servers)",
+            pd.add_arguments,
+            pd.run,
         ),
     ]
     for name, help_text, add_arguments, run in commands:
