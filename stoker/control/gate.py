@@ -66,6 +66,8 @@ class FinishedRequest(Protocol):
     def accepted_draft_tokens(self) -> int: ...
     @property
     def engine_request_id(self) -> str | None: ...
+    @property
+    def charged(self) -> bool: ...
 
 
 @dataclass
@@ -360,9 +362,11 @@ class RequestGate:
         # Metered unless it was dropped while still waiting (e.g. at its
         # deadline): then it used no compute.
         ran = not (bool(samples) and all(t.scheduled is None for t in samples) and completion_tokens == 0)
-        # A request that used nothing is refunded entirely, the request itself included.
-        self.limiter.release(adm.lease, prompt + completion_tokens if ran else None)
-        if adm.reservation is not None and self.ledger is None and self.budgets is not None:
+        # A request that used nothing is refunded entirely, the request itself included; so is a
+        # prefill worker's half of a split request, which the decode worker's half is charged for.
+        self.limiter.release(adm.lease, prompt + completion_tokens if ran and finished.charged else None)
+        settles = self.ledger is not None and finished.charged  # its ledger row settles the reservation
+        if adm.reservation is not None and not settles and self.budgets is not None:
             self.budgets.release(adm.reservation)
         if adm.reserved_here and adm.key is not None:
             # The ledger's running total holds its usage from the record() below on;
@@ -397,7 +401,7 @@ class RequestGate:
             created_at=now,
             reservation_id=adm.reservation,
         )
-        if self.ledger is not None:
+        if self.ledger is not None and finished.charged:
             self.ledger.record(record)
         if self.metrics is not None:
             self._finish_metrics(adm, samples, prompt, completion_tokens, reasons, status, error, ran and generation)

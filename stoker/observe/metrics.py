@@ -107,6 +107,18 @@ _CUMULATIVE = (
     "kv_disk_writes_dropped",
     "kv_disk_evictions",
     "kv_disk_corrupt_dropped",
+    *(
+        "kv_transfer_blocks_sent",
+        "kv_transfer_bytes_sent",
+        "kv_transfer_blocks_received",
+        "kv_transfer_bytes_received",
+        "kv_transfer_blocks_skipped",
+        "kv_transfer_pulls",
+        "kv_transfer_pull_seconds",
+        "kv_transfer_pulls_failed",
+        "kv_transfer_pulls_timed_out",
+        "kv_transfer_rooms_expired",
+    ),
     "lora_loads",
     "lora_load_failures",
     "lora_evictions",
@@ -130,6 +142,41 @@ _KV_DISK_COUNTERS = {
         "Block files removed as truncated, corrupt, or of another model or layout (never served).",
     ),
 }
+_KV_TRANSFER_COUNTERS = {
+    "kv_transfer_blocks_sent": (
+        "stoker:kv_transfer_blocks_sent",
+        "KV blocks this prefill worker sent to decode workers.",
+    ),
+    "kv_transfer_bytes_sent": ("stoker:kv_transfer_sent_bytes", "Bytes of KV blocks sent to decode workers."),
+    "kv_transfer_blocks_received": (
+        "stoker:kv_transfer_blocks_received",
+        "KV blocks this decode worker received from prefill workers, verified and indexed.",
+    ),
+    "kv_transfer_bytes_received": ("stoker:kv_transfer_received_bytes", "Bytes of KV blocks received."),
+    "kv_transfer_blocks_skipped": (
+        "stoker:kv_transfer_blocks_skipped",
+        "Prompt blocks this decode worker held already in its prefix cache, so not pulled.",
+    ),
+    "kv_transfer_pulls": ("stoker:kv_transfer_pulls", "Pulls of a prompt's blocks this decode worker finished."),
+    "kv_transfer_pull_seconds": (
+        "stoker:kv_transfer_pull_seconds",
+        "Seconds from a pull's start to its blocks indexed, summed (divide by stoker:kv_transfer_pulls).",
+    ),
+    "kv_transfer_pulls_failed": (
+        "stoker:kv_transfer_pulls_failed",
+        "Pulls that brought nothing usable (refused, unknown room, unreachable, a block failing its checks): computed here.",
+    ),
+    "kv_transfer_pulls_timed_out": (
+        "stoker:kv_transfer_pulls_timed_out",
+        "Pulls given up after --kv-transfer-timeout: the rest of the prompt was computed here.",
+    ),
+    "kv_transfer_rooms_expired": (
+        "stoker:kv_transfer_rooms_expired",
+        "Prompts whose parked blocks no decode worker pulled within --kv-transfer-timeout.",
+    ),
+}
+"""Disaggregated serving's counters (docs/disaggregation.md): EngineStats field -> (metric, help)."""
+
 """The disk tier's counters: EngineStats field -> (metric, help). The RAM tier keeps vLLM's names
 (vllm:prefix_cache_queries / _hits, which count blocks loaded from disk as hits too)."""
 
@@ -230,6 +277,15 @@ class Metrics:
         self.kv_disk_counters = {
             field: Counter(metric, text, m, registry=r) for field, (metric, text) in _KV_DISK_COUNTERS.items()
         }
+        self.kv_transfer_counters = {
+            field: Counter(metric, text, m, registry=r) for field, (metric, text) in _KV_TRANSFER_COUNTERS.items()
+        }
+        self.kv_transfer_rooms_parked = Gauge(
+            "stoker:kv_transfer_rooms_parked",
+            "Prompts whose KV blocks this prefill worker holds until a decode worker pulls them.",
+            m,
+            registry=r,
+        )
         self.kv_disk_pending_writes = Gauge(
             "stoker:kv_disk_pending_writes", "KV blocks queued for the disk tier's writer.", m, registry=r
         )
@@ -503,10 +559,13 @@ class Metrics:
         self.kv_events_dropped.labels(name).inc(delta["kv_events_dropped"])
         for field, counter in self.kv_disk_counters.items():
             counter.labels(name).inc(delta[field])
+        for field, counter in self.kv_transfer_counters.items():
+            counter.labels(name).inc(delta[field])
         if gauges:
             self.kv_disk_pending_writes.labels(name).set(stats.kv_disk_pending_writes)
             self.kv_disk_used_bytes.labels(name).set(stats.kv_disk_bytes_used)
             self.kv_disk_degraded.labels(name).set(1 if stats.kv_disk_degraded else 0)
+            self.kv_transfer_rooms_parked.labels(name).set(stats.kv_transfer_rooms_parked)
         for field, counter in self.lora_counters.items():
             counter.labels(name).inc(delta[field])
         _observe_latest(self.lora_load_time.labels(name), stats.lora_load_seconds, delta["lora_loads"])

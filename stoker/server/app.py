@@ -27,9 +27,10 @@ from stoker.engine.pooling import PoolingEngine
 from stoker.errors import APIError
 from stoker.server import console_data, openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
-from stoker.server.config import ServerConfig
+from stoker.server.config import ServerConfig, parse_peers
 from stoker.server.fleet import Fleet, FleetError, ModelVersion, plan_fleet
 from stoker.server.host_guard import HostGuardMiddleware
+from stoker.server.kv_roles import check_peers
 from stoker.server.lora import plan_adapters
 from stoker.server.reasoning import parse_parser_choices
 from stoker.server.responses_store import ResponseStore
@@ -240,6 +241,9 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
             # The input pool's first call starts its thread and the tokenizer's own pool:
             # done here, not inside the first client's request.
             await offload(version.tokenizer.encode, "warm up")
+        if state.config.kv_peers:  # a decode worker's prefill workers must compute the same bytes (kv_roles.py)
+            layouts = [v.engine.info.kv_layout for v in versions if v.engine.info and v.engine.info.kv_layout]
+            await check_peers(parse_peers(state.config.kv_peers), layouts)
     except (FleetError, OSError, ValueError) as exc:
         state.startup_error = str(exc)
         on_fatal(str(exc))

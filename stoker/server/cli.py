@@ -13,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+import typing
 from types import FrameType
 from typing import Any
 
@@ -26,6 +27,7 @@ from stoker.server.config import (
     add_model_options,
     build,
     extension_settings,
+    field_docs,
     load_yaml,
 )
 
@@ -51,7 +53,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         default=None,
         help="YAML file of options (keys as the long option names, _ or -); env STOKER_CONFIG",
     )
-    add_model_options(parser, EngineConfig, "engine", skip=("model",))
+    add_model_options(parser, EngineConfig, "engine", skip=("model", "kv_role"))
+    parser.add_argument(
+        "--role",
+        "--kv-role",
+        dest="kv_role",
+        choices=typing.get_args(EngineConfig.model_fields["kv_role"].annotation),
+        default=argparse.SUPPRESS,
+        help=f"{field_docs(EngineConfig)['kv_role']} (default: both; YAML kv_role; env STOKER_KV_ROLE)",
+    )
     add_model_options(parser, ServerConfig, "server", skip=("embedding_model", "models", "fallback"))
     parser.add_argument(
         "--model",
@@ -146,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
         from stoker.server.fleet import plan_fleet
 
         plan_fleet(server_config, engine_config)  # a bad model set is refused now, in one line
+        if server_config.kv_peers and engine_config.kv_role != "decode":
+            raise ValueError("--kv-peers names the prefill workers a decode worker pulls from: it needs --role decode")
         check_tls(server_config)
     except ValidationError as exc:
         for line in describe_validation_error(exc):

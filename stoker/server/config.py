@@ -23,6 +23,8 @@ from stoker.server.reasoning import parse_parser_choices
 from stoker.server.sleep import parse_sleep_choices
 
 DEFAULT_EMBEDDING_MODEL = "all-MiniLM-L6-v2"
+MAX_KV_PEERS = 64
+"""Most prefill workers one decode worker may name with --kv-peers."""
 
 # Settings models of the server's extensions (stoker.control, ...), by the
 # ServerState.extras key their install() reads them from. Each becomes a group
@@ -132,6 +134,8 @@ class ServerConfig(BaseModel):
     """The chat field(s) that carry a reply's thinking, on messages and stream deltas: reasoning_content (DeepSeek's and vLLM's older name), reasoning (vLLM's newer one) or both."""
     sleep_idle_seconds: list[str] = Field(default_factory=list)
     """Seconds a model may sit idle (nothing in flight, nothing arriving) before its engine sleeps, freeing its weights and KV cache; the next request wakes it (docs/sleep.md). N for every model or NAME=N for one (repeat the flag; a YAML list; env: separated by spaces); N from 0 (never) to a year (31622400). Empty: never."""
+    kv_peers: list[str] = Field(default_factory=list)
+    """Decode worker (--role decode): the prefill workers' KV transfer addresses, HOST:PORT (repeat the flag, or separate them with commas; a YAML list; env: separated by spaces or commas; at most 64). Each is checked at start (a different model, KV dtype or block size stops the start; one that does not answer is a warning), and a request may pull only from one of them. Empty: any the PD router names (docs/disaggregation.md)."""
     ui: bool = True
     """Serve the web console (chat playground and operator pages, docs/console.md) at / and /ui/; --no-ui leaves both out (404). The pages hold no data: what they show comes from the API, with the user's key."""
 
@@ -143,6 +147,7 @@ class ServerConfig(BaseModel):
         "model_root",
         "reasoning_parser",
         "sleep_idle_seconds",
+        "kv_peers",
         mode="before",
     )
     @classmethod
@@ -154,6 +159,12 @@ class ServerConfig(BaseModel):
     def _split_hosts(cls, value: list[str]) -> list[str]:
         """One flag may name several hosts, space-separated, as the variable does (no host holds a space)."""
         return [host for item in value for host in item.split()]
+
+    @field_validator("kv_peers", mode="after")
+    @classmethod
+    def _peers(cls, value: list[str]) -> list[str]:
+        """HOST:PORT each, however they were separated."""
+        return [f"{host}:{port}" if ":" not in host else f"[{host}]:{port}" for host, port in parse_peers(value)]
 
     @field_validator("reasoning_parser", mode="after")
     @classmethod
@@ -188,6 +199,23 @@ class ServerConfig(BaseModel):
                 "folder, or none (or --no-embedding-model)"
             )
         return value
+
+
+def parse_peer(text: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets, [::1]:8998) as (host, port); ValueError naming what is wrong."""
+    host, sep, port = text.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{text!r} is not HOST:PORT (a prefill worker's KV transfer address, port 1-65535)")
+    return host, int(port)
+
+
+def parse_peers(values: list[str]) -> list[tuple[str, int]]:
+    """Every HOST:PORT of --kv-peers (repeated, or comma- or space-separated), at most MAX_KV_PEERS."""
+    peers = [parse_peer(item) for value in values for item in value.replace(",", " ").split()]
+    if len(peers) > MAX_KV_PEERS:
+        raise ValueError(f"{len(peers)} peers; at most {MAX_KV_PEERS} are accepted")
+    return peers
 
 
 def field_docs(cls: type[BaseModel]) -> dict[str, str]:

@@ -84,6 +84,8 @@ class FinishedRecord:
     engine_request_id: str | None = None
     """The engine's id for the request: request_id (the server's own id), suffixed
     only if that id is still in flight; "-<i>" is appended per prompt when there are several."""
+    charged: bool = True
+    """Whether its usage counts against its key; False for a prefill worker's half of a split request."""
 
 
 @dataclass(frozen=True)

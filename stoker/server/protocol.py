@@ -223,6 +223,31 @@ class StreamOptions(BaseModel):
     include_usage: Boolean = False
 
 
+MAX_BOOTSTRAP_ROOM = 2**64 - 1
+MAX_HOST_CHARS = 253
+
+
+class BootstrapFields(BaseModel):
+    """sglang-router's PD mode (--pd-disaggregation) adds these to the body it sends to a prefill and a
+    decode worker at once; they pair the two halves (docs/disaggregation.md). Ignored on --role both."""
+
+    bootstrap_host: Annotated[str, Field(min_length=1, max_length=MAX_HOST_CHARS)] | None = None
+    """The prefill worker's host, as the router knows it (the host of its --prefill URL)."""
+    bootstrap_port: Annotated[Integer, Field(ge=1, le=65535)] | None = None
+    """The prefill worker's KV transfer port (--prefill URL PORT); null: the decode worker's --kv-transfer-port."""
+    bootstrap_room: Annotated[Integer, Field(ge=0, le=MAX_BOOTSTRAP_ROOM)] | None = None
+    """The number both halves of one request carry."""
+
+    @field_validator("bootstrap_room", mode="before")
+    @classmethod
+    def _one_room(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            raise ValueError(
+                "bootstrap_room must be one integer: a list of rooms (SGLang's batched /generate) is not supported"
+            )
+        return value
+
+
 class TextPart(OpenObject):
     """Only text content parts are supported (no images or audio)."""
 
@@ -301,7 +326,7 @@ class ChatTemplateFields(RequestBody):
         return self
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, BootstrapFields):
     # top_logprobs needs logprobs: true (as OpenAI and vLLM); said in the schema too.
     model_config = ConfigDict(
         json_schema_extra={
@@ -390,7 +415,7 @@ def chat_request_from(chat: dict[str, Any], param: str) -> ChatCompletionRequest
         raise bad_request(f"{param}: {where}: {first['msg']}", param=param) from None
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, BootstrapFields):
     _unsupported: ClassVar[tuple[str, ...]] = ("suffix",)
 
     prompt: Prompt

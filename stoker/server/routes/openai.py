@@ -14,6 +14,7 @@ from stoker.server.bounds import offload
 from stoker.server.caps import check_prompts
 from stoker.server.fallback import serve_from_chain
 from stoker.server.fleet import ModelVersion
+from stoker.server.kv_roles import split_request
 from stoker.server.protocol import ChatCompletionRequest, CompletionRequest, bad_request, flatten_prompts
 from stoker.server.reasoning import ReasoningField, reasoning_fields
 from stoker.server.serving import JSONObject
@@ -98,6 +99,7 @@ async def chat_attempt(
     body: ChatCompletionRequest, request: Request, state: ServerState, version: ModelVersion
 ) -> Response:
     job, plan = await chat_job(body, version, "chat", state.config.reasoning_budget)
+    split_request(request, body, job, version.engine.config, state.config.kv_peers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reasoning = state.config.reasoning_field if job.params.reasoning is not None else None
     renderer = ChatRenderer(version, plan, include_usage, reasoning)
@@ -325,6 +327,7 @@ async def completion_attempt(
     asked = [n for n in (body.prompt_logprobs, body.logprobs if body.echo else None) if n is not None]
     params = sampling_params(body, max_tokens, body.logprobs, max(asked) if asked else None, grammar_of(constraint))
     job = Job("completion", version.name, prompts, params, texts)
+    split_request(request, body, job, version.engine.config, state.config.kv_peers)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     renderer = CompletionRenderer(version, body, include_usage)
     return await generate(Generation(request, state, version, job, renderer, body.stream, body))

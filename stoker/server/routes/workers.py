@@ -126,6 +126,10 @@ async def server_info(request: Request) -> dict[str, Any]:
         max_running_requests=engine.max_num_seqs,
         page_size=engine.block_size,
         get_load_format=state.config.get_load_format,
+        # SGLang's name for the worker's PD role (docs/disaggregation.md); null: serves requests whole.
+        disaggregation_mode=None if engine.kv_role == "both" else engine.kv_role,
+        kv_layout=info.kv_layout if info else None,
+        kv_transfer_port=info.kv_transfer_port if info else None,
         engine_config=engine.model_dump(mode="json") if paths else _without_paths(engine.model_dump(mode="json")),
     )
     return body

@@ -19,6 +19,7 @@ from stoker.engine.params import (
     CompletionOutput,
     EngineCoreOutput,
     EngineCoreRequest,
+    KVTransferParams,
     RequestOutput,
     SamplingParams,
 )
@@ -70,6 +71,11 @@ class Job:
     """The model version that serves it ("v2"), for per-version metrics during a canary."""
     lora_name: str | None = None
     """The LoRA adapter its engine requests apply (the model it names is an adapter); None: the base model."""
+    kv_transfer: KVTransferParams | None = None
+    """Its half of a request a PD router split between a prefill and a decode worker (server/kv_roles.py)."""
+    charged: bool = True
+    """Whether its usage counts against its key (rate limits, budget, ledger); False for a prefill
+    worker's half, which the decode worker's half is charged for."""
 
     def __post_init__(self) -> None:
         n = self.params.n
@@ -125,6 +131,7 @@ class Job:
             engine_request_id=self.engine_request_id,
             draft_tokens=sum(c.num_draft_tokens for c in samples),
             accepted_draft_tokens=sum(c.num_accepted_draft_tokens for c in samples),
+            charged=self.charged,
         )
 
 
@@ -169,7 +176,14 @@ async def _run_job(engine: AsyncEngineClient, job: Job, base: str) -> AsyncItera
         output.request_id = base if len(job.outputs) == 1 else f"{base}-{i}"
     requests = [
         EngineCoreRequest(
-            o.request_id, o.prompt_token_ids, job.params, job.started, job.priority, job.deadline, job.lora_name
+            o.request_id,
+            o.prompt_token_ids,
+            job.params,
+            job.started,
+            job.priority,
+            job.deadline,
+            job.lora_name,
+            kv_transfer=job.kv_transfer,
         )
         for o in job.outputs
     ]
