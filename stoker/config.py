@@ -238,6 +238,15 @@ class EngineConfig(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _kv_role(self) -> EngineConfig:
+        if self.kv_role != "both" and not self.enable_prefix_caching:
+            raise ValueError(
+                f"kv_role {self.kv_role} (--role) moves KV blocks through the prefix cache; it needs "
+                "enable_prefix_caching"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _loras(self) -> EngineConfig:
         if self.max_loaded_loras < self.max_loras:
             raise ValueError(

@@ -26,11 +26,15 @@ from stoker.config import EngineConfig, ModelConfig
 from stoker.engine.detokenizer import IncrementalDetokenizer, stop_matcher, stop_matcher_ready
 from stoker.engine.devices import resolve_device, resolve_dtype, resolve_kv_dtype
 from stoker.engine.grammar_compiler import GrammarCompiler
+from stoker.engine.kv_block_bytes import KVBlockBytes
 from stoker.engine.kv_cache import NULL_BLOCK_ID, KVCacheManager
 from stoker.engine.kv_disk import DiskBlockStore, DiskLayout, DiskTierStats, block_file_bytes
 from stoker.engine.kv_disk_tier import DiskTier
 from stoker.engine.kv_events import KVEventLog, KVEventPublisher
 from stoker.engine.kv_sizing import size_kv_cache, total_memory_bytes
+from stoker.engine.kv_transfer_fetch import PeerFetch
+from stoker.engine.kv_transfer_rooms import KVSender, Rooms
+from stoker.engine.kv_transfer_server import KVTransferServer
 from stoker.engine.lora_registry import LoraRegistry
 from stoker.engine.outputs import ScheduledRequest, SchedulerOutput
 from stoker.engine.params import (
@@ -96,9 +100,9 @@ class EngineCore:
         self.device = resolve_device(config.device)
         model_path = config.resolved_model_path()
         digest: Future[str] | None = None
-        if config.kv_cache_disk:
-            # The disk tier's folder is keyed by the weights' digest: hashed while they load
-            # (hashlib releases the GIL), not after.
+        if config.kv_cache_disk or config.kv_role != "both":
+            # The disk tier's folder and the KV transfer's layout are keyed by the weights' digest:
+            # hashed while they load (hashlib releases the GIL), not after.
             digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-digest")
             digest = digesting.submit(model_digest, model_path)
             digesting.shutdown(wait=False)
@@ -142,6 +146,16 @@ class EngineCore:
         if config.kv_cache_disk:
             assert digest is not None
             self.disk = self._disk_tier(config, digest.result(), kv_dtype, per_block, kv_log)
+        self.kv_layout: DiskLayout | None = None
+        """What a peer's KV blocks must match (kv_role prefill or decode); None on both."""
+        self.kv_rooms: Rooms | None = None
+        self.kv_sender: KVSender | None = None
+        self.kv_server: KVTransferServer | None = None
+        self.kv_peers: PeerFetch | None = None
+        if config.kv_role != "both":
+            assert digest is not None
+            self.kv_layout = DiskLayout(digest.result(), str(kv_dtype).removeprefix("torch."), block_size, per_block)
+            self._kv_transfer(config, self.kv_layout)
         self.pins = PrefixPins(self.disk.store if self.disk is not None else None, block_size)
         self.speculator: Speculator | None = None
         if config.speculative_method != "none" and config.num_speculative_tokens > 0:
@@ -161,6 +175,8 @@ class EngineCore:
             self.disk,
             self.loras,
             config.max_loras,
+            self.kv_peers,
+            self.kv_sender,
         )
         self.seed_stream = random.Random(config.seed)
         self.requests: dict[str, list[Request]] = {}
@@ -223,10 +239,48 @@ class EngineCore:
         )
         return DiskTier(store, self.runner.kv_caches, self.kv.pool, config.block_size, kv_log)
 
+    def _kv_transfer(self, config: EngineConfig, layout: DiskLayout) -> None:
+        """A prefill worker's rooms and KV transfer server, or a decode worker's pulls (docs/scaling.md)."""
+        block_bytes = KVBlockBytes(self.runner.kv_caches)
+        if config.kv_role == "prefill":
+            self.kv_rooms = Rooms(config.kv_transfer_timeout)
+            self.kv_sender = KVSender(self.kv_rooms, self.kv)
+            self.kv_server = KVTransferServer(
+                config.kv_transfer_host,
+                config.kv_transfer_port,
+                layout,
+                self.kv_rooms,
+                block_bytes,
+                config.kv_transfer_timeout,
+            )
+            log.info(
+                "prefill worker: KV transfer server on %s:%d (KV %s, %d-token blocks of %d bytes)",
+                config.kv_transfer_host,
+                self.kv_server.port,
+                layout.kv_dtype,
+                layout.block_size,
+                layout.block_bytes,
+            )
+        else:
+            self.kv_peers = PeerFetch(layout, block_bytes, self.kv.pool, layout.block_size, config.kv_transfer_timeout)
+            log.info("decode worker: prompts' KV blocks pulled from prefill workers (KV %s)", layout.kv_dtype)
+
+    def housekeep(self) -> None:
+        """Between steps, also while idle: release the prefill rooms that were pulled, abandoned or expired,
+        and the blocks of a decode worker's pulls that stopped after their request left."""
+        if self.kv_sender is not None:
+            self.kv_sender.settle()
+        if self.kv_peers is not None:
+            self.kv_peers.reap()
+
     def close(self) -> None:
         """Write the disk tier's queued blocks and stop its threads (a graceful shutdown)."""
         if self.disk is not None:
             self.disk.close()
+        if self.kv_server is not None:
+            self.kv_server.close()
+        if self.kv_peers is not None:
+            self.kv_peers.close()
         self.loras.close()
 
     def measure_row_costs(self) -> None:
@@ -334,6 +388,7 @@ class EngineCore:
             t >= vocab for t in params.reasoning.end_token_ids + params.reasoning.start_token_ids
         ):
             raise ValueError(f"reasoning marker token ids must be below the vocabulary size {vocab}")
+        self._check_kv_transfer(req)
         # Each sample samples from its own generator, so its tokens never depend on
         # the batch: seeded by the request's seed (+ index), else by the next draw
         # of a stream started from EngineConfig.seed (--seed), so the same requests
@@ -353,6 +408,19 @@ class EngineCore:
             self._workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-prepare")
         ready = self._workers.submit(self._build, params)
         self._preparing[req.request_id] = _Preparing(req, prompt, max_tokens, seeds, ready)
+
+    def _check_kv_transfer(self, req: EngineCoreRequest) -> None:
+        split = req.kv_transfer
+        if split is None:
+            return
+        if not 0 <= split.room < 2**64:
+            raise ValueError(f"bootstrap_room must be in [0, 2^64), got {split.room}")
+        if split.send and self.kv_rooms is None:
+            raise ValueError("this engine is no prefill worker (kv_role prefill): it parks no KV blocks")
+        if not split.send and self.kv_peers is None:
+            raise ValueError("this engine is no decode worker (kv_role decode): it pulls no KV blocks")
+        if split.send and self.kv_rooms is not None and self.kv_rooms.num_blocks(split.room) is not None:
+            raise ValueError(f"bootstrap_room {split.room} is already in use on this prefill worker")
 
     def _build(self, params: SamplingParams) -> llguidance.LLMatcher | None:
         """In the worker thread: what a request needs that takes long to build."""
@@ -395,6 +463,10 @@ class EngineCore:
             if grammar is not None:
                 r.grammar = SequenceGrammar(grammar.deep_copy(), vocab, self.tokenizer.eos_token_id)
             samples.append(r)
+        if req.kv_transfer is not None:
+            samples[0].kv_transfer = req.kv_transfer  # the others share its prompt through the prefix cache
+            if req.kv_transfer.send and self.kv_sender is not None:
+                self.kv_sender.add(samples[0], req.kv_transfer.room)
         if grammar is not None:
             self.num_constrained_requests += 1
         self.requests[req.request_id] = samples
@@ -413,7 +485,10 @@ class EngineCore:
             except ValueError as exc:  # GrammarError: what add_request used to raise
                 self._rejections.append((request_id, f"grammar: {exc}"))
                 continue
-            self._admit(waiting.request, waiting.prompt, waiting.max_tokens, waiting.seeds, grammar)
+            try:
+                self._admit(waiting.request, waiting.prompt, waiting.max_tokens, waiting.seeds, grammar)
+            except ValueError as exc:  # its bootstrap_room taken meanwhile
+                self._rejections.append((request_id, str(exc)))
 
     def take_rejections(self) -> list[tuple[str, str]]:
         """(request_id, message) of requests refused after add_request returned
@@ -449,6 +524,7 @@ class EngineCore:
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[EngineCoreOutput]:
+        self.housekeep()
         outputs = self._expire_deadlines()
         if self._preparing:
             self._admit_prepared()
@@ -463,6 +539,8 @@ class EngineCore:
                 wait([w.ready for w in self._preparing.values()], PREPARE_POLL_S, FIRST_COMPLETED)
             elif self.loras.busy:
                 self.loras.wait(PREPARE_POLL_S)  # a request waits for its adapter's load
+            elif self.kv_peers is not None and self.kv_peers.loading:
+                self.kv_peers.wait(PREPARE_POLL_S)  # a request waits for its blocks from its prefill worker
             elif self.disk is not None:
                 self.disk.wait(PREPARE_POLL_S)  # a request waits for its blocks from disk
             return outputs
@@ -470,6 +548,8 @@ class EngineCore:
         started = time.perf_counter()
         result = self.runner.execute_model(scheduled)
         deltas = self.scheduler.update_from_output(scheduled, result)
+        if self.kv_sender is not None:
+            self.kv_sender.collect()  # the blocks this step computed go out while the prompt's next chunk runs
         for delta in deltas:
             if delta.finished:
                 self._forget_if_done(delta.request_id)
@@ -542,6 +622,7 @@ class EngineCore:
         disk = self.disk.store.stats() if self.disk is not None else DiskTierStats()
         spec = self.speculator
         lora_running, lora_waiting = self.scheduler.lora_counts()
+        server, rooms, peers = self.kv_server, self.kv_rooms, self.kv_peers
         return EngineStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(waiting) + sum(w.request.sampling_params.n for w in self._preparing.values()),
@@ -588,6 +669,17 @@ class EngineCore:
             lora_load_failures=self.loras.num_load_failures,
             lora_evictions=self.loras.num_evictions,
             lora_load_seconds=list(self.loras.load_seconds),
+            kv_transfer_blocks_sent=server.num_blocks_sent if server else 0,
+            kv_transfer_bytes_sent=server.num_bytes_sent if server else 0,
+            kv_transfer_rooms_parked=rooms.num_parked if rooms else 0,
+            kv_transfer_rooms_expired=rooms.num_expired if rooms else 0,
+            kv_transfer_blocks_received=peers.num_blocks_received if peers else 0,
+            kv_transfer_bytes_received=peers.num_bytes_received if peers else 0,
+            kv_transfer_blocks_skipped=peers.num_blocks_skipped if peers else 0,
+            kv_transfer_pulls=peers.num_pulls if peers else 0,
+            kv_transfer_pull_seconds=peers.pull_seconds if peers else 0.0,
+            kv_transfer_pulls_failed=peers.num_failed if peers else 0,
+            kv_transfer_pulls_timed_out=peers.num_timed_out if peers else 0,
         )
 
     def prefix_command(self, command: PrefixCommand) -> None:

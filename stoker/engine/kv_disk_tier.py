@@ -29,9 +29,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from enum import Enum, auto
 
-import numpy as np
 import torch
 
+from stoker.engine.kv_block_bytes import KVBlockBytes
 from stoker.engine.kv_cache import Block, BlockPool, chain_hash
 from stoker.engine.kv_disk import DiskBlockStore, StoredBlock
 from stoker.engine.kv_events import KVEventLog
@@ -99,38 +99,15 @@ class DiskTier:
             store.on_written = lambda block: self._disk_events.append((block.block_hash, block))
             store.on_evicted = lambda block_hash: self._disk_events.append((block_hash, None))
         pool.spill = self.spill
-        self._host_views: list[np.ndarray] | None = None
-        """Byte views of the KV tensors in CPU memory, K then V of each layer: numpy copies a block's
-        rows in about a microsecond where a torch call costs tens (60 of them per block on the default model)."""
-        if all(t.device.type == "cpu" for pair in kv_caches for t in pair):
-            self._host_views = [t.view(torch.uint8).numpy() for pair in kv_caches for t in pair]
+        self._bytes = KVBlockBytes(kv_caches)
 
     # --------------------------------------------------------------- spill
 
     def spill(self, block: Block) -> None:
         if block.block_hash is None or block.token_ids is None or self.store.known(block.block_hash):
             return
-        if self._host_views is not None:
-            payload = np.concatenate([view[block.block_id].reshape(-1) for view in self._host_views]).data
-        else:
-            parts = [t[block.block_id].view(torch.uint8).reshape(-1) for pair in self.kv_caches for t in pair]
-            payload = torch.cat(parts).cpu().numpy().data
+        payload = self._bytes.read(block.block_id)
         self.store.submit(StoredBlock(block.block_hash, block.parent_hash, block.token_ids, payload))
-
-    def _load_into(self, block: Block, stored: StoredBlock) -> None:
-        src = np.frombuffer(stored.payload, dtype=np.uint8)
-        offset = 0
-        if self._host_views is not None:
-            for view in self._host_views:
-                part = view[block.block_id].reshape(-1)  # a view: the block is contiguous
-                part[:] = src[offset : offset + part.size]
-                offset += part.size
-            return
-        for k, v in self.kv_caches:
-            for tensor in (k, v):
-                part = tensor[block.block_id].view(torch.uint8).reshape(-1)
-                part.copy_(torch.from_numpy(src[offset : offset + part.numel()].copy()))
-                offset += part.numel()
 
     # --------------------------------------------------------------- fetch
 
@@ -197,7 +174,7 @@ class DiskTier:
             stored = self.store.read(block_hash)
             if stored is None or stored.parent_hash != parent:
                 break
-            self._load_into(target, stored)
+            self._bytes.write(target.block_id, stored.payload)
             loaded.append(StoredBlock(block_hash, parent, stored.token_ids, b""))
             parent = block_hash
         return loaded

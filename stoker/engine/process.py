@@ -27,6 +27,8 @@ import msgspec
 import zmq
 
 from stoker.config import EngineConfig, ModelConfig
+from stoker.engine.kv_disk_format import DiskLayout
+from stoker.engine.kv_transfer_wire import layout_dict
 from stoker.engine.params import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -39,6 +41,7 @@ from stoker.engine.pins import NO_DISK_TIER, PrefixAnswer, PrefixCommand
 
 if TYPE_CHECKING:
     from stoker.engine.core import EngineCore
+    from stoker.engine.kv_transfer_server import KVTransferServer
     from stoker.models.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -216,6 +219,16 @@ def _kv_capacity_tokens(core: Core) -> int:
     return stats.kv_blocks_total * stats.block_size
 
 
+def _kv_layout(core: Core) -> dict[str, str | int] | None:
+    layout: DiskLayout | None = getattr(core, "kv_layout", None)
+    return None if layout is None else layout_dict(layout)
+
+
+def _kv_transfer_port(core: Core) -> int | None:
+    server: KVTransferServer | None = getattr(core, "kv_server", None)
+    return None if server is None else server.port
+
+
 def run_engine(
     config: EngineConfig,
     core_spec: str,
@@ -262,6 +275,8 @@ def run_engine(
             kv_cache_bytes=_kv_cache_bytes(core),
             quantized_matmul=getattr(core, "quantized_matmul", "none"),
             weights=getattr(core, "weights_summary", ""),
+            kv_layout=_kv_layout(core),
+            kv_transfer_port=_kv_transfer_port(core),
         )
         out.send_multipart([READY, encoder.encode(info)])
         out.send_multipart([STATS, encoder.encode(core.stats())])
@@ -294,6 +309,8 @@ def _loop(
     lora_command: Callable[[LoraCommand], list[EngineCoreOutput]] | None = getattr(core, "lora_command", None)
     take_lora_answers: Callable[[], list[LoraAnswer]] = getattr(core, "take_lora_answers", list)
     loras_loading: Callable[[], bool] = getattr(core, "loras_loading", lambda: False)
+    # A prefill worker's rooms pulled or expired while idle give their blocks back (EngineCore's).
+    housekeep: Callable[[], None] = getattr(core, "housekeep", lambda: None)
     last_stats = 0.0
     sent: EngineStats | None = None
     while True:
@@ -306,6 +323,7 @@ def _loop(
                 calibrate = None
             if os.getppid() != parent_pid:
                 return  # orphaned: the front end is gone, nobody will read our output
+            housekeep()
             # Threads beside the step loop (the disk tier's writer) move counters while it idles:
             # the front end's /ready and /metrics should not keep the snapshot taken as it went idle.
             idle = core.stats()

@@ -11,6 +11,7 @@ import torch
 from stoker.engine.params import (
     EngineCoreOutput,
     FinishReason,
+    KVTransferParams,
     RequestTimes,
     SamplingParams,
     TokenLogprob,
@@ -62,6 +63,9 @@ class Request:
         self.hash_root: bytes | None = None
         """Where its prefix-cache hash chain starts: None for the base, its adapter's root
         (stoker/engine/lora_registry.py) set by the scheduler each time it is admitted."""
+        self.kv_transfer: KVTransferParams | None = None
+        """Sample 0 of a request a PD router split: its prompt's KV blocks are parked for a decode worker
+        (send) or pulled from a prefill worker (stoker/engine/kv_transfer*.py)."""
         self.deadline = deadline
         self.max_tokens = max_tokens
         """params.max_tokens resolved against the context length."""

@@ -21,6 +21,8 @@ import torch
 
 from stoker.engine.kv_cache import Block, KVCacheManager
 from stoker.engine.kv_disk_tier import DiskTier, Fetch
+from stoker.engine.kv_transfer_fetch import PeerFetch
+from stoker.engine.kv_transfer_rooms import KVSender
 from stoker.engine.lora_registry import LoraRegistry
 from stoker.engine.outputs import ModelRunnerOutput, RequestKey, ScheduledRequest, SchedulerOutput
 from stoker.engine.params import EngineCoreOutput, FinishReason
@@ -47,6 +49,8 @@ class Scheduler:
         disk: DiskTier | None = None,
         loras: LoraRegistry | None = None,
         max_loras: int = 4,
+        peers: PeerFetch | None = None,
+        sender: KVSender | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -62,6 +66,10 @@ class Scheduler:
         """LoRA adapters: a waiting request's adapter is made resident before it is admitted."""
         self.max_loras = max_loras
         """Distinct adapters among running requests (--max-loras)."""
+        self.peers = peers
+        """A decode worker's pulls (kv_role decode): split requests' prompt blocks come from their prefill worker."""
+        self.sender = sender
+        """A prefill worker's rooms (kv_role prefill): split requests' prompt blocks are parked for a decode worker."""
         self.waiting = make_queue(policy)
         self.service_key, self.victim_key = POLICIES[policy]
         self.running: list[Request] = []
@@ -93,11 +101,15 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         self.requests.pop(request.key, None)
+        if self.sender is not None:
+            self.sender.on_remove(request)  # parks what it computed last, before its blocks are freed
         self.kv.free(request)
         if self.speculator is not None:
             self.speculator.forget(request.key)
         if self.disk is not None:
             self.disk.forget(request.key)
+        if self.peers is not None:
+            self.peers.forget(request.key)
 
     def abort(self, request: Request, error: str | None = None) -> EngineCoreOutput:
         """Finish a sequence from outside the step (cancel, deadline, drain)."""
@@ -303,12 +315,15 @@ class Scheduler:
             cached: list[Block] = []
             if request.num_computed_tokens == 0 and not request.needs_prompt_logprobs:
                 cached = self.kv.find_cached_prefix(request)
-                if self.disk is not None:
+                fetched = Fetch.NOTHING
+                if self.peers is not None and request.kv_transfer is not None:
+                    fetched = self.peers.fetch(request, cached)
+                elif self.disk is not None:
                     fetched = self.disk.fetch(request, cached)
-                    if fetched is Fetch.WAITING:
-                        continue  # its blocks are being read from disk; the others go ahead
-                    if fetched is Fetch.LOADED:
-                        cached = self.kv.find_cached_prefix(request)
+                if fetched is Fetch.WAITING:
+                    continue  # its blocks are being read from disk or pulled from a peer; the others go ahead
+                if fetched is Fetch.LOADED:
+                    cached = self.kv.find_cached_prefix(request)
             computed = request.num_computed_tokens + len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - computed, budget[0])
             slots_full = len(self.running) >= self.max_num_seqs

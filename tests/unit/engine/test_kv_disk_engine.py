@@ -204,7 +204,7 @@ def test_kv_events_name_the_disk_medium(tmp_path: Path, copies: str) -> None:
     store = DiskBlockStore(tmp_path, 2 * block_file_bytes(layout), layout)
     tier = DiskTier(store, [(k, v)], pool, BLOCK_SIZE, events)
     if copies == "torch":
-        tier._host_views = None
+        tier._bytes._host_views = None
     parent = None
     blocks = []
     for i in range(3):
@@ -229,7 +229,7 @@ def test_kv_events_name_the_disk_medium(tmp_path: Path, copies: str) -> None:
     want_k, want_v = k[last.block_id].clone(), v[last.block_id].clone()
     k[last.block_id] = 0
     v[last.block_id] = 0
-    tier._load_into(last, read)
+    tier._bytes.write(last.block_id, read.payload)
     assert torch.equal(k[last.block_id], want_k) and torch.equal(v[last.block_id], want_v)
     tier.close()
 
