@@ -85,6 +85,8 @@ export function createApi({ onUnreachable = () => {}, onReachable = () => {} } =
       response = await fetch(path, init);
     } catch (err) {
       if (err.name === 'AbortError') throw err;
+      // The caller's own time limit (AbortSignal.timeout): the server is there but slow, not gone.
+      if (err.name === 'TimeoutError') throw new ApiError(408, 'The server did not answer in time: it may be busy.');
       const error = new ApiError(0, 'The server cannot be reached: it may be restarting.');
       if (reachable) {
         reachable = false;

@@ -10,6 +10,9 @@ import { createSettings, DEFAULTS } from './chat-settings.js';
 import { createConversationList } from './conversation-list.js';
 import { createTooltip, renderBody, renderMessage, statsLine } from './transcript.js';
 
+const LIST_TIMEOUT_MS = 10_000;
+const LIST_RETRY_MS = 2_000;
+
 /** A message of the branch as the API takes it. */
 function apiMessage(m) {
   if (m.role === 'assistant' && m.tool_calls?.length) {
@@ -258,12 +261,16 @@ export async function mount(root, ctx) {
   // ---- models and keys ------------------------------------------------------
 
   let listings = 0;
+  let retryTimer = null;
 
   async function loadModels() {
     // Only the latest listing counts: one asked before a key was entered may answer after the one asked with it.
     const mine = ++listings;
+    clearTimeout(retryTimer);
     try {
-      const listing = await ctx.api.fetchJSON('/v1/models', { signal: ctx.signal });
+      // A listing that hangs (a server too busy to answer) is given up and asked again, never waited on forever.
+      const signal = AbortSignal.any([ctx.signal, AbortSignal.timeout(LIST_TIMEOUT_MS)]);
+      const listing = await ctx.api.fetchJSON('/v1/models', { signal });
       if (mine !== listings) return;
       // Chat models: the fleet's of kind generate, and the LoRA adapters on them (listed with a parent);
       // rerankers and the embedding model are left out.
@@ -274,9 +281,14 @@ export async function mount(root, ctx) {
       if (conversation.settings.model && ids.includes(conversation.settings.model)) settings.write(conversation.settings);
       conversation.settings.model = settings.read().model;
     } catch (error) {
-      if (error.name === 'AbortError' || mine !== listings) return;
+      if (ctx.signal.aborted || mine !== listings) return;
       modelProblem = `The models could not be listed: ${error.message}`;
       settings.setModels([], modelProblem);
+      // A refused key waits for the user to enter another; an unreachable server for the banner's
+      // reconnect; a busy, slow or failing server is asked again by itself.
+      if (error.status !== 401 && error.status !== 403 && error.status !== 0) {
+        retryTimer = setTimeout(loadModels, LIST_RETRY_MS);
+      }
     }
   }
 
@@ -305,6 +317,7 @@ export async function mount(root, ctx) {
 
   return () => {
     document.removeEventListener('keydown', onEscape);
+    clearTimeout(retryTimer);
     streaming?.abort();
   };
 }

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from conftest import start_server
-from playwright.sync_api import Page, expect
+from playwright.sync_api import Page, Route, expect
 from tiny_models import make_thinking_model
 
 if TYPE_CHECKING:
@@ -66,7 +66,14 @@ def open_chat(server: ConsoleServer, page: Page) -> None:
         "window.violations = [];"
         "document.addEventListener('securitypolicyviolation', (e) => window.violations.push(e.violatedDirective))"
     )
-    expect(page.locator("#pg-model option")).to_have_count(2, timeout=15_000)
+    try:
+        expect(page.locator("#pg-model option")).to_have_count(2, timeout=15_000)
+    except AssertionError:
+        said = page.evaluate(
+            "() => [document.getElementById('pg-model-note')?.textContent, document.getElementById('key-status')?.textContent,"
+            " document.getElementById('banner')?.textContent, sessionStorage.getItem('stoker.apiKey')]"
+        )
+        raise AssertionError(f"no models listed; model note, key status, banner, key: {said}") from None
     page.get_by_role("button", name="New chat").click()
 
 
@@ -376,6 +383,26 @@ def test_markdown_renderer(console_server: ConsoleServer, page: Page) -> None:
         hostile,
     )
     assert spent < 2000, f"{spent:.0f} ms to render {len(hostile)} characters"
+
+
+def test_a_busy_server_is_asked_for_the_models_again(console_server: ConsoleServer, page: Page) -> None:
+    """A model listing refused as busy (503) is not the page's last word: it says so, asks again by itself,
+    and the picker fills once the server answers."""
+    asked: list[str] = []
+
+    def busy_twice(route: Route) -> None:
+        asked.append(route.request.url)
+        if len(asked) <= 2:
+            route.fulfill(status=503, json={"error": {"message": "engine busy", "type": "server_error", "code": None}})
+        else:
+            route.continue_()
+
+    page.route("**/v1/models", busy_twice)
+    log_in(console_server, page)
+    expect(page.locator("#pg-model-note")).to_contain_text("The server is busy")
+    expect(page.locator("#pg-model option")).to_have_count(2, timeout=15_000)
+    expect(page.locator("#pg-model-note")).to_have_text("")
+    assert len(asked) >= 3
 
 
 def test_wrong_key_says_so(console_server: ConsoleServer, page: Page, screenshot: Screenshot) -> None:
