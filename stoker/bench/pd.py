@@ -33,21 +33,26 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
+from stoker.bench.pd_report import (
+    Round,
+    figures,
+    itl_p99_ratio,
+    markdown,
+    plot,
+    transfer_counters,
+    transfer_delta,
+)
 from stoker.bench.pd_workers import CONFIGS, Deployment, parse_cpus, start_deployments, stop_all
 from stoker.bench.prefix_restart import BenchError, ServedTokenizer, checked, complete, settle
 from stoker.bench.serve import BenchConfig, build_payload, send_request
-from stoker.bench.stats import RequestResult, percentiles
+from stoker.bench.stats import RequestResult
 from stoker.bench.workload import LengthDist, RequestSpec, synthetic
 
-QUANTILES = (50, 99)
 STREAM_POOL_PER_STREAM = 8
 """Distinct prompts drawn per stream and round; a stream that finishes more answers cycles through them."""
-SPLIT_ITL_P99_TARGET = 1.5
-"""Issue 40: the split's ITL p99 within 1.5x of the streams alone."""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -102,18 +107,6 @@ class Load:
     timeout: float
 
 
-@dataclass
-class Round:
-    """What the client saw in one configuration during one round."""
-
-    config: str
-    round: int
-    duration_s: float
-    """From the first request sent to the last answer received."""
-    streams: list[RequestResult]
-    longs: list[RequestResult]
-
-
 async def run_round(
     url: str, model: str, streams: list[RequestSpec], longs: list[RequestSpec], load: Load
 ) -> tuple[list[RequestResult], list[RequestResult], float]:
@@ -157,98 +150,6 @@ async def run_round(
         await asyncio.gather(long_prompts(), *(stream() for _ in range(load.streams)))
     duration = time.perf_counter() - t_run
     return sorted(stream_results, key=lambda r: r.index), sorted(long_results, key=lambda r: r.index), duration
-
-
-def figures(config: str, rounds: list[Round]) -> dict[str, Any]:
-    """One configuration's figures over all its rounds: percentiles over every request of
-    every round, tokens/s over the rounds' summed wall time."""
-    streams = [r for rd in rounds for r in rd.streams]
-    longs = [r for rd in rounds for r in rd.longs]
-    ok_streams = [r for r in streams if r.ok]
-    ok_longs = [r for r in longs if r.ok]
-    failed = [r for r in (*streams, *longs) if not r.ok]
-    duration = sum(rd.duration_s for rd in rounds)
-    return {
-        "config": config,
-        "rounds": len(rounds),
-        "stream_requests": len(streams),
-        "long_requests": len(longs),
-        "itl": percentiles([x for r in ok_streams for x in r.itls], QUANTILES),
-        "ttft": percentiles([r.ttft for r in ok_streams if r.ttft is not None], QUANTILES),
-        "long_ttft": percentiles([r.ttft for r in ok_longs if r.ttft is not None], QUANTILES),
-        "output_tok_s": sum(r.output_tokens for r in (*ok_streams, *ok_longs)) / duration if duration > 0 else None,
-        "errors": len(failed),
-        "error_samples": list(dict.fromkeys(r.error or "error" for r in failed))[:3],
-    }
-
-
-def itl_p99_ratio(by_config: dict[str, dict[str, Any]], config: str) -> float | None:
-    """config's stream ITL p99 over alone's; None where either is missing."""
-    if "alone" not in by_config or config not in by_config:
-        return None
-    base, other = by_config["alone"]["itl"]["p99"], by_config[config]["itl"]["p99"]
-    return other / base if base and other is not None else None
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f}"
-
-
-def markdown(results: list[dict[str, Any]], skipped: dict[str, str]) -> str:
-    by_config = {r["config"]: r for r in results}
-    lines = [
-        "| configuration | rounds | stream ITL p50 (ms) | ITL p99 (ms) | ITL p99 / alone | stream TTFT p50 (ms) "
-        "| TTFT p99 (ms) | long TTFT p50 (ms) | long TTFT p99 (ms) | output tok/s | requests | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        ratio = itl_p99_ratio(by_config, r["config"])
-        tok_s = r["output_tok_s"]
-        lines.append(
-            f"| {r['config']} | {r['rounds']} | {_ms(r['itl']['p50'])} | {_ms(r['itl']['p99'])} "
-            f"| {'-' if ratio is None else f'{ratio:.2f}x'} | {_ms(r['ttft']['p50'])} | {_ms(r['ttft']['p99'])} "
-            f"| {_ms(r['long_ttft']['p50'])} | {_ms(r['long_ttft']['p99'])} "
-            f"| {'-' if tok_s is None else f'{tok_s:.1f}'} | {r['stream_requests'] + r['long_requests']} | {r['errors']} |"
-        )
-    for config, why in skipped.items():
-        lines.append(f"\n{config}: skipped ({why})")
-    split = itl_p99_ratio(by_config, "split")
-    if split is not None:
-        verdict = "within" if split <= SPLIT_ITL_P99_TARGET else "above"
-        lines.append(f"\nsplit ITL p99 / alone ITL p99 = {split:.2f}x ({verdict} the {SPLIT_ITL_P99_TARGET}x target)")
-    for r in results:
-        for sample in r["error_samples"]:
-            lines.append(f"\n{r['config']} error: {sample}")
-    return "\n".join(lines) + "\n"
-
-
-def plot(path: str, rounds: list[Round]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
-
-    fig, (itl_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
-    long_ttfts: dict[str, list[float]] = {}
-    for config in dict.fromkeys(rd.config for rd in rounds):
-        mine = [rd for rd in rounds if rd.config == config]
-        itls = sorted(x * 1000 for rd in mine for r in rd.streams if r.ok for x in r.itls)
-        if itls:
-            itl_ax.plot(itls, [(i + 1) / len(itls) for i in range(len(itls))], label=config)
-        ttfts = [r.ttft * 1000 for rd in mine for r in rd.longs if r.ok and r.ttft is not None]
-        if ttfts:
-            long_ttfts[config] = ttfts
-    if long_ttfts:
-        ttft_ax.boxplot(list(long_ttfts.values()), tick_labels=list(long_ttfts))
-    itl_ax.set(
-        xscale="log", xlabel="stream inter-token latency (ms)", ylabel="share of gaps", title="streams' ITL (CDF)"
-    )
-    itl_ax.legend()
-    itl_ax.grid(alpha=0.3)
-    ttft_ax.set(ylabel="ms", title="long prompts' TTFT")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def validate(args: argparse.Namespace) -> list[str]:
@@ -324,22 +225,31 @@ def warm_up(deployment: Deployment, model: str, long_prompt: str, timeout: float
         complete(client, model, long_prompt, 2)
 
 
-def measure(args: argparse.Namespace, configs: list[str], work: Path) -> tuple[list[Round], dict[str, str]]:
+@dataclass
+class Measured:
+    rounds: list[Round]
+    skipped: dict[str, str]
+    """Configurations that could not start, each with why."""
+    moved: dict[str, dict[str, float]]
+    """The split workers' KV transfer counters over the measured rounds, by role; empty without a split."""
+
+
+def measure(args: argparse.Namespace, configs: list[str], work: Path) -> Measured:
     deployments, skipped = start_deployments(args, configs, work)
+    measured = Measured([], skipped, {})
     try:
-        rounds: list[Round] = []
         live = [c for c in configs if c in deployments]
         if not live:
-            return rounds, skipped
-        first = deployments[live[0]]
-        with httpx.Client(base_url=first.server_url, timeout=args.timeout) as api:
+            return measured
+        with httpx.Client(base_url=deployments[live[0]].server_url, timeout=args.timeout) as api:
             model = str(checked(api.get("/v1/models")).json()["data"][0]["id"])
             tok = ServedTokenizer(api, model)
             check_fits(tok, args)
             (warm_long,) = long_prompts(tok, args, 1, variant=-1)
-            for config in live:
-                if deployments[config].url not in {deployments[c].url for c in live[: live.index(config)]}:
-                    warm_up(deployments[config], model, warm_long.prompt or "", args.timeout)
+            for deployment in {id(deployments[c]): deployments[c] for c in live}.values():
+                warm_up(deployment, model, warm_long.prompt or "", args.timeout)
+            workers = deployments["split"].workers if "split" in deployments else {}
+            before = transfer_counters(workers)
             per_round = int(args.duration / args.long_every)
             for index in range(args.rounds):
                 for config in live:
@@ -347,15 +257,15 @@ def measure(args: argparse.Namespace, configs: list[str], work: Path) -> tuple[l
                     variant = 2 * index + (config == "alone")
                     streams = stream_prompts(tok, args, variant)
                     longs = [] if config == "alone" else long_prompts(tok, args, per_round, variant)
-                    load = Load(
-                        args.streams, args.duration, None if config == "alone" else args.long_every, args.timeout
-                    )
+                    every = None if config == "alone" else args.long_every
+                    load = Load(args.streams, args.duration, every, args.timeout)
                     print(f"round {index + 1}/{args.rounds}: {config} ...", flush=True)
                     got_streams, got_longs, seconds = asyncio.run(
                         run_round(deployments[config].url, model, streams, longs, load)
                     )
-                    rounds.append(Round(config, index, seconds, got_streams, got_longs))
-        return rounds, skipped
+                    measured.rounds.append(Round(config, index, seconds, got_streams, got_longs))
+            measured.moved = transfer_delta(before, transfer_counters(workers))
+        return measured
     finally:
         stop_all(deployments)
 
@@ -365,25 +275,26 @@ def run(args: argparse.Namespace) -> int:
         configs = validate(args)
         work = Path(tempfile.mkdtemp(prefix="stoker-bench-pd-"))
         try:
-            rounds, skipped = measure(args, configs, work)
+            measured = measure(args, configs, work)
         finally:
             shutil.rmtree(work, ignore_errors=True)
     except BenchError as exc:
         print(f"stoker bench pd: {exc}", file=sys.stderr)
         return 2
-    for config, why in skipped.items():
+    rounds = measured.rounds
+    for config, why in measured.skipped.items():
         print(f"{config}: skipped ({why})", file=sys.stderr)
-    results = [
-        figures(c, [rd for rd in rounds if rd.config == c]) for c in configs if any(rd.config == c for rd in rounds)
-    ]
-    print(markdown(results, skipped))
+    ran = [c for c in configs if any(rd.config == c for rd in rounds)]
+    results = [figures(c, [rd for rd in rounds if rd.config == c]) for c in ran]
+    print(markdown(results, measured.skipped, measured.moved))
     if args.out:
         data = {
             "command": "stoker " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
             "config": {k: v for k, v in vars(args).items() if k != "func"},
             "results": results,
             "split_itl_p99_over_alone": itl_p99_ratio({r["config"]: r for r in results}, "split"),
-            "skipped": skipped,
+            "skipped": measured.skipped,
+            "kv_transfer": measured.moved,
             "rounds": [asdict(rd) for rd in rounds],
         }
         Path(args.out).write_text(json.dumps(data, indent=2))

@@ -58,13 +58,20 @@ class Child:
         return f"{self.name} {reason}" + (f": {lines[-1].strip()[:300]}" if lines else "")
 
     def stop(self) -> None:
+        self.terminate()
+        self.wait()
+
+    def terminate(self) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+
+    def wait(self) -> None:
+        """Until the process has exited; killed after STOP_TIMEOUT_S."""
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 class StokerServer(Child):
@@ -121,6 +128,8 @@ class Deployment:
     server_url: str
     """A stoker server of it (for /v1/models and /tokenize, which the router does not serve)."""
     children: list[Child] = field(default_factory=list)
+    workers: dict[str, str] = field(default_factory=dict)
+    """The split's stoker servers by role ("prefill", "decode"): their /metrics count the KV moved."""
 
 
 def router_binary(args: argparse.Namespace) -> str | None:
@@ -188,7 +197,8 @@ def start_deployments(
         if router is not None:
             why = router.wait_ready(args.ready_timeout)
         if why is None and router is not None:
-            deployments["split"] = Deployment(router.url, decode.url, [router, prefill, decode])
+            workers = {"prefill": prefill.url, "decode": decode.url}
+            deployments["split"] = Deployment(router.url, decode.url, [router, prefill, decode], workers)
         else:
             for child in (router, prefill, decode):
                 if child is not None:
@@ -198,9 +208,9 @@ def start_deployments(
 
 
 def stop_all(deployments: dict[str, Deployment]) -> None:
-    stopped: set[int] = set()
-    for deployment in deployments.values():
-        for child in deployment.children:
-            if id(child) not in stopped:
-                stopped.add(id(child))
-                child.stop()
+    """Every process signalled first, then waited for: they drain side by side."""
+    children = list({id(c): c for d in deployments.values() for c in d.children}.values())
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.wait()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_models import make_tiny_hf_model
 
-from stoker.bench import pd, pd_workers
+from stoker.bench import pd, pd_report, pd_workers
 from stoker.bench.stats import RequestResult
 
 pytestmark = pytest.mark.timeout(240, func_only=True)
@@ -32,10 +32,10 @@ def stream(index: int, ttft: float, itls: list[float], tokens: int) -> RequestRe
 def test_figures_pool_every_round_of_a_configuration() -> None:
     # 100 gaps: 98 of 10 ms, then 100 and 200 ms. p99 interpolates between the two
     # largest: index 0.99 * 99 = 98.01, so 100 + 0.01 * (200 - 100) = 101 ms.
-    first = pd.Round("colocated", 0, 4.0, [stream(0, 0.1, [0.01] * 49, 50), stream(1, 0.3, [0.01] * 49, 50)], [])
+    first = pd_report.Round("colocated", 0, 4.0, [stream(0, 0.1, [0.01] * 49, 50), stream(1, 0.3, [0.01] * 49, 50)], [])
     longs = [stream(0, 1.0, [], 1), stream(1, 3.0, [], 1), RequestResult(index=2, status=503, error="HTTP 503: busy")]
-    second = pd.Round("colocated", 1, 6.0, [stream(0, 0.2, [0.1, 0.2], 3)], longs)
-    result = pd.figures("colocated", [first, second])
+    second = pd_report.Round("colocated", 1, 6.0, [stream(0, 0.2, [0.1, 0.2], 3)], longs)
+    result = pd_report.figures("colocated", [first, second])
     assert result["itl"]["p50"] == pytest.approx(0.01)
     assert result["itl"]["p99"] == pytest.approx(0.101)
     assert result["ttft"]["p50"] == pytest.approx(0.2)
@@ -48,14 +48,16 @@ def test_figures_pool_every_round_of_a_configuration() -> None:
 
 
 def test_the_split_ratio_is_reported_against_the_target() -> None:
-    alone = pd.figures("alone", [pd.Round("alone", 0, 1.0, [stream(0, 0.1, [0.02] * 100, 101)], [])])
-    split = pd.figures("split", [pd.Round("split", 0, 1.0, [stream(0, 0.1, [0.04] * 100, 101)], [])])
-    assert pd.itl_p99_ratio({"alone": alone, "split": split}, "split") == pytest.approx(2.0)
-    assert pd.itl_p99_ratio({"split": split}, "split") is None
-    table = pd.markdown([alone, split], {"colocated": "both exited with 1"})
+    alone = pd_report.figures("alone", [pd_report.Round("alone", 0, 1.0, [stream(0, 0.1, [0.02] * 100, 101)], [])])
+    split = pd_report.figures("split", [pd_report.Round("split", 0, 1.0, [stream(0, 0.1, [0.04] * 100, 101)], [])])
+    assert pd_report.itl_p99_ratio({"alone": alone, "split": split}, "split") == pytest.approx(2.0)
+    assert pd_report.itl_p99_ratio({"split": split}, "split") is None
+    moved = {"decode": {"blocks_received": 24.0, "received_bytes": 2.5e6, "pulls": 2.0, "pull_seconds": 0.1}}
+    table = pd_report.markdown([alone, split], {"colocated": "both exited with 1"}, moved)
     assert "| split | 1 | 40.0 | 40.0 | 2.00x |" in table
     assert "split ITL p99 / alone ITL p99 = 2.00x (above the 1.5x target)" in table
     assert "colocated: skipped (both exited with 1)" in table
+    assert "the decode worker received 24 blocks (2.5 MB) in 2 pulls, 50.0 ms per pull" in table
 
 
 @pytest.mark.parametrize(
@@ -86,22 +88,29 @@ def test_cpu_lists_and_why_a_split_cannot_run(tmp_path: Path) -> None:
     assert "CPU 4095 is not available here" in (pd_workers.split_blocker(args) or "")
 
 
-def test_alone_and_colocated_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_configuration_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The bench starts the servers, the taskset-pinned workers and sglang-router itself;
+    every request succeeds in each configuration and the split moves the prompts' KV."""
     model = make_tiny_hf_model("llama", tmp_path)
     out, picture = tmp_path / "pd.json", tmp_path / "pd.png"
     load = ["--streams", "2", "--stream-prompt", "20", "--stream-tokens", "8", "--long-len", "200"]
     load += ["--long-every", "0.5", "--long-tokens", "3", "--duration", "1.5", "--rounds", "1"]
-    argv = ["--model", str(model), "--serve-args", SERVE_ARGS, "--configs", "alone,colocated", *load]
+    argv = ["--model", str(model), "--serve-args", SERVE_ARGS, *load]
     assert pd.run(parse([*argv, "--out", str(out), "--plot", str(picture)])) == 0
     data = json.loads(out.read_text())
     by_config = {r["config"]: r for r in data["results"]}
-    assert list(by_config) == ["alone", "colocated"] and data["skipped"] == {}
+    assert list(by_config) == ["alone", "colocated", "split"] and data["skipped"] == {}
     assert by_config["alone"]["long_requests"] == 0
-    assert by_config["colocated"]["long_requests"] == 2  # at 0.5 s and 1.0 s; 1.5 s is the round's end
     rounds = {rd["config"]: rd for rd in data["rounds"]}
-    for config in ("alone", "colocated"):
+    for config in ("alone", "colocated", "split"):
         assert by_config[config]["errors"] == 0 and by_config[config]["stream_requests"] >= 2
         assert all(r["output_tokens"] == 8 and len(r["itls"]) >= 1 for r in rounds[config]["streams"])
-    assert all(200 <= r["prompt_tokens"] <= 202 and r["ttft"] > 0 for r in rounds["colocated"]["longs"])
+    for config in ("colocated", "split"):
+        assert by_config[config]["long_requests"] == 2  # at 0.5 s and 1.0 s; 1.5 s is the round's end
+        assert all(200 <= r["prompt_tokens"] <= 202 and r["ttft"] > 0 for r in rounds[config]["longs"])
+    decode = data["kv_transfer"]["decode"]
+    # each long prompt's 12 full blocks crossed (the streams' one block each too), none failed
+    assert decode["blocks_received"] >= 24 and decode["pulls_failed"] == decode["pulls_timed_out"] == 0
+    assert data["kv_transfer"]["prefill"]["blocks_sent"] == decode["blocks_received"]
     assert picture.stat().st_size > 0
-    assert "| alone | 1 |" in capsys.readouterr().out
+    assert "split ITL p99 / alone ITL p99 = " in capsys.readouterr().out
