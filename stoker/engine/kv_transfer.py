@@ -103,6 +103,8 @@ class PullResult:
     bytes_received: int = 0
     failure: str | None = None
     """Why it stopped short of every block asked for; None when all arrived."""
+    timed_out: bool = False
+    """It stopped at its deadline (the prefill worker too slow or silent)."""
 
 
 def pull_blocks(
@@ -124,7 +126,7 @@ def pull_blocks(
     try:
         timeout = deadline - time.monotonic()
         if timeout <= 0:
-            result.failure = "no time left"
+            result.failure, result.timed_out = "no time left", True
             return result
         with socket.create_connection((host, port), min(timeout, CONNECT_TIMEOUT_S)) as sock:
             if not cancel.attach(sock):
@@ -137,6 +139,8 @@ def pull_blocks(
                 return result
             send_frame(sock, Kind.PULL, pull_payload(room, first_index, hashes))
             _receive(sock, layout, hashes, first_parent, write, deadline, result)
+    except TimeoutError:
+        result.failure, result.timed_out = "timed out", True
     except (OSError, ProtocolError) as exc:
         result.failure = "cancelled" if cancel.is_set else f"{type(exc).__name__}: {exc}"
     return result

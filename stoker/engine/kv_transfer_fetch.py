@@ -193,8 +193,9 @@ class PeerFetch:
         self.pull_seconds += time.monotonic() - pull.started
         self.num_blocks_received += len(result.loaded)
         self.num_bytes_received += result.bytes_received
-        if pull.timed_out:
+        if pull.timed_out or result.timed_out:
             self.num_timed_out += 1
+            self._warn(pull.peer, f"a pull took over {self.timeout:.1f}s; computing the rest of the prompt")
         elif result.failure is not None and len(result.loaded) < len(pull.targets):
             self.num_failed += 1
             self._warn(pull.peer, f"{result.failure}; computing the rest of the prompt")
