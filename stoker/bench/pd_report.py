@@ -5,6 +5,7 @@ markdown table and the plot."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from stoker.bench.prefix_restart import BenchError
 from stoker.bench.stats import RequestResult, percentiles
 
 QUANTILES = (50, 99)
+STATS_SETTLE_S = 2.0
+"""The engine sends its stats to the front end every second or so (as prefix-restart waits too)."""
 SPLIT_ITL_P99_TARGET = 1.5
 """Issue 40: the split's ITL p99 within 1.5x of the streams alone."""
 
@@ -62,10 +65,13 @@ def itl_p99_ratio(by_config: dict[str, dict[str, Any]], config: str) -> float | 
 
 
 def transfer_counters(workers: dict[str, str]) -> dict[str, dict[str, float]]:
-    """Each worker's stoker:kv_transfer_*_total counters (summed over their labels) from its /metrics."""
+    """Each worker's stoker:kv_transfer_*_total counters (summed over their labels) from its /metrics,
+    read once the last requests' stats have reached it."""
     from prometheus_client.parser import text_string_to_metric_families
 
     counters: dict[str, dict[str, float]] = {}
+    if workers:
+        time.sleep(STATS_SETTLE_S)
     for role, url in workers.items():
         reply = httpx.get(f"{url}/metrics", timeout=30)
         if reply.status_code != 200:
