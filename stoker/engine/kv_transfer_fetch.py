@@ -230,6 +230,9 @@ class PeerFetch:
         if self._pulls:
             wait([pull.future for pull in self._pulls.values()], timeout, FIRST_COMPLETED)
 
+    def pulling(self, key: RequestKey) -> bool:
+        return key in self._pulls
+
     @property
     def loading(self) -> bool:
         return bool(self._pulls) or bool(self._abandoned)

@@ -293,6 +293,8 @@ class Scheduler:
         """Samples 1..n-1 of a prompt wait for sample 0's prefill, to share its blocks."""
         if request.index == 0 or request.num_computed_tokens:
             return False
+        if self.peers is not None and self.peers.pulling((request.request_id, 0)):
+            return True  # sample 0's prompt blocks are on their way from its prefill worker
         for other in self.running:
             if other.request_id == request.request_id and other.index == 0:
                 return other.num_computed_tokens < other.num_prompt_tokens

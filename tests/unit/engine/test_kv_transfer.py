@@ -238,6 +238,25 @@ def test_split_with_a_lora_adapter(files: dict[str, Path], prefill: Worker, deco
     assert decode.stats().kv_transfer_blocks_received == 20  # the base's chain is another: sent in full
 
 
+def test_the_samples_of_n_share_the_pulled_blocks(prefill: Worker, decode: EngineCore) -> None:
+    room = next(_rooms)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill.add(EngineCoreRequest("p", PROMPT, one, time.time(), kv_transfer=KVTransferParams(room, True)))
+    port = prefill.core.kv_server.port if prefill.core.kv_server else 0
+    two = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, n=2)
+    pull = KVTransferParams(room, False, "127.0.0.1", port)
+    decode.add_request(EngineCoreRequest("d", PROMPT, two, time.time(), kv_transfer=pull))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    cached: dict[int, int] = {}
+    while decode.has_unfinished_requests():
+        for delta in decode.step():
+            tokens[delta.index] += delta.new_token_ids
+            cached[delta.index] = max(cached.get(delta.index, -1), delta.num_cached_tokens)
+    # Sample 1 waited for sample 0's blocks rather than computing the prompt itself.
+    assert cached == {0: 40, 1: 40}
+    assert tokens[0] == tokens[1] == colocated(decode)
+
+
 def test_blocks_the_decode_side_holds_are_not_sent(prefill: Worker, decode: EngineCore) -> None:
     run(decode, EngineCoreRequest("warm", PROMPT[:25], GREEDY, time.time()))  # 6 full blocks cached here
     tokens, cached = split(prefill, decode)
