@@ -155,6 +155,10 @@ class KVTransferServer:
 
     def close(self) -> None:
         self._closing.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
+        except OSError:
+            pass  # not supported here: accept() looks up within ACCEPT_POLL_S
         self._listener.close()
         self.rooms.wake()
         self._thread.join(timeout=2 * ACCEPT_POLL_S)
