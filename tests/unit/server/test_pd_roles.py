@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, ServerProcess, auth, start_server
+from conftest import FAKE_CORE, ServerProcess, auth, free_port, start_server
 from pydantic import ValidationError
 
 from stoker.config import EngineConfig
@@ -29,7 +29,7 @@ from stoker.errors import APIError
 from stoker.server import cli
 from stoker.server.config import ServerConfig, parse_peers
 from stoker.server.hooks import FinishedRecord
-from stoker.server.kv_roles import split_request
+from stoker.server.kv_roles import check_peers, split_request
 from stoker.server.protocol import ChatCompletionRequest, CompletionRequest
 from stoker.server.serving.job import Job
 
@@ -283,3 +283,18 @@ def test_prefill_worker_over_http(prefill_worker: tuple[ServerProcess, dict[str,
     assert rooms.status_code == 400 and "a list of rooms" in rooms.text
     info = httpx.get(f"{server.url}/get_server_info", headers=auth(secrets["router"]), timeout=30).json()
     assert info["disaggregation_mode"] == "prefill"
+
+
+# ---- the start-up check of --kv-peers ------------------------------------------------
+
+LAYOUT = {"model_digest": "sha256:" + "0" * 64, "kv_dtype": "bfloat16", "block_size": 16, "block_bytes": 4096,
+          "layout_version": 1}  # fmt: skip
+
+
+async def test_an_unreachable_peer_is_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    nobody = free_port()  # nothing listens there
+    with caplog.at_level("WARNING", logger="stoker.server"):
+        await check_peers([("127.0.0.1", nobody)], [LAYOUT], timeout=2)
+    assert f"prefill worker 127.0.0.1:{nobody}" in caplog.text and "computed here until it answers" in caplog.text
+    with pytest.raises(ValueError, match="reports no KV layout"):
+        await check_peers([("127.0.0.1", nobody)], [], timeout=2)
