@@ -17,20 +17,17 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from stoker.config import EngineConfig
 from stoker.control.keys import SCOPE_ROUTER
+from stoker.engine.kv_transfer import PeerCheck, probe_peer
 from stoker.engine.params import KVTransferParams
 from stoker.errors import APIError
 from stoker.server.config import parse_peers
 from stoker.server.protocol import BootstrapFields, bad_request
 from stoker.server.serving.job import Job
-
-if TYPE_CHECKING:
-    from stoker.engine.kv_transfer import PeerCheck
 
 logger = logging.getLogger("stoker.server")
 
@@ -114,7 +111,5 @@ async def check_peers(
 
 def _check_one(host: str, port: int, layouts: Sequence[Mapping[str, str | int]], timeout: float) -> PeerCheck:
     """The peer against each of this server's layouts: the first that matches, else the first's answer."""
-    from stoker.engine.kv_transfer import probe_peer  # only a decode worker with --kv-peers needs the client
-
     checks = [probe_peer(host, port, layout, timeout) for layout in layouts]
     return next((check for check in checks if check.problem is None), checks[0])
