@@ -176,7 +176,7 @@ class EngineConfig(BaseModel):
     """Most bytes the disk tier keeps (e.g. 20GB, 512MiB); least recently used blocks are removed beyond it.
     At least one block, at most the disk's size. None: a tenth of the disk holding kv_cache_disk."""
     kv_role: Literal["both", "prefill", "decode"] = "both"
-    """Disaggregated serving behind a PD router (sglang-router --pd-disaggregation; docs/scaling.md). both: every
+    """Disaggregated serving behind a PD router (sglang-router --pd-disaggregation; docs/disaggregation.md). both: every
     request is served whole here (the default). prefill: a request carrying a bootstrap room runs its prompt and
     keeps its KV blocks for the decode worker that pulls them from the KV transfer server (kv_transfer_host,
     kv_transfer_port). decode: a request carrying a bootstrap room pulls its prompt's blocks from the prefill

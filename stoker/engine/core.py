@@ -240,7 +240,7 @@ class EngineCore:
         return DiskTier(store, self.runner.kv_caches, self.kv.pool, config.block_size, kv_log)
 
     def _kv_transfer(self, config: EngineConfig, layout: DiskLayout) -> None:
-        """A prefill worker's rooms and KV transfer server, or a decode worker's pulls (docs/scaling.md)."""
+        """A prefill worker's rooms and KV transfer server, or a decode worker's pulls (docs/disaggregation.md)."""
         block_bytes = KVBlockBytes(self.runner.kv_caches)
         if config.kv_role == "prefill":
             self.kv_rooms = Rooms(config.kv_transfer_timeout)
