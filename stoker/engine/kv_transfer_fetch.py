@@ -127,9 +127,13 @@ class PeerFetch:
             return Fetch.NOTHING
         # Its deadline counts from its arrival (time.time() at the front end), as the router's client waits.
         deadline = time.monotonic() + (request.arrival_time + self.timeout - time.time())
-        if not params.peer_host or not params.peer_port or deadline <= time.monotonic():
+        if not params.peer_host or not params.peer_port:
             self.num_failed += 1
-            self._warn(peer, "no prefill worker address, or no time left: computing the prompt")
+            self._warn(peer, "no prefill worker address: computing the prompt")
+            return Fetch.NOTHING
+        if deadline <= time.monotonic():
+            self.num_timed_out += 1  # it waited its whole timeout in the queue
+            self._warn(peer, "no time left to pull: computing the prompt")
             return Fetch.NOTHING
         # The request's RAM hits are held so no allocation takes them while it waits, and the pull
         # copies into blocks held for it, which nothing else reads or writes meanwhile.
