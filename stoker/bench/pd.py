@@ -184,7 +184,7 @@ def validate(args: argparse.Namespace) -> list[str]:
         serve_args = shlex.split(args.serve_args)
     except ValueError as exc:
         raise BenchError(f"--serve-args: {exc}") from None
-    for flag in ("--host", "--port", "--role", "--num-threads", "--kv-transfer-port", "--kv-peers"):
+    for flag in ("--host", "--port", "--role", "--kv-role", "--num-threads", "--kv-transfer-port", "--kv-peers"):
         if any(arg == flag or arg.startswith(f"{flag}=") for arg in serve_args):
             raise BenchError(f"--serve-args: the bench sets {flag} itself")
     return [c for c in CONFIGS if c in configs]
