@@ -246,9 +246,16 @@ def measure(args: argparse.Namespace, configs: list[str], work: Path) -> Measure
             tok = ServedTokenizer(api, model)
             check_fits(tok, args)
             (warm_long,) = long_prompts(tok, args, 1, variant=-1)
-            for deployment in {id(deployments[c]): deployments[c] for c in live}.values():
-                warm_up(deployment, model, warm_long.prompt or "", args.timeout)
-            workers = deployments["split"].workers if "split" in deployments else {}
+            for config in live:
+                if config == "colocated" and "alone" in live:
+                    continue  # one server: warmed up once
+                try:
+                    warm_up(deployments[config], model, warm_long.prompt or "", args.timeout)
+                except (BenchError, httpx.HTTPError) as exc:
+                    shared = [c for c in live if deployments[c] is deployments[config]]
+                    skipped.update(dict.fromkeys(shared, f"its warm-up request failed: {exc}"))
+            live = [c for c in live if c not in skipped]
+            workers = deployments["split"].workers if "split" in live else {}
             before = transfer_counters(workers)
             per_round = int(args.duration / args.long_every)
             for index in range(args.rounds):

@@ -114,3 +114,13 @@ def test_every_configuration_end_to_end(tmp_path: Path, capsys: pytest.CaptureFi
     assert data["kv_transfer"]["prefill"]["blocks_sent"] == decode["blocks_received"]
     assert picture.stat().st_size > 0
     assert "split ITL p99 / alone ITL p99 = " in capsys.readouterr().out
+
+
+def test_a_configuration_that_cannot_start_is_skipped_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "sglang-router"
+    assert pd.run(parse(["--configs", "split", "--router", str(missing)])) == 1  # nothing ran
+    out = capsys.readouterr()
+    assert f"split: skipped (no sglang-router executable ({missing}): pip install sglang-router)" in out.err
+    assert "| configuration |" in out.out and "| split |" not in out.out
