@@ -124,16 +124,22 @@ async def run_round(
         deadline = t_run + load.duration
         counter = itertools.count()
 
+        async def send(index: int, spec: RequestSpec) -> RequestResult:
+            """One request, cut off after load.timeout seconds in all (httpx bounds each read only)."""
+            sent = send_request(client, endpoint, build_payload(spec, cfg, model), {}, index, t_run, spec.input_len)
+            started = time.perf_counter() - t_run
+            try:
+                return await asyncio.wait_for(sent, load.timeout)
+            except TimeoutError:
+                return RequestResult(index, started, error=f"no full answer in {load.timeout:g} s (--timeout)")
+
         async def stream() -> None:
             while time.perf_counter() < deadline:
                 i = next(counter)
-                spec = streams[i % len(streams)]
-                payload = build_payload(spec, cfg, model)
-                stream_results.append(await send_request(client, endpoint, payload, {}, i, t_run, spec.input_len))
+                stream_results.append(await send(i, streams[i % len(streams)]))
 
         async def long_prompt(k: int, spec: RequestSpec) -> None:
-            payload = build_payload(spec, cfg, model)
-            long_results.append(await send_request(client, endpoint, payload, {}, k, t_run, spec.input_len))
+            long_results.append(await send(k, spec))
 
         async def long_prompts() -> None:
             if load.long_every is None:

@@ -4,7 +4,10 @@ end to end on a tiny random-weight llama (the servers started by the bench itsel
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ from tiny_models import make_tiny_hf_model
 
 from stoker.bench import pd, pd_report, pd_workers
 from stoker.bench.stats import RequestResult
+from stoker.bench.workload import RequestSpec
 
 pytestmark = pytest.mark.timeout(240, func_only=True)
 SERVE_ARGS = "--no-embedding-model --num-kv-blocks 128 --max-model-len 512 --max-num-seqs 8"
@@ -124,3 +128,17 @@ def test_a_configuration_that_cannot_start_is_skipped_in_one_line(
     out = capsys.readouterr()
     assert f"split: skipped (no sglang-router executable ({missing}): pip install sglang-router)" in out.err
     assert "| configuration |" in out.out and "| split |" not in out.out
+
+
+def test_a_server_that_never_answers_ends_the_round_within_the_timeout() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        specs = [RequestSpec(prompt="words", input_len=1, output_len=4)]
+        load = pd.Load(streams=2, duration=0.3, long_every=0.1, timeout=0.5)
+        started = time.perf_counter()
+        streams, longs, _ = asyncio.run(pd.run_round(url, "m", specs, specs * 2, load))
+    assert time.perf_counter() - started < 5
+    assert len(streams) == 2 and len(longs) == 2  # one per stream; longs at 0.1 and 0.2 s
+    assert all(not r.ok and r.error for r in (*streams, *longs))
