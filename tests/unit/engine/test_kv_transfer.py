@@ -30,7 +30,7 @@ from stoker.engine.core import EngineCore
 from stoker.engine.kv_disk_format import StoredBlock
 from stoker.engine.kv_transfer import check_peer, probe_peer
 from stoker.engine.kv_transfer_wire import Kind
-from stoker.engine.params import EngineCoreRequest, KVTransferParams, LoraCommand, SamplingParams
+from stoker.engine.params import EngineCoreRequest, EngineStats, KVTransferParams, LoraCommand, SamplingParams
 from stoker.models.kv_quant import KV_FORMATS
 
 BLOCK_SIZE = 4
@@ -124,18 +124,49 @@ class Worker:
         self.core.close()
 
 
-@pytest.fixture
-def prefill(files: dict[str, Path]) -> Iterator[Worker]:
+@pytest.fixture(scope="module")
+def shared_prefill(files: dict[str, Path]) -> Iterator[Worker]:
     worker = Worker(engine(files, "prefill"))
     yield worker
     worker.stop()
 
 
-@pytest.fixture
-def decode(files: dict[str, Path]) -> Iterator[EngineCore]:
+@pytest.fixture(scope="module")
+def shared_decode(files: dict[str, Path]) -> Iterator[EngineCore]:
     core = engine(files, "decode")
     yield core
     core.close()
+
+
+_baselines: dict[int, EngineStats] = {}
+
+
+@pytest.fixture
+def prefill(shared_prefill: Worker) -> Worker:
+    """The module's prefill engine, its prefix cache empty and its counters read from here (counted)."""
+    shared_prefill.call(shared_prefill.core.reset_prefix_cache)
+    _baselines[id(shared_prefill.core)] = shared_prefill.call(shared_prefill.core.stats)
+    return shared_prefill
+
+
+@pytest.fixture
+def decode(shared_decode: EngineCore) -> EngineCore:
+    """The module's decode engine, its prefix cache empty and its counters read from here (counted)."""
+    shared_decode.reset_prefix_cache()
+    _baselines[id(shared_decode)] = shared_decode.stats()
+    return shared_decode
+
+
+def counted(core: EngineCore, stats: EngineStats | None = None) -> dict[str, float]:
+    """The engine's kv_transfer_* counters since its fixture handed it to this test (all of them for an
+    engine of the test's own), without the prefix."""
+    now = stats or core.stats()
+    before = _baselines.get(id(core), EngineStats())
+    return {
+        name.removeprefix("kv_transfer_"): getattr(now, name) - getattr(before, name)
+        for name in vars(now)
+        if name.startswith("kv_transfer_")
+    }
 
 
 def run(core: EngineCore, request: EngineCoreRequest, timeout: float = 30) -> tuple[list[int], int]:
@@ -199,24 +230,28 @@ def settled(worker: Worker, free: int) -> bool:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", KV_DTYPES)
-def test_split_greedy_tokens_are_the_colocated_ones(files: dict[str, Path], kv_cache_dtype: str) -> None:
-    prefill = Worker(engine(files, "prefill", kv_cache_dtype))
-    decode = engine(files, "decode", kv_cache_dtype)
+def test_split_greedy_tokens_are_the_colocated_ones(
+    files: dict[str, Path], kv_cache_dtype: str, request: pytest.FixtureRequest
+) -> None:
+    own = kv_cache_dtype != "float32"  # the module's engines are float32
+    prefill: Worker = Worker(engine(files, "prefill", kv_cache_dtype)) if own else request.getfixturevalue("prefill")
+    decode: EngineCore = engine(files, "decode", kv_cache_dtype) if own else request.getfixturevalue("decode")
     try:
         tokens, cached = split(prefill, decode)
         assert tokens == colocated(decode)
         assert cached == 40  # every full block but the last token's came from the prefill worker
-        stats = decode.stats()
-        assert (stats.kv_transfer_blocks_received, stats.kv_transfer_pulls) == (10, 1)
-        assert stats.kv_transfer_pulls_failed == stats.kv_transfer_pulls_timed_out == 0
-        sent = prefill.call(prefill.core.stats)
-        assert sent.kv_transfer_blocks_sent == 10
-        assert sent.kv_transfer_bytes_sent == stats.kv_transfer_bytes_received > 10 * block_bytes(decode)
+        received = counted(decode)
+        assert (received["blocks_received"], received["pulls"]) == (10, 1)
+        assert received["pulls_failed"] == received["pulls_timed_out"] == 0
+        sent = counted(prefill.core, prefill.call(prefill.core.stats))
+        assert sent["blocks_sent"] == 10
+        assert sent["bytes_sent"] == received["bytes_received"] > 10 * block_bytes(decode)
         assert settled(prefill, prefill.core.kv.num_blocks)
         assert decode.kv.pool.num_free == decode.kv.num_blocks
     finally:
-        prefill.stop()
-        decode.close()
+        if own:
+            prefill.stop()
+            decode.close()
 
 
 def test_split_with_a_lora_adapter(files: dict[str, Path], prefill: Worker, decode: EngineCore) -> None:
@@ -235,7 +270,7 @@ def test_split_with_a_lora_adapter(files: dict[str, Path], prefill: Worker, deco
     base, _ = split(prefill, decode)
     assert tokens == want != base
     assert cached == 40
-    assert decode.stats().kv_transfer_blocks_received == 20  # the base's chain is another: sent in full
+    assert counted(decode)["blocks_received"] == 20  # the base's chain is another: sent in full
 
 
 def test_the_samples_of_n_share_the_pulled_blocks(prefill: Worker, decode: EngineCore) -> None:
@@ -260,14 +295,14 @@ def test_the_samples_of_n_share_the_pulled_blocks(prefill: Worker, decode: Engin
 def test_blocks_the_decode_side_holds_are_not_sent(prefill: Worker, decode: EngineCore) -> None:
     run(decode, EngineCoreRequest("warm", PROMPT[:25], GREEDY, time.time()))  # 6 full blocks cached here
     tokens, cached = split(prefill, decode)
-    stats = decode.stats()
-    assert (stats.kv_transfer_blocks_skipped, stats.kv_transfer_blocks_received) == (6, 4)
+    moved = counted(decode)
+    assert (moved["blocks_skipped"], moved["blocks_received"]) == (6, 4)
     assert cached == 40
-    assert stats.kv_transfer_bytes_received < 5 * block_bytes(decode)
+    assert moved["bytes_received"] < 5 * block_bytes(decode)
     # The whole prompt held here: nothing pulled, and the prefill worker's room let go at once, not at expiry.
     again, _ = split(prefill, decode)
     assert again == tokens
-    assert decode.stats().kv_transfer_blocks_received == 4
+    assert counted(decode)["blocks_received"] == 4
     assert settled(prefill, prefill.core.kv.num_blocks)
 
 
@@ -276,7 +311,7 @@ def test_a_prompt_shorter_than_a_block_sends_nothing(
 ) -> None:
     tokens, cached = split(prefill, decode, PROMPT[:3])
     assert tokens == colocated(decode, PROMPT[:3])
-    assert cached == 0 and decode.stats().kv_transfer_pulls == 0
+    assert cached == 0 and counted(decode)["pulls"] == 0
     assert settled(prefill, prefill.core.kv.num_blocks)
 
 
@@ -306,7 +341,7 @@ def test_a_peer_gone_mid_stream_means_recompute(
     tokens, cached = split(prefill, decode)
     assert cached == 8  # the two blocks before it died
     assert tokens == colocated(decode)
-    assert decode.stats().kv_transfer_pulls_failed == 1
+    assert counted(decode)["pulls_failed"] == 1
     assert settled(prefill, prefill.core.kv.num_blocks)
     assert decode.kv.pool.num_free == decode.kv.num_blocks
 
@@ -317,7 +352,7 @@ def test_an_unknown_room_means_recompute(files: dict[str, Path], decode: EngineC
         started = time.monotonic()
         tokens, cached = split(prefill, decode, send=False)
         assert time.monotonic() - started < 5
-        assert (cached, decode.stats().kv_transfer_pulls_failed) == (0, 1)
+        assert (cached, counted(decode)["pulls_failed"]) == (0, 1)
         assert tokens == colocated(decode)
     finally:
         prefill.stop()
@@ -341,7 +376,7 @@ def test_a_slow_prefill_past_the_timeout_means_recompute(files: dict[str, Path],
         tokens, cached = split(prefill, decode, room=room, send=False)
         assert time.monotonic() - started < 2.5  # it did not wait for the prefill worker
         # The blocks computed before the stall came (the pull streams while the prompt computes); the rest not.
-        assert (cached, decode.stats().kv_transfer_pulls_timed_out) == (16, 1)
+        assert (cached, counted(decode)["pulls_timed_out"]) == (16, 1)
         assert tokens == colocated(decode)
         assert decode.kv.pool.num_free == decode.kv.num_blocks
         # The prefill worker finishes later; the room its puller left is released, not parked.
@@ -368,8 +403,9 @@ def test_another_layout_is_refused(files: dict[str, Path], prefill: Worker) -> N
             closed = unused.getsockname()[1]
         gone = probe_peer("127.0.0.1", closed, layout, 5)
         assert not gone.reachable and gone.problem is not None and "unreachable" in gone.problem
-        tokens, cached = split(prefill, decode)
-        assert (cached, decode.stats().kv_transfer_pulls_failed) == (0, 1)
+        # Refused at the handshake, before any room is asked for (none is opened here: it would wait to expire).
+        tokens, cached = split(prefill, decode, send=False)
+        assert (cached, counted(decode)["pulls_failed"]) == (0, 1)
         assert tokens == colocated(decode)
     finally:
         decode.close()
@@ -395,7 +431,7 @@ def test_a_corrupted_block_is_refused(
 
     monkeypatch.setattr(kv_transfer_server, "encode_block", corrupting)
     tokens, cached = split(prefill, decode)
-    assert (cached, decode.stats().kv_transfer_pulls_failed) == (4, 1)
+    assert (cached, counted(decode)["pulls_failed"]) == (4, 1)
     assert tokens == colocated(decode)
     assert settled(prefill, prefill.core.kv.num_blocks)
 
