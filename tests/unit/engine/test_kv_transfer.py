@@ -457,6 +457,27 @@ def test_a_decode_request_aborted_while_it_waits_frees_both_sides(prefill: Worke
     assert settled(prefill, prefill.core.kv.num_blocks)
 
 
+def test_a_prefill_aborted_while_its_blocks_are_awaited_answers_the_pull_at_once(
+    prefill: Worker, decode: EngineCore
+) -> None:
+    room = next(_rooms)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    request = EngineCoreRequest("p", PROMPT, one, time.time(), kv_transfer=KVTransferParams(room, True))
+
+    def stall_then_abort() -> None:
+        prefill.core.add_request(request)
+        time.sleep(0.5)  # the decode worker's pull claims the room meanwhile and waits for block 0
+        prefill.core.abort_requests(["p"])
+
+    prefill.then(stall_then_abort)
+    started = time.monotonic()
+    tokens, cached = split(prefill, decode, room=room, send=False)
+    assert time.monotonic() - started < 5  # answered FAILED at the abort, not at the 10 s timeout
+    assert (cached, counted(decode)["pulls_failed"], counted(decode)["pulls_timed_out"]) == (0, 1, 0)
+    assert tokens == colocated(decode)
+    assert settled(prefill, prefill.core.kv.num_blocks)
+
+
 def test_unpulled_rooms_expire(files: dict[str, Path]) -> None:
     prefill = Worker(engine(files, "prefill", kv_transfer_timeout=0.3))
     try:
