@@ -161,49 +161,62 @@ def start_deployments(
 ) -> tuple[dict[str, Deployment], dict[str, str]]:
     """The configurations' processes, started together and waited for; the ones that
     could not start are named in the second dict with one line each."""
+    started: list[Child] = []
+    try:
+        return _start(args, configs, work, started)
+    except BaseException:  # interrupted while waiting: nothing left running
+        stop_all({"started": Deployment("", "", started)})
+        raise
+
+
+def _start(
+    args: argparse.Namespace, configs: list[str], work: Path, started: list[Child]
+) -> tuple[dict[str, Deployment], dict[str, str]]:
     deployments: dict[str, Deployment] = {}
     skipped: dict[str, str] = {}
     colocated = [c for c in configs if c != "split"]
-    # --role both is the default: the colocated server is started as any user starts one
-    both = StokerServer("both", args, work, [], []) if colocated else None
-    prefill = decode = None
+    both = prefill = decode = None
+    if colocated:  # --role both is the default: the colocated server is started as any user starts one
+        both = StokerServer("both", args, work, [], [])
+        started.append(both)
     kv_port = free_port()
-    if "split" in configs:
-        blocker = split_blocker(args)
-        if blocker is not None:
-            skipped["split"] = blocker
-        else:
-            prefill_cpus = parse_cpus(args.prefill_cpus, "--prefill-cpus")
-            decode_cpus = parse_cpus(args.decode_cpus, "--decode-cpus")
-            prefill_flags = ["--role", "prefill", "--kv-transfer-port", str(kv_port)]
-            prefill = StokerServer(
-                "prefill", args, work, [*prefill_flags, "--num-threads", str(len(prefill_cpus))], prefill_cpus
-            )
-            decode_flags = ["--role", "decode", "--kv-peers", f"127.0.0.1:{kv_port}"]
-            decode = StokerServer(
-                "decode", args, work, [*decode_flags, "--num-threads", str(len(decode_cpus))], decode_cpus
-            )
+    blocker = split_blocker(args) if "split" in configs else None
+    if blocker is not None:
+        skipped["split"] = blocker
+    elif "split" in configs:
+        prefill_cpus = parse_cpus(args.prefill_cpus, "--prefill-cpus")
+        decode_cpus = parse_cpus(args.decode_cpus, "--decode-cpus")
+        prefill_flags = ["--role", "prefill", "--kv-transfer-port", str(kv_port)]
+        prefill = StokerServer(
+            "prefill", args, work, [*prefill_flags, "--num-threads", str(len(prefill_cpus))], prefill_cpus
+        )
+        started.append(prefill)
+        decode_flags = ["--role", "decode", "--kv-peers", f"127.0.0.1:{kv_port}"]
+        decode = StokerServer(
+            "decode", args, work, [*decode_flags, "--num-threads", str(len(decode_cpus))], decode_cpus
+        )
+        started.append(decode)
     if both is not None:
         why = both.wait_ready(args.ready_timeout)
         if why is None:
-            for config in colocated:
-                deployments[config] = Deployment(both.url, both.url, [both])
+            deployments.update(dict.fromkeys(colocated, Deployment(both.url, both.url, [both])))
         else:
             both.stop()
             skipped.update(dict.fromkeys(colocated, why))
     if prefill is not None and decode is not None:
         why = prefill.wait_ready(args.ready_timeout) or decode.wait_ready(args.ready_timeout)
-        router = Router(str(router_binary(args)), prefill, kv_port, decode, work) if why is None else None
-        if router is not None:
+        split: list[Child] = [prefill, decode]
+        if why is None:
+            router = Router(str(router_binary(args)), prefill, kv_port, decode, work)
+            started.append(router)
+            split.insert(0, router)
             why = router.wait_ready(args.ready_timeout)
-        if why is None and router is not None:
-            workers = {"prefill": prefill.url, "decode": decode.url}
-            deployments["split"] = Deployment(router.url, decode.url, [router, prefill, decode], workers)
-        else:
-            for child in (router, prefill, decode):
-                if child is not None:
-                    child.stop()
-            skipped["split"] = why or "the router did not start"
+            if why is None:
+                workers = {"prefill": prefill.url, "decode": decode.url}
+                deployments["split"] = Deployment(router.url, decode.url, split, workers)
+        if why is not None:
+            stop_all({"split": Deployment("", "", split)})
+            skipped["split"] = why
     return deployments, skipped
 
 
