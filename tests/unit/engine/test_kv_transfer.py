@@ -306,6 +306,28 @@ def test_blocks_the_decode_side_holds_are_not_sent(prefill: Worker, decode: Engi
     assert settled(prefill, prefill.core.kv.num_blocks)
 
 
+def test_fewer_free_blocks_than_the_prompt_needs_pulls_what_fits(prefill: Worker, decode: EngineCore) -> None:
+    taken = decode.kv.pool.allocate(decode.kv.pool.num_free - 3)  # others' blocks: 3 left free
+    room = next(_rooms)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    prefill.add(EngineCoreRequest("p", PROMPT, one, time.time(), kv_transfer=KVTransferParams(room, True)))
+    port = prefill.core.kv_server.port if prefill.core.kv_server else 0
+    pull = KVTransferParams(room, False, "127.0.0.1", port)
+    decode.add_request(EngineCoreRequest("d", PROMPT, GREEDY, time.time(), kv_transfer=pull))
+    decode.step()  # the pull starts into the 3 free blocks
+    decode.kv.pool.free(list(reversed(taken)))
+    tokens: list[int] = []
+    cached = -1
+    while decode.has_unfinished_requests():
+        for delta in decode.step():
+            tokens += delta.new_token_ids
+            cached = max(cached, delta.num_cached_tokens)
+    assert (cached, counted(decode)["blocks_received"]) == (12, 3)  # what did not fit was computed
+    assert tokens == colocated(decode)
+    assert decode.kv.pool.num_free == decode.kv.num_blocks
+    assert settled(prefill, prefill.core.kv.num_blocks)
+
+
 def test_a_prompt_shorter_than_a_block_sends_nothing(
     files: dict[str, Path], prefill: Worker, decode: EngineCore
 ) -> None:
