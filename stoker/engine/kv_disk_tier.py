@@ -80,7 +80,6 @@ class DiskTier:
         events: KVEventLog | None = None,
     ) -> None:
         self.store = store
-        self.kv_caches = kv_caches
         self.pool = pool
         self.block_size = block_size
         self._loads: dict[RequestKey, _Load] = {}
