@@ -1,6 +1,6 @@
 """`stoker bench`: serve (load test any OpenAI-compatible server), offline (the
 engine without HTTP vs Hugging Face transformers), kernels, quality,
-self-draft, hostile, rerank, prefix-restart and pd (docs/bench.md)."""
+self-draft, hostile, rerank, prefix-restart, pd and ladder (docs/bench.md)."""
 
 from __future__ import annotations
 
@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = subparsers.add_parser("bench", help="load testing and throughput benchmarks", description=__doc__)
     sub = bench.add_subparsers(
-        dest="bench_command", metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank,prefix-restart,pd}"
+        dest="bench_command",
+        metavar="{serve,offline,kernels,quality,self-draft,hostile,rerank,prefix-restart,pd,ladder}",
     )
-    from stoker.bench import hostile, kernels, offline, pd, prefix_restart, quality, rerank, self_draft
+    from stoker.bench import hostile, kernels, ladder, offline, pd, prefix_restart, quality, rerank, self_draft
 
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., Any]]] = [
         ("serve", "load test an OpenAI-compatible server (streaming)", add_serve_arguments, run_serve),
@@ -69,6 +70,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "(starts the servers)",
             pd.add_arguments,
             pd.run,
+        ),
+        (
+            "ladder",
+            "stoker beside llama-server and vLLM CPU on synthetic GGUFs of real model sizes, 0.5B to 8B "
+            "(starts the servers)",
+            ladder.add_arguments,
+            ladder.run,
         ),
     ]
     for name, help_text, add_arguments, run in commands:
