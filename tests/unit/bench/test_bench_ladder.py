@@ -177,3 +177,25 @@ def test_ladder_end_to_end_with_skips(tmp_path: Path, cache: Path, monkeypatch: 
 def test_bad_flags_are_refused(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "ladder", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bf16_folder_for_vllm_is_the_same_model(tmp_path: Path, cache: Path) -> None:
+    """The folder vLLM is given: transformers reads it as the same model (Qwen2 bias and tied
+    head included) as stoker's dense path on the GGUF, to bf16's rounding."""
+    import torch
+    from quant_models import last_logits
+    from transformers import AutoModelForCausalLM
+
+    from stoker import LLM
+    from stoker.bench.ladder_engines import write_hf_folder
+
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", TINY_QWEN2)
+    folder = write_hf_folder(gguf, tmp_path / "tiny-bf16")
+    assert write_hf_folder(gguf, folder) == folder  # written once
+    ids = greedy_check.prompts_for(TINY_QWEN2.vocab, 2)[1]
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    with torch.no_grad():
+        got = hf(torch.tensor([ids])).logits[0, -1]
+    llm = LLM(str(gguf), dtype="float32", quantization="none", max_model_len=64, kv_cache_tokens=256)
+    (want,) = last_logits(llm, [ids])
+    assert float((got - want).norm() / want.norm()) < 0.02
