@@ -196,6 +196,7 @@ def _write_hf(gguf: str, folder: str) -> None:
     from safetensors.torch import save_file
 
     from stoker.models.loader import load_model
+    from stoker.models.registry import architecture
 
     loaded = load_model(gguf, torch.bfloat16, quantization="none")
     c = loaded.config
@@ -205,7 +206,9 @@ def _write_hf(gguf: str, folder: str) -> None:
     if c.tie_word_embeddings:
         weights.pop("lm_head.weight", None)  # safetensors refuses a tensor stored twice
     save_file(weights, str(partial / "model.safetensors"))
-    model_type = {"Qwen2ForCausalLM": "qwen2"}.get(c.architecture, "llama")
+    # transformers' model_type is llama.cpp's general.architecture for the families the ladder writes.
+    facts = architecture(c.architecture).gguf
+    model_type = facts.architecture if facts is not None else "llama"
     config = {
         "architectures": [c.architecture],
         "model_type": model_type,
