@@ -45,6 +45,18 @@ def chain_hash(parent_hash: bytes | None, token_ids: tuple[int, ...]) -> bytes:
     return digest.digest()
 
 
+def hashes_past(request: Request, cached: Sequence[Block], block_size: int) -> tuple[bytes | None, list[bytes]]:
+    """The chained hashes of the request's full prompt blocks after its RAM hits `cached`, and the hash
+    the first of them chains from: what a second tier (the disk, a prefill worker) may hold for it.
+    The block of its last token is never among them: that token's logits are needed."""
+    first_parent = cached[-1].block_hash if cached else request.hash_root
+    parent, hashes = first_parent, []
+    for start in range(len(cached) * block_size, (request.num_tokens - 1) // block_size * block_size, block_size):
+        parent = chain_hash(parent, tuple(request.token_ids[start : start + block_size]))
+        hashes.append(parent)
+    return first_parent, hashes
+
+
 class BlockPool:
     """Owns every block: reference counts, the LRU free queue and the hash index."""
 

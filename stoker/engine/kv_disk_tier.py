@@ -32,7 +32,7 @@ from enum import Enum, auto
 import torch
 
 from stoker.engine.kv_block_bytes import KVBlockBytes
-from stoker.engine.kv_cache import Block, BlockPool, chain_hash
+from stoker.engine.kv_cache import Block, BlockPool, hashes_past
 from stoker.engine.kv_disk import DiskBlockStore, StoredBlock
 from stoker.engine.kv_events import KVEventLog
 from stoker.engine.outputs import RequestKey
@@ -131,13 +131,7 @@ class DiskTier:
         key = request.key
         if self._tried.get(key, -1) >= len(cached) or self._abandoned:
             return Fetch.NOTHING  # tried from here already, or the disk is hung: serve from RAM
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
-        parent = cached[-1].block_hash if cached else request.hash_root
-        hashes = []
-        for i in range(len(cached), max_blocks):
-            parent = chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
+        first_parent, hashes = hashes_past(request, cached, self.block_size)
         if not hashes:
             return Fetch.NOTHING
         if not self.store.contains(hashes[0]):
@@ -153,7 +147,6 @@ class DiskTier:
         # reader copies into blocks held for it, which nothing else reads or writes meanwhile.
         self.pool.touch(cached)
         targets = self.pool.allocate(min(len(hashes), self.pool.num_free))
-        first_parent = cached[-1].block_hash if cached else request.hash_root
         cancel = threading.Event()
         future = self._reader.submit(self._read_into, hashes[: len(targets)], first_parent, targets, cancel)
         self._loads[key] = _Load(

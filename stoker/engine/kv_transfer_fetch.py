@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, ThreadPo
 from dataclasses import dataclass
 
 from stoker.engine.kv_block_bytes import KVBlockBytes
-from stoker.engine.kv_cache import Block, BlockPool, chain_hash
+from stoker.engine.kv_cache import Block, BlockPool, hashes_past
 from stoker.engine.kv_disk_format import DiskLayout
 from stoker.engine.kv_disk_tier import Fetch
 from stoker.engine.kv_transfer import PullCancel, PullResult, pull_blocks
@@ -112,17 +112,10 @@ class PeerFetch:
             return Fetch.NOTHING
         self._tried.add(request.key)
         self.num_blocks_skipped += len(cached)
-        bs = self.block_size
-        max_blocks = (request.num_tokens - 1) // bs  # the last token is always computed
-        first_parent = cached[-1].block_hash if cached else request.hash_root
-        parent = first_parent
-        hashes = []
-        for i in range(len(cached), max_blocks):
-            parent = chain_hash(parent, tuple(request.token_ids[i * bs : (i + 1) * bs]))
-            hashes.append(parent)
+        first_parent, hashes = hashes_past(request, cached, self.block_size)
         peer = f"{params.peer_host}:{params.peer_port}"
         if not hashes:
-            if max_blocks and params.peer_host and params.peer_port:
+            if cached and params.peer_host and params.peer_port:  # the whole prompt is held here already
                 self._release_room(params.peer_host, params.peer_port, params.room, request.arrival_time)
             return Fetch.NOTHING
         # Its deadline counts from its arrival (time.time() at the front end), as the router's client waits.
