@@ -17,11 +17,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
 from stoker.bench.ladder_report import RungFacts
 from stoker.bench.pd_workers import Child
 from stoker.bench.prefix_restart import free_port
+from stoker.bench.server_ready import wait_until_ready
 from stoker.bench.soak import memory_of, process_tree
 
 LLAMA_BUILD_BIN = Path(os.environ.get("LLAMA_DIR", "/tmp/llamacpp")) / "build" / "bin"
@@ -126,18 +125,11 @@ class Started:
         self.rss_after_load = self.rss() if self.error is None else 0
 
     def _wait(self, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.child.proc.poll() is not None:
-                return self._why(f"exited with {self.child.proc.returncode}")
-            try:
-                if httpx.get(self.url + self.engine.health_path, timeout=2).status_code == 200:
-                    return None
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        why = wait_until_ready(self.url, self.child.proc, timeout, interval=0.2, path=self.engine.health_path)
+        if why is None:
+            return None
         self.child.stop()
-        return self._why(f"not ready in {timeout:g} s")
+        return self._why(why)
 
     def _why(self, reason: str) -> str:
         """The reason and the log's last line that says what went wrong (the servers

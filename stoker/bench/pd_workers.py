@@ -15,12 +15,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from stoker.bench.prefix_restart import BenchError, free_port
 from stoker.bench.server_ready import wait_until_ready
@@ -106,18 +103,9 @@ class Router(Child):
 
     def wait_ready(self, timeout: float) -> str | None:
         """None once /readiness answers 200 (the router has registered both workers);
-        stoker's wait_until_ready polls /ready, which sglang-router does not serve."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return self.why_not(f"exited with {self.proc.returncode}")
-            try:
-                if httpx.get(f"{self.url}/readiness", timeout=2).status_code == 200:
-                    return None
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        return self.why_not(f"not ready in {timeout:g} s")
+        sglang-router serves no /ready."""
+        why = wait_until_ready(self.url, self.proc, timeout, interval=0.2, path="/readiness")
+        return None if why is None else self.why_not(why)
 
 
 @dataclass

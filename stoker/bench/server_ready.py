@@ -1,6 +1,7 @@
-"""Waiting for a `stoker serve` started as a child process: its /ready polled until
-it answers 200, the child's exit or the deadline ending the wait. The benches that
-start servers and the tests' server fixture all wait this way."""
+"""Waiting for a server started as a child process: its /ready (or another path)
+polled until it answers 200, the child's exit or the deadline ending the wait. The
+benches that start servers (stoker, llama-server, vLLM, sglang-router) and the
+tests' server fixture all wait this way."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import time
 import httpx
 
 
-def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout: float, interval: float) -> str | None:
-    """None once GET url/ready answers 200; else why it never will: "exited with CODE"
+def wait_until_ready(
+    url: str, proc: subprocess.Popen[bytes], timeout: float, interval: float, path: str = "/ready"
+) -> str | None:
+    """None once GET url + path answers 200; else why it never will: "exited with CODE"
     or "not ready in T s". The caller raises its own error with its own log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"exited with {proc.returncode}"
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            if httpx.get(url + path, timeout=2).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass
