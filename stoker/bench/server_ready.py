@@ -12,16 +12,21 @@ import httpx
 
 
 def wait_until_ready(
-    url: str, proc: subprocess.Popen[bytes], timeout: float, interval: float, path: str = "/ready"
+    url: str,
+    proc: subprocess.Popen[bytes],
+    timeout: float,
+    interval: float,
+    path: str = "/ready",
+    headers: dict[str, str] | None = None,
 ) -> str | None:
-    """None once GET url + path answers 200; else why it never will: "exited with CODE"
+    """None once GET url + path (with headers) answers 200; else why it never will: "exited with CODE"
     or "not ready in T s". The caller raises its own error with its own log."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return f"exited with {proc.returncode}"
         try:
-            if httpx.get(url + path, timeout=2).status_code == 200:
+            if httpx.get(url + path, headers=headers, timeout=2).status_code == 200:
                 return None
         except httpx.HTTPError:
             pass

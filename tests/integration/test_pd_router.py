@@ -34,6 +34,7 @@ from conftest import REPO, TESTS_DIR, ServerProcess, auth, engine_stats, free_po
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_models import make_tiny_hf_model
 
+from stoker.bench.server_ready import wait_until_ready
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
 
@@ -111,17 +112,12 @@ def start_router(
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 40
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            with open(log_path, errors="replace") as f:
-                raise RuntimeError(f"sglang-router exited with {proc.returncode}:\n{f.read()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/v1/models", headers=auth(api_key), timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    why = wait_until_ready(url, proc, 40, interval=0.2, path="/v1/models", headers=auth(api_key))
+    if why is None:
+        return proc, url
+    if proc.poll() is not None:
+        with open(log_path, errors="replace") as f:
+            raise RuntimeError(f"sglang-router exited with {proc.returncode}:\n{f.read()[-3000:]}")
     proc.kill()
     raise TimeoutError("sglang-router did not answer /v1/models within 40 s")
 
