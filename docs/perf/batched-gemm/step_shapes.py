@@ -1,0 +1,94 @@
+"""Each product of a Llama-3.2-1B Q4_K_M layer (and its LM head) at the row
+counts of a batched step or a prefill chunk, through builds of ggml_quant.c
+loaded side by side and called in turn (so a contended machine's drift hits
+each build alike), beside torch's fp32 and bf16 matmul on the same shape.
+
+    F="-O3 -march=x86-64 -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512vnni \
+       -fno-math-errno -fno-trapping-math -ffp-contract=off -fPIC -shared -fopenmp"
+    gcc $F BASE/stoker/models/csrc/ggml_quant.c -o /tmp/q0.so
+    gcc $F stoker/models/csrc/ggml_quant.c -o /tmp/qa.so
+    M=16,32,64,512 TORCH=1 python docs/perf/batched-gemm/step_shapes.py /tmp/q0.so /tmp/qa.so
+
+GOP/s counts 2 * m * n * k operations per product; ms is the median of REPEATS calls,
+or their minimum with STAT=min (steadier on a machine shared with other jobs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+from stoker.models.quant.blocks import random_blocks
+
+T = GGMLQuantizationType
+# (name, n, k, type): q and k, and gate and up, are joined into one matrix each at load.
+SHAPES: tuple[tuple[str, int, int, GGMLQuantizationType], ...] = (
+    ("q+k", 2560, 2048, T.Q4_K),
+    ("v", 512, 2048, T.Q6_K),
+    ("o", 2048, 2048, T.Q4_K),
+    ("gate+up", 16384, 2048, T.Q4_K),
+    ("down", 2048, 8192, T.Q4_K),
+    ("down", 2048, 8192, T.Q6_K),
+    ("lm_head", 128256, 2048, T.Q6_K),
+)
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return float(np.median(times))
+
+
+def main() -> None:
+    libs = {os.path.basename(path): ctypes.CDLL(path) for path in sys.argv[1:]}
+    for lib in libs.values():
+        lib.ggml_quant_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        lib.ggml_quant_matmul.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    ms = [int(v) for v in os.environ.get("M", "16,32,64,512").split(",")]
+    repeats, threads = int(os.environ.get("REPEATS", "9")), int(os.environ.get("THREADS", "2"))
+    only = os.environ.get("ONLY", "")
+    with_torch = os.environ.get("TORCH") == "1"
+    stat = np.min if os.environ.get("STAT") == "min" else np.median
+    torch.set_num_threads(threads)
+    for name, n, k, qtype in SHAPES:
+        if only and name not in only.split(","):
+            continue
+        w = np.ascontiguousarray(random_blocks(qtype, n, k, 0))
+        w_f32 = torch.randn(n, k) if with_torch else None
+        for m in ms:
+            if name == "lm_head" and m > 64:
+                continue  # the LM head sees one row per sequence
+            x = np.random.default_rng(m).standard_normal((m, k), dtype=np.float32)
+            y = np.zeros((m, n), np.float32)
+            times: dict[str, list[float]] = {label: [] for label in libs}
+            for _ in range(repeats):
+                for label, lib in libs.items():
+                    started = time.perf_counter()
+                    lib.ggml_quant_matmul(
+                        int(qtype), x.ctypes.data, 0, m, k, w.ctypes.data, n, y.ctypes.data, n, threads
+                    )
+                    times[label].append(time.perf_counter() - started)
+            ops = 2.0 * m * n * k
+            cells = [f"{label} {stat(t) * 1e3:7.2f} ms {ops / stat(t) / 1e9:5.0f} GOP/s" for label, t in times.items()]
+            if w_f32 is not None:
+                xt = torch.from_numpy(x)
+                f32 = median_seconds(lambda xt=xt, wf=w_f32: torch.nn.functional.linear(xt, wf), 3)
+                wb, xb = w_f32.bfloat16(), xt.bfloat16()
+                bf16 = median_seconds(lambda xb=xb, wb=wb: torch.nn.functional.linear(xb, wb), 3)
+                cells += [f"torch fp32 {ops / f32 / 1e9:5.0f}", f"bf16 {ops / bf16 / 1e9:5.0f} GOP/s"]
+            print(f"{name:8} {qtype.name} {n}x{k} m={m:4}", " | ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
