@@ -34,7 +34,7 @@ from stoker.config import ModelConfig
 from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
 from stoker.models.registry import gguf_architecture
-from stoker.models.tokenizer import Tokenizer, tokenizer_from_folder
+from stoker.models.tokenizer import Tokenizer, settle_generic_class, tokenizer_from_folder
 
 log = logging.getLogger("stoker.models")
 
@@ -286,6 +286,9 @@ def gguf_tokenizer(path: str) -> Tokenizer:
             os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), local_files_only=True
         )
         hf.save_pretrained(tmp)
+        # Saved under the generic class where that loads the same tokenizer: no AutoTokenizer
+        # (and its torch import) in the front end, no transformers at all in the engine.
+        settle_generic_class(tmp)
 
     folder = _cached(gguf_tokenizer_folder(path), convert)
     return tokenizer_from_folder(folder, eos_token_ids=_gguf_meta(path)["config"]["eos_token_ids"])

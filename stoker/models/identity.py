@@ -16,7 +16,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 # Bump when the cached layout or its derivation changes, so stale entries are ignored.
-CACHE_VERSION = "1"
+CACHE_VERSION = "2"  # 2: converted tokenizers saved under the generic class where equivalent
 
 _QUANT_SUFFIX = re.compile(r"[._-](i?q\d\w*|f16|f32|bf16|fp16|fp32)$")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -49,6 +50,10 @@ def load_hf_tokenizer(folder: Path) -> PreTrainedTokenizerFast:
     return cast("PreTrainedTokenizerFast", AutoTokenizer.from_pretrained(folder, local_files_only=True))
 
 
+_REWRITING_KEYS = ("add_bos_token", "add_eos_token", "add_prefix_space")
+"""tokenizer_config.json settings from which transformers rewrites the backend's post-processor or pre-tokenizer."""
+
+
 def backend_serves(folder: Path) -> bool:
     """Whether `tokenizers` alone encodes and decodes as transformers would for
     this folder: the generic fast class (no subclass adjusting its
@@ -60,7 +65,7 @@ def backend_serves(folder: Path) -> bool:
     config = json.loads(config_path.read_text())
     if config.get("tokenizer_class") not in GENERIC_TOKENIZER_CLASSES:
         return False
-    if any(key in config for key in ("add_bos_token", "add_eos_token", "add_prefix_space")):
+    if any(key in config for key in _REWRITING_KEYS):
         return False  # transformers rewrites the post-processor or pre-tokenizer from these
     if config.get("clean_up_tokenization_spaces"):
         if config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"):
@@ -89,6 +94,102 @@ def tokenizer_from_folder(folder: Path, eos_token_ids: Sequence[int] | None = No
     if not backend_serves(folder):
         return Tokenizer(load_hf_tokenizer(folder), eos_token_ids)
     return Tokenizer(None, eos_token_ids, folder=folder, backend=backend_from_file(folder / "tokenizer.json"))
+
+
+def settle_generic_class(folder: Path) -> bool:
+    """Rewrite a converted tokenizer folder (stoker's cache, never a user's) to
+    name the generic fast class when that loads the very tokenizer its own class
+    loads; True if the folder now names it.
+
+    A model-specific class (a GGUF's Qwen2Tokenizer) costs every start: loading
+    it goes through AutoTokenizer's registry, which imports torch (1.5 s and
+    ~150 MB in the front end, which has no torch otherwise), its constructor
+    rebuilds the backend from the vocabulary in Python, and the engine cannot
+    take the `tokenizers`-only path. When the class adds nothing to
+    TokenizersBackend but that constructor, what it builds is all in its backend
+    and its settings: those are saved under the generic class, loaded back, and
+    kept only if every observable part is the same (backend, vocabulary, special
+    and added tokens, chat template, decoding settings, a sample's ids and text).
+    """
+    import shutil
+    import tempfile
+
+    from transformers import PreTrainedTokenizerFast
+
+    reference = load_hf_tokenizer(folder)
+    if type(reference) is PreTrainedTokenizerFast:
+        return True
+    if not _adds_only_a_constructor(type(reference), PreTrainedTokenizerFast):
+        return False
+    staging = Path(tempfile.mkdtemp(prefix=".generic.", dir=folder.parent))
+    try:
+        reference.save_pretrained(staging)
+        config_path = staging / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "TokenizersBackend"
+        for key in _REWRITING_KEYS:  # unset (null) is transformers' default; present, it bars the backend path
+            if key in config and config[key] is None:
+                del config[key]
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+        generic = PreTrainedTokenizerFast.from_pretrained(staging, local_files_only=True)
+        if _observable(generic) != _observable(reference):
+            return False
+        for item in staging.iterdir():
+            os.replace(item, folder / item.name)
+        return True
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _adds_only_a_constructor(cls: type, generic: type) -> bool:
+    """Whether cls, a subclass of generic, defines no method, property or other
+    descriptor of its own but __init__ (class attributes holding data are fine)."""
+    if not issubclass(cls, generic):
+        return False
+    for klass in cls.__mro__[: cls.__mro__.index(generic)]:
+        for name, value in vars(klass).items():
+            behaviour = hasattr(value, "__get__") and not isinstance(value, type)  # functions, properties, ...
+            if behaviour and name != "__init__":
+                return False
+    return True
+
+
+_SAMPLE_TEXTS = (
+    "Hello world, how are you? 123 \u00e9t\u00e9 caf\u00e9 (NFC: cafe\u0301)",
+    "  leading spaces\n\ttabs and \u4f60\u597d, emoji \U0001f600 it's we'll I'M",
+    "def f(x):\n    return x ** 2  # comment\r\n",
+)
+
+
+def _observable(hf: PreTrainedTokenizerFast) -> dict[str, Any]:
+    """What encoding, decoding and chat rendering read from a transformers tokenizer."""
+    backend = json.loads(hf.backend_tokenizer.to_str())
+    backend.pop("truncation", None)
+    backend.pop("padding", None)
+    specials = hf.all_special_ids
+    return {
+        "backend": backend,
+        "vocab": hf.get_vocab(),
+        "added": {i: repr(t) for i, t in hf.added_tokens_decoder.items()},
+        "special_tokens": {k: str(v) for k, v in hf.special_tokens_map.items()},
+        "special_ids": list(specials),
+        "ids": [hf.bos_token_id, hf.eos_token_id, hf.pad_token_id, hf.unk_token_id, len(hf)],
+        "chat_template": hf.chat_template,
+        "settings": [
+            hf.clean_up_tokenization_spaces,
+            hf.split_special_tokens,
+            hf.model_max_length,
+            hf.padding_side,
+            hf.truncation_side,
+            bool(getattr(hf, "add_prefix_space", False)),
+            bool(getattr(hf, "add_bos_token", False)),
+            bool(getattr(hf, "add_eos_token", False)),
+        ],
+        "samples": [
+            (hf.encode(t), hf.encode(t, add_special_tokens=False), hf.decode(hf.encode(t) + specials[:2]))
+            for t in _SAMPLE_TEXTS
+        ],
+    }
 
 
 def _special_token(folder: Path, name: str) -> str | None:
