@@ -250,6 +250,9 @@ def _gguf_weights(
     from gguf.quants import dequantize
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
+    # Every quantized tensor views this one tensor's storage, so parts that lie side by side in
+    # the file can be joined as a view of it (quant/weights.py) rather than copied.
+    mapping = from_numpy_readonly(raw)
     weights: dict[str, WeightLike] = {}
     for t in meta["tensors"]:
         if t["hf"] is None:
@@ -264,7 +267,8 @@ def _gguf_weights(
         elif meta["permute_qk"] and ".self_attn.k_proj." in t["hf"]:
             heads = config.num_kv_heads
         if qtype in keep and data.ndim == 2:
-            q = GGMLTensor(from_numpy_readonly(data), qtype, _row_elements(t), file_mapped=True)
+            blocks = mapping[t["offset"] : t["offset"] + data.nbytes].view(data.shape)
+            q = GGMLTensor(blocks, qtype, _row_elements(t), file_mapped=True)
             # The permutation moves whole rows, so it applies to blocks as to floats (one copy of q and k).
             weights[t["hf"]] = q if heads is None else q.take_rows(unpermute_qk_rows(torch.arange(q.rows), heads))
             continue
