@@ -139,9 +139,10 @@ class GGMLLinear:
     Q4_K and Q6_K as Q4_K_M files do). Adjacent parts of one type are joined into
     one block matrix at load, so a fused qkv or gate/up is one kernel call (on a
     135M model a decode step's call count is what costs: 7 calls a layer became 4,
-    2.4 ms less per token); the joined copy replaces the mapped pages it was read
-    from, so resident memory stays the file's size. Parts of different types
-    each write their column slice of one output."""
+    2.4 ms less per token). Parts side by side in the file are joined as one view
+    of it; others are copied, and the copy gives back the mapped pages it was
+    read from (those a neighbour's 2 MiB folio keeps mapped stay resident twice).
+    Parts of different types each write their column slice of one output."""
 
     def __init__(self, parts: Sequence[GGMLTensor], bias: torch.Tensor | None = None) -> None:
         if not parts:
