@@ -131,6 +131,8 @@ typedef struct {
     float *lora_h;    /* [n, lora_width]: a row's A x for the linear in hand */
     int *lora_rows;   /* the rows with an adapter, grouped by adapter: lora_rows[lora_starts[a] .. lora_starts[a + 1] - 1] */
     int *lora_starts; /* [num_loras + 1] */
+    int private_rows; /* every thread keeps its own normed, act and int8 rows: see run_layers */
+    int kmax;         /* the widest linear input: each private copy's row width */
 } Buffers;
 
 /* ---- row operations: fixed summation order, vectorizable as written -------- */
@@ -359,7 +361,71 @@ static void position_row(const Model *M, const Step *S, const Layer *Ly, int lay
 
 /* ---- the stack --------------------------------------------------------------- */
 
-static void run_layers(const Model *M, const Step *S, float *hidden, const Buffers *B) {
+/* A step of at most this many rows runs with private_rows when it has several threads. */
+#define PRIVATE_ROWS_MAX 4
+
+/* The row work that turns a layer's state into a linear's int8 input. */
+typedef enum { INPUT_NORM, ATTN_OUT, POST_NORM, ACTIVATION } RowOp;
+
+static void row_op(RowOp op, const Model *M, const Layer *Ly, const float *hidden, const Buffers *B, int r) {
+    const int hid = M->hidden, I = M->intermediate;
+    switch (op) {
+    case INPUT_NORM:
+    case POST_NORM:
+        rms_norm_row(hidden + (size_t)r * hid, op == INPUT_NORM ? Ly->input_norm : Ly->post_norm,
+                     B->normed + (size_t)r * hid, hid, M->eps);
+        quantize_input_row(op == INPUT_NORM ? &Ly->qkv : &Ly->gate_up, B, B->normed, r);
+        break;
+    case ATTN_OUT:
+        quantize_input_row(&Ly->o_proj, B, B->attn, r);
+        break;
+    case ACTIVATION: {
+        const float *gu = B->gate_up + (size_t)r * 2 * I;
+        float *a = B->act + (size_t)r * I;
+        for (int i = 0; i < I; i++) a[i] = silu(gu[i]) * gu[I + i];
+        quantize_input_row(&Ly->down, B, B->act, r);
+        break;
+    }
+    }
+}
+
+/* Every row's `op` before a linear. Shared buffers: the rows split between the
+ * threads, then a barrier (the linear reads every row). private_rows: each
+ * thread does every row into its own copy and goes straight on to its share
+ * of the linear; a decode row left the other threads waiting at that barrier
+ * anyway, and a barrier is where a thread that the OS descheduled stalls all
+ * the others. Either way each row is the same computation, so the same bits. */
+static void rows_before_linear(RowOp op, const Model *M, const Layer *Ly, const float *hidden, const Buffers *B,
+                               int n) {
+    if (B->private_rows) {
+        for (int r = 0; r < n; r++) row_op(op, M, Ly, hidden, B, r);
+        return;
+    }
+#pragma omp for schedule(static)
+    for (int r = 0; r < n; r++) row_op(op, M, Ly, hidden, B, r);
+}
+
+/* Thread t's view of the step's buffers: with private_rows, its own copy of
+ * the per-row inputs of the linears (lay_out places num_threads of them). */
+static Buffers thread_buffers(const Buffers *B, const Model *M, int n, int t) {
+    Buffers own = *B;
+    if (!B->private_rows) return own;
+    const size_t rows = (size_t)n * (size_t)t, k = (size_t)B->kmax;
+    own.normed += rows * (size_t)M->hidden;
+    own.act += rows * (size_t)M->intermediate;
+    own.qs32 += rows * k;
+    own.qs256 += rows * k;
+    own.d32 += rows * (k / 32);
+    own.s32 += rows * (k / 32);
+    own.d256 += rows * (k / 32);
+    own.s256 += rows * (k / 32);
+    own.bsums32 += rows * (k / 16);
+    own.bsums256 += rows * (k / 16);
+    own.isum32 += rows * (k / 32);
+    return own;
+}
+
+static void run_layers(const Model *M, const Step *S, float *hidden, const Buffers *shared) {
     const int n = S->n, hid = M->hidden, H = M->num_heads, D = M->head_dim, I = M->intermediate;
     const int qkv_w = (H + 2 * M->num_kv_heads) * D;
 #if defined(_OPENMP)
@@ -367,6 +433,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
 #else
     const int nt = 1, t = 0;
 #endif
+    const Buffers own = thread_buffers(shared, M, n, t), *B = &own;
     float *attn_scratch = B->attn_scratch + (size_t)t * B->attn_scratch_floats;
     const int lora = S->row_lora != NULL; /* the same for every thread: they meet at the same barriers */
     for (int l = 0; l < M->num_layers; l++) {
@@ -374,11 +441,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
         const AttnLayer attn_layer = {D, H, M->num_kv_heads, M->scale, S->positions, S->tables, S->max_blocks,
                                       S->row_seq, S->k_caches[l], S->v_caches[l], S->block_size, S->kv_format};
         /* Each `omp for` ends in a barrier; a linear's output is read only after an explicit one. */
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) {
-            rms_norm_row(hidden + (size_t)r * hid, Ly->input_norm, B->normed + (size_t)r * hid, hid, M->eps);
-            quantize_input_row(&Ly->qkv, B, B->normed, r);
-        }
+        rows_before_linear(INPUT_NORM, M, Ly, hidden, B, n);
         if (lora) lora_shrink(S, B, l, LORA_QKV, B->normed, hid, hid, t, nt);
         linear_thread(&Ly->qkv, B, n, B->qkv, qkv_w, 0, t, nt);
 #pragma omp barrier
@@ -404,8 +467,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
             for (int h = h0; h < h0 + per_item; h += per_call)
                 attend(&attn_layer, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h, per_call, attn_scratch);
         }
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) quantize_input_row(&Ly->o_proj, B, B->attn, r);
+        rows_before_linear(ATTN_OUT, M, Ly, hidden, B, n);
         if (lora) lora_shrink(S, B, l, LORA_O, B->attn, H * D, H * D, t, nt);
         linear_thread(&Ly->o_proj, B, n, hidden, hid, 1, t, nt); /* h = h + attn Wo^T */
 #pragma omp barrier
@@ -413,11 +475,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
             lora_expand(S, B, l, LORA_O, hidden, hid, t, nt);
 #pragma omp barrier
         }
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) {
-            rms_norm_row(hidden + (size_t)r * hid, Ly->post_norm, B->normed + (size_t)r * hid, hid, M->eps);
-            quantize_input_row(&Ly->gate_up, B, B->normed, r);
-        }
+        rows_before_linear(POST_NORM, M, Ly, hidden, B, n);
         if (lora) lora_shrink(S, B, l, LORA_GATE_UP, B->normed, hid, hid, t, nt);
         linear_thread(&Ly->gate_up, B, n, B->gate_up, 2L * I, 0, t, nt);
 #pragma omp barrier
@@ -425,13 +483,7 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
             lora_expand(S, B, l, LORA_GATE_UP, B->gate_up, 2L * I, t, nt);
 #pragma omp barrier
         }
-#pragma omp for schedule(static)
-        for (int r = 0; r < n; r++) {
-            const float *gu = B->gate_up + (size_t)r * 2 * I;
-            float *a = B->act + (size_t)r * I;
-            for (int i = 0; i < I; i++) a[i] = silu(gu[i]) * gu[I + i];
-            quantize_input_row(&Ly->down, B, B->act, r);
-        }
+        rows_before_linear(ACTIVATION, M, Ly, hidden, B, n);
         if (lora) lora_shrink(S, B, l, LORA_DOWN, B->act, I, I, t, nt);
         linear_thread(&Ly->down, B, n, hidden, hid, 1, t, nt); /* h = h + act Wd^T */
 #pragma omp barrier
@@ -531,24 +583,25 @@ static int *order_groups(const Step *S, const int *group_starts, int num_groups)
 static size_t lay_out(Buffers *B, char *block, const Model *M, const Step *S, size_t rows, int kmax,
                       int num_threads) {
     const int H = M->num_heads, D = M->head_dim, qkv_w = (H + 2 * M->num_kv_heads) * D, I = M->intermediate;
+    const size_t copies = B->private_rows ? (size_t)num_threads : 1;
     size_t used = 0;
 #define PLACE(field, type, count)                                         \
     B->field = block ? (type *)(void *)(block + used) : NULL;             \
     used += (sizeof(type) * (size_t)(count) + 63) / 64 * 64
-    PLACE(normed, float, rows * M->hidden);
+    PLACE(normed, float, copies * rows * M->hidden);
     PLACE(qkv, float, rows * qkv_w);
     PLACE(attn, float, rows * H * D);
     PLACE(gate_up, float, rows * 2 * I);
-    PLACE(act, float, rows * I);
-    PLACE(qs32, int8_t, rows * kmax);
-    PLACE(qs256, int8_t, rows * kmax);
-    PLACE(d32, float, rows * (kmax / 32));
-    PLACE(s32, float, rows * (kmax / 32));
-    PLACE(d256, float, rows * (kmax / 32));
-    PLACE(s256, float, rows * (kmax / 32));
-    PLACE(bsums32, int16_t, rows * (kmax / 16));
-    PLACE(bsums256, int16_t, rows * (kmax / 16));
-    PLACE(isum32, int16_t, rows * (kmax / 32));
+    PLACE(act, float, copies * rows * I);
+    PLACE(qs32, int8_t, copies * rows * kmax);
+    PLACE(qs256, int8_t, copies * rows * kmax);
+    PLACE(d32, float, copies * rows * (kmax / 32));
+    PLACE(s32, float, copies * rows * (kmax / 32));
+    PLACE(d256, float, copies * rows * (kmax / 32));
+    PLACE(s256, float, copies * rows * (kmax / 32));
+    PLACE(bsums32, int16_t, copies * rows * (kmax / 16));
+    PLACE(bsums256, int16_t, copies * rows * (kmax / 16));
+    PLACE(isum32, int16_t, copies * rows * (kmax / 32));
     PLACE(attn_scratch, float, B->attn_scratch_floats * (size_t)num_threads);
     PLACE(gemm_scratch, uint8_t, B->gemm_scratch_size * (size_t)num_threads);
     PLACE(group_starts, int, rows + 1);
@@ -615,6 +668,8 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     const size_t rows = (size_t)n;
     B.attn_scratch_floats = attend_scratch_floats(H / M->num_kv_heads, max_pos, D);
     B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
+    B.private_rows = num_threads > 1 && n <= PRIVATE_ROWS_MAX;
+    B.kmax = kmax;
     const size_t total = lay_out(&B, NULL, M, S, rows, kmax, num_threads);
     char *block = step_block_take(total), *own = NULL;
     if (!block) block = own = aligned_alloc(64, total);

@@ -117,7 +117,9 @@ def test_batch_invariant_greedy(
     every token, bit for bit (float equality: a 1e-5 change in one attention
     score of batched steps moves no argmax here but does move the logprobs).
     The torch path must never run: every step of a fused model goes through
-    the fused call."""
+    the fused call. Two threads, so a step of up to 4 rows (each prompt's
+    decodes alone) runs with per-thread copies of the rows and a wider one
+    (the batch) with shared ones: decoder_layer.c's two ways, the same bits."""
     path = write_quant_gguf(tmp_path / f"tiny-{arch}.gguf", arch, mix, default, head_dim=head_dim)
 
     def no_torch_path(*args: object, **kwargs: object) -> None:
@@ -133,9 +135,9 @@ def test_batch_invariant_greedy(
         assert logprobs is not None
         return [(t.token_id, t.logprob) for t in logprobs]
 
-    llm = _llm(path, True, monkeypatch, **engine_args)
+    llm = _llm(path, True, monkeypatch, num_threads=2, **engine_args)
     alone = [tokens(llm.generate([p], params)[0]) for p in prompts]
-    batched_llm = _llm(path, True, monkeypatch, max_num_batched_tokens=24, max_num_seqs=8, **engine_args)
+    batched_llm = _llm(path, True, monkeypatch, num_threads=2, max_num_batched_tokens=24, max_num_seqs=8, **engine_args)
     batched = [tokens(o) for o in batched_llm.generate(prompts, params)]
     assert batched == alone
 
