@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from stoker.engine.params import SamplingParams
-from stoker.engine.sampler import Sampler, SampleRow, _invert_cdf, _shaped_probs
+from stoker.engine.sampler import Sampler, SampleRow, _argmax, _invert_cdf, _shaped_probs
 
 VOCAB = 64
 
@@ -46,6 +46,19 @@ def test_greedy_ties_pick_the_first_index_like_torch() -> None:
     x[2, 999] = 1.0  # in the padded last block
     out = Sampler()(x, [row(temperature=0.0) for _ in range(3)])
     assert [o.token_id for o in out] == [300, 3, 999] == x.argmax(-1).tolist()
+
+
+def test_greedy_off_the_cpu_float32_path_is_torch_argmax_too() -> None:
+    """The block-maxima argmax serves logits numpy cannot take (another device, another
+    dtype); float64 on the CPU takes it here: the same ties as torch.argmax."""
+    x = torch.zeros(3, 1000, dtype=torch.float64)
+    x[0, [700, 300]] = 5.0
+    x[1, [3, 5]] = 5.0
+    x[2] = -math.inf
+    x[2, 999] = 1.0
+    assert _argmax(x) == [300, 3, 999] == x.argmax(-1).tolist()
+    y = logits(16, vocab=151936, seed=3).double()
+    assert _argmax(y) == y.argmax(-1).tolist()
 
 
 def test_empty_batch_and_shape_check() -> None:
