@@ -125,8 +125,9 @@ function setUpKeyForm() {
   const form = document.getElementById('key-form');
   const input = document.getElementById('key-input');
   const remember = document.getElementById('key-remember');
-  input.value = api.key();
-  remember.checked = api.remembered();
+  // A key typed before this module ran (a slow load) is kept, not overwritten by the stored one.
+  if (!input.value) input.value = api.key();
+  remember.checked = remember.checked || api.remembered();
   form.addEventListener('submit', (event) => {
     event.preventDefault();
     api.setKey(input.value.trim(), remember.checked);
