@@ -1042,7 +1042,8 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
  * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
  * int32, then d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of the
  * lower and upper 16 values in place of sc and mn); columns past cols are zero.
- * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers. */
+ * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers
+ * (the K-quants' super-blocks in gemm_unpack_k). */
 ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_bytes, int cols, int nb,
                                   uint8_t *scratch) {
     static const uint8_t zero_block[20] = {0}; /* columns past cols: d = m = 0 (and Q4_0/Q4_1 values 0) */
@@ -1050,10 +1051,8 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
         gemm_unpack_k(type, w, row_bytes, cols, nb, scratch);
         return;
     }
-    const int ts = ggml_quant_type_size(type), has_min = has_min32(type), kq = exact_k(type);
+    const int ts = ggml_quant_type_size(type), has_min = has_min32(type);
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
-    int32_t *sc_k = (int32_t *)d, *mn_k = (int32_t *)mn;
-    float *d_k = mn + (size_t)nb * GEMM_PANEL, *dmin_k = d_k + (size_t)(nb / 8) * GEMM_PANEL;
     for (int c0 = 0; c0 < GEMM_PANEL; c0 += 8) {
         for (int b = 0; b < nb; b++) {
             __m256i v[8];
@@ -1076,43 +1075,16 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
             for (int c = 0; c < 8; c++) {
                 const int col = c0 + c;
                 v[c] = _mm256_setzero_si256();
-                if (kq) {
-                    int sc = 0, mv = 0;
-                    float dv = 0.f, dminv = 0.f;
-                    if (col < cols) {
-                        const uint8_t *sb = w + (size_t)col * row_bytes + (size_t)(b >> 3) * ts;
-                        if (type == Q6_K) { /* sc_k, mn_k: the scales of the lower and upper 16 */
-                            v[c] = q6_values(sb, b & 7);
-                            sc = ((const int8_t *)(sb + 192))[2 * (b & 7)];
-                            mv = ((const int8_t *)(sb + 192))[2 * (b & 7) + 1];
-                            dv = fp16_at(sb + 208);
-                        } else {
-                            v[c] = k_values(type, sb, b & 7);
-                            scale_min_k4(sb + 4, b & 7, &sc, &mv);
-                            dv = fp16_at(sb);
-                            dminv = -fp16_at(sb + 2);
-                        }
-                    }
-                    sc_k[b * GEMM_PANEL + col] = sc;
-                    mn_k[b * GEMM_PANEL + col] = mv;
-                    if ((b & 7) == 0) {
-                        d_k[(b >> 3) * GEMM_PANEL + col] = dv;
-                        dmin_k[(b >> 3) * GEMM_PANEL + col] = dminv;
-                    }
-                    continue;
-                }
                 blocks[c] = zero_block;
                 if (col < cols) {
                     blocks[c] = w + (size_t)col * row_bytes + (size_t)b * ts;
                     v[c] = stored32(type, blocks[c]);
                 }
             }
-            if (!kq) { /* the eight columns' d (and m) converted together */
-                __m256 dv, mv;
-                block_scales(8, blocks, 0, &dv, &mv);
-                _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
-                _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
-            }
+            __m256 dv, mv; /* the eight columns' d (and m) converted together */
+            block_scales(8, blocks, 0, &dv, &mv);
+            _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
+            _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
             transpose_dwords(v);
             uint8_t *dst = scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4;
             for (int t = 0; t < 8; t++) _mm256_storeu_si256((__m256i *)(dst + (size_t)t * 4 * GEMM_PANEL), v[t]);
