@@ -405,23 +405,32 @@ static void rows_before_linear(RowOp op, const Model *M, const Layer *Ly, const 
     for (int r = 0; r < n; r++) row_op(op, M, Ly, hidden, B, r);
 }
 
+/* The per-row inputs of the linears and each one's width in elements: with
+ * private_rows, lay_out places a copy of them per thread and thread_buffers
+ * points thread t at its own (`M` and `kmax` in scope where it is expanded). */
+#define PRIVATE_ROW_FIELDS(X)       \
+    X(normed, float, M->hidden)     \
+    X(act, float, M->intermediate)  \
+    X(qs32, int8_t, kmax)           \
+    X(qs256, int8_t, kmax)          \
+    X(d32, float, kmax / 32)        \
+    X(s32, float, kmax / 32)        \
+    X(d256, float, kmax / 32)       \
+    X(s256, float, kmax / 32)       \
+    X(bsums32, int16_t, kmax / 16)  \
+    X(bsums256, int16_t, kmax / 16) \
+    X(isum32, int16_t, kmax / 32)
+
 /* Thread t's view of the step's buffers: with private_rows, its own copy of
- * the per-row inputs of the linears (lay_out places num_threads of them). */
+ * the per-row inputs of the linears. */
 static Buffers thread_buffers(const Buffers *B, const Model *M, int n, int t) {
     Buffers own = *B;
     if (!B->private_rows) return own;
-    const size_t rows = (size_t)n * (size_t)t, k = (size_t)B->kmax;
-    own.normed += rows * (size_t)M->hidden;
-    own.act += rows * (size_t)M->intermediate;
-    own.qs32 += rows * k;
-    own.qs256 += rows * k;
-    own.d32 += rows * (k / 32);
-    own.s32 += rows * (k / 32);
-    own.d256 += rows * (k / 32);
-    own.s256 += rows * (k / 32);
-    own.bsums32 += rows * (k / 16);
-    own.bsums256 += rows * (k / 16);
-    own.isum32 += rows * (k / 32);
+    const size_t rows = (size_t)n * (size_t)t;
+    const int kmax = B->kmax;
+#define PAST_OTHER_COPIES(field, type, width) own.field += rows * (size_t)(width);
+    PRIVATE_ROW_FIELDS(PAST_OTHER_COPIES)
+#undef PAST_OTHER_COPIES
     return own;
 }
 
@@ -588,20 +597,12 @@ static size_t lay_out(Buffers *B, char *block, const Model *M, const Step *S, si
 #define PLACE(field, type, count)                                         \
     B->field = block ? (type *)(void *)(block + used) : NULL;             \
     used += (sizeof(type) * (size_t)(count) + 63) / 64 * 64
-    PLACE(normed, float, copies * rows * M->hidden);
+#define PLACE_COPIES(field, type, width) PLACE(field, type, copies * rows * (size_t)(width));
+    PRIVATE_ROW_FIELDS(PLACE_COPIES)
+#undef PLACE_COPIES
     PLACE(qkv, float, rows * qkv_w);
     PLACE(attn, float, rows * H * D);
     PLACE(gate_up, float, rows * 2 * I);
-    PLACE(act, float, copies * rows * I);
-    PLACE(qs32, int8_t, copies * rows * kmax);
-    PLACE(qs256, int8_t, copies * rows * kmax);
-    PLACE(d32, float, copies * rows * (kmax / 32));
-    PLACE(s32, float, copies * rows * (kmax / 32));
-    PLACE(d256, float, copies * rows * (kmax / 32));
-    PLACE(s256, float, copies * rows * (kmax / 32));
-    PLACE(bsums32, int16_t, copies * rows * (kmax / 16));
-    PLACE(bsums256, int16_t, copies * rows * (kmax / 16));
-    PLACE(isum32, int16_t, copies * rows * (kmax / 32));
     PLACE(attn_scratch, float, B->attn_scratch_floats * (size_t)num_threads);
     PLACE(gemm_scratch, uint8_t, B->gemm_scratch_size * (size_t)num_threads);
     PLACE(group_starts, int, rows + 1);
