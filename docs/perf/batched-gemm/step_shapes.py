@@ -19,12 +19,12 @@ import ctypes
 import os
 import sys
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from stoker.bench.kernels import time_call
 from stoker.models.quant.blocks import random_blocks
 
 T = GGMLQuantizationType
@@ -38,16 +38,6 @@ SHAPES: tuple[tuple[str, int, int, GGMLQuantizationType], ...] = (
     ("down", 2048, 8192, T.Q6_K),
     ("lm_head", 128256, 2048, T.Q6_K),
 )
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return float(np.median(times))
 
 
 def main() -> None:
@@ -83,9 +73,9 @@ def main() -> None:
             cells = [f"{label} {stat(t) * 1e3:7.2f} ms {ops / stat(t) / 1e9:5.0f} GOP/s" for label, t in times.items()]
             if w_f32 is not None:
                 xt = torch.from_numpy(x)
-                f32 = median_seconds(lambda xt=xt, wf=w_f32: torch.nn.functional.linear(xt, wf), 3)
+                f32 = time_call(lambda xt=xt, wf=w_f32: torch.nn.functional.linear(xt, wf), 0)
                 wb, xb = w_f32.bfloat16(), xt.bfloat16()
-                bf16 = median_seconds(lambda xb=xb, wb=wb: torch.nn.functional.linear(xb, wb), 3)
+                bf16 = time_call(lambda xb=xb, wb=wb: torch.nn.functional.linear(xb, wb), 0)
                 cells += [f"torch fp32 {ops / f32 / 1e9:5.0f}", f"bf16 {ops / bf16 / 1e9:5.0f} GOP/s"]
             print(f"{name:8} {qtype.name} {n}x{k} m={m:4}", " | ".join(cells), flush=True)
 
