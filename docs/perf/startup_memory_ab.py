@@ -6,88 +6,103 @@ Each round starts `stoker serve` from each tree in turn (PYTHONPATH=TREE, the
 ladder's flags), times launch -> first 200 on /ready, reads VmRSS/RssAnon/RssFile
 of the server and each child one second later, sends one greedy 16-token
 completion (its text must be the same for every tree) and times a 64-token one.
-Trees alternate order every round, so a busy machine slows both alike."""
+Trees alternate order every round, so a busy machine slows both alike. The
+measuring itself (ports, the wait for /ready, the process tree and its memory)
+is the benches' own, from the tree this script runs in."""
+
 from __future__ import annotations
-import json, os, socket, subprocess, sys, time, urllib.request
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
-def free_port() -> int:
-    s = socket.socket(); s.bind(("127.0.0.1", 0)); p = s.getsockname()[1]; s.close(); return p
+import httpx
 
-def tree(root: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for n in os.listdir("/proc"):
-        if n.isdigit():
-            try:
-                st = open(f"/proc/{n}/stat").read()
-            except OSError:
-                continue
-            kids.setdefault(int(st[st.rindex(")") + 2:].split()[1]), []).append(int(n))
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop(0); out.append(p); todo += sorted(kids.get(p, []))
-    return out
+from stoker.bench.prefix_restart import free_port
+from stoker.bench.server_ready import wait_until_ready
+from stoker.bench.soak import cmdline_of, memory_of, process_tree
 
-def mem(pid: int) -> dict[str, int]:
-    d = {}
-    for line in open(f"/proc/{pid}/status"):
-        k, _, v = line.partition(":")
-        if k in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-            d[k] = int(v.split()[0]) // 1024
-    d["cmd"] = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()[-60:]
-    return d
+MIB = 2**20
 
-def run(tree_dir: str, gguf: str, work: Path, extra_env: dict[str, str]) -> dict:
+
+def mem(pid: int) -> dict[str, Any]:
+    m = memory_of(pid) or {"rss": 0, "anon": 0, "file": 0}
+    return {"rss": m["rss"] // MIB, "anon": m["anon"] // MIB, "file": m["file"] // MIB, "cmd": cmdline_of(pid)[-60:]}
+
+
+def run(tree_dir: str, gguf: str, work: Path) -> dict[str, Any]:
     port = free_port()
-    argv = [sys.executable, "-m", "stoker.cli", "serve", "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
-            "--no-embedding-model", "--max-num-seqs", "16", "--max-model-len", "2056", "--kv-cache-tokens", "6912",
-            "--num-threads", "2"]
-    env = {**os.environ, "PYTHONPATH": tree_dir, "STOKER_DB": str(work / "stoker.db"), **extra_env}
-    log = open(work / f"{Path(tree_dir).name}.log", "wb")
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, cwd=tree_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
-    while True:
+    url = f"http://127.0.0.1:{port}"
+    argv = [sys.executable, "-m", "stoker.cli", "serve", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["--no-embedding-model", "--max-num-seqs", "16", "--max-model-len", "2056", "--kv-cache-tokens", "6912"]
+    argv += ["--num-threads", "2"]
+    env = {**os.environ, "PYTHONPATH": tree_dir, "STOKER_DB": str(work / "stoker.db")}
+    with open(work / f"{Path(tree_dir).name}.log", "wb") as log:
+        started = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=tree_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ready", timeout=1) as r:
-                if r.status == 200:
-                    break
-        except Exception:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"{tree_dir} exited {proc.returncode}")
-        time.sleep(0.05)
-    ready = time.perf_counter() - t0
-    time.sleep(1.0)
-    per = [mem(p) for p in tree(proc.pid)]
-    # one greedy request: the output to compare, and RSS after it
-    models = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models"))
-    body = json.dumps({"model": models["data"][0]["id"], "prompt": "Hello world, this is", "max_tokens": 16, "temperature": 0}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
-    out = json.load(urllib.request.urlopen(req, timeout=120))
-    after = [mem(p) for p in tree(proc.pid)]
-    body64 = json.dumps({"model": models["data"][0]["id"], "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0, "ignore_eos": True}).encode()
-    t1 = time.perf_counter()
-    json.load(urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body64, {"Content-Type": "application/json"}), timeout=300))
-    decode_s = time.perf_counter() - t1
-    proc.terminate(); proc.wait(30)
-    return {"ready_s": ready, "rss": sum(p["VmRSS"] for p in per), "rss_after_req": sum(p["VmRSS"] for p in after),
-            "per": per, "text": out["choices"][0]["text"], "decode_s": decode_s}
+            if (why := wait_until_ready(url, proc, timeout=900, interval=0.05)) is not None:
+                raise RuntimeError(f"{tree_dir}: {why}")
+            ready = time.perf_counter() - started
+            time.sleep(1.0)
+            per = [mem(p) for p in process_tree(proc.pid)]
+            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+            # one greedy request: the output to compare, and RSS after it
+            first = {"model": model, "prompt": "Hello world, this is", "max_tokens": 16, "temperature": 0}
+            out = httpx.post(f"{url}/v1/completions", json=first, timeout=120).json()
+            after = [mem(p) for p in process_tree(proc.pid)]
+            longer = {"model": model, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0}
+            t1 = time.perf_counter()
+            httpx.post(f"{url}/v1/completions", json={**longer, "ignore_eos": True}, timeout=300).raise_for_status()
+            decode_s = time.perf_counter() - t1
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    return {
+        "ready_s": ready,
+        "rss": sum(p["rss"] for p in per),
+        "rss_after_req": sum(p["rss"] for p in after),
+        "per": per,
+        "text": out["choices"][0]["text"],
+        "decode_s": decode_s,
+    }
+
+
+def main() -> None:
+    gguf, rounds, trees = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    work = Path(tempfile.mkdtemp(prefix="startup-memory-ab."))
+    results: dict[str, list[dict[str, Any]]] = {t: [] for t in trees}
+    for r in range(rounds):
+        for t in trees if r % 2 == 0 else trees[::-1]:
+            x = run(t, gguf, work)
+            results[t].append(x)
+            parts = " | ".join(f"{p['cmd'][-25:]}: rss {p['rss']} anon {p['anon']} file {p['file']}" for p in x["per"])
+            print(
+                f"round {r} {t}: ready {x['ready_s']:.2f}s 64tok {x['decode_s']:.2f}s rss {x['rss']} MB"
+                f" (after req {x['rss_after_req']}) {parts}",
+                flush=True,
+            )
+    for t in trees:
+        xs = results[t]
+        print(
+            t,
+            "median ready",
+            round(statistics.median(x["ready_s"] for x in xs), 2),
+            "median rss",
+            statistics.median(x["rss"] for x in xs),
+            "median 64tok",
+            round(statistics.median(x["decode_s"] for x in xs), 2),
+            "text",
+            repr(xs[0]["text"]),
+        )
+    texts = {t: {x["text"] for x in results[t]} for t in trees}
+    print("greedy same:", len(set().union(*texts.values())) == 1)
+
 
 if __name__ == "__main__":
-    gguf, rounds, trees = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-    import tempfile
-    work = Path(tempfile.mkdtemp(prefix="startup-memory-ab."))
-    res: dict[str, list] = {t: [] for t in trees}
-    for r in range(rounds):
-        for t in (trees if r % 2 == 0 else trees[::-1]):
-            x = run(t, gguf, work, {})
-            res[t].append(x)
-            print(f"round {r} {t}: ready {x['ready_s']:.2f}s 64tok {x['decode_s']:.2f}s rss {x['rss']} MB (after req {x['rss_after_req']}) "
-                  + " | ".join(f"{p['cmd'][-25:]!s}: rss {p['VmRSS']} anon {p['RssAnon']} file {p['RssFile']}" for p in x['per']),
-                  flush=True)
-    import statistics
-    for t in trees:
-        print(t, "median ready", round(statistics.median(x["ready_s"] for x in res[t]), 2),
-              "median rss", statistics.median(x["rss"] for x in res[t]), "median 64tok", round(statistics.median(x["decode_s"] for x in res[t]), 2), "text", repr(res[t][0]["text"]))
-    texts = {t: {x["text"] for x in res[t]} for t in trees}
-    print("greedy same:", len(set().union(*texts.values())) == 1)
+    main()

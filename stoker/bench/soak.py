@@ -103,7 +103,8 @@ def memory_of(pid: int) -> dict[str, int] | None:
     return {"rss": kb.get("VmRSS", 0), "anon": kb.get("RssAnon", 0), "file": kb.get("RssFile", 0)}
 
 
-def _cmdline(pid: int) -> str:
+def cmdline_of(pid: int) -> str:
+    """The process's command line, arguments joined by spaces; empty if it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
@@ -115,7 +116,7 @@ def front_end_of(tree: list[int]) -> int:
     """The server itself: the first `stoker ... serve` in the tree, so a --pid
     of a wrapper (a shell, `timeout`) still finds it; else the root."""
     for pid in tree:
-        cmdline = _cmdline(pid)
+        cmdline = cmdline_of(pid)
         if "stoker" in cmdline and "serve" in cmdline and "spawn_main" not in cmdline:
             return pid
     return tree[0]
@@ -124,7 +125,7 @@ def front_end_of(tree: list[int]) -> int:
 def role_of(pid: int, front: int) -> str:
     if pid == front:
         return "front end"
-    cmdline = _cmdline(pid)
+    cmdline = cmdline_of(pid)
     if "resource_tracker" in cmdline:
         return "resource tracker"
     if "spawn_main" in cmdline or "multiprocessing-fork" in cmdline:

@@ -70,7 +70,7 @@ async def test_soak_against_a_server_over_the_fake_core(server: ServerProcess, t
     # A --pid of whatever started the server (here this test process) finds a `stoker serve` front end in its
     # tree: this one, or in a whole-suite run another module's server still alive under the same pytest.
     front = {p["role"]: p["pid"] for p in soak.sample_processes(os.getpid())}["front end"]
-    assert front in soak.process_tree(os.getpid()) and "serve" in soak._cmdline(front)
+    assert front in soak.process_tree(os.getpid()) and "serve" in soak.cmdline_of(front)
     assert roles["engine"]["rss"] > 10 * 2**20 and roles["front end"]["rss"] > 10 * 2**20
     engine = s["rss"]["engine"]
     assert engine["start"] > 0 and engine["end"] > 0 and engine["max"] >= engine["end"]
