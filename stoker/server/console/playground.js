@@ -313,7 +313,9 @@ export async function mount(root, ctx) {
   settings.write(DEFAULTS);
   render();
   await Promise.all([loadModels(), sidebar.refresh()]);
-  input.focus();
+  // Only if nothing has the focus yet: a user already typing (an API key, say) keeps typing there,
+  // rather than the rest of what they type landing in the message box.
+  if (document.activeElement === null || document.activeElement === document.body) input.focus();
 
   return () => {
     document.removeEventListener('keydown', onEscape);
