@@ -16,8 +16,8 @@
  * with -ffp-contract=off and without -fassociative-math.
  *
  * The SIMD builds (AVX2, AVX-VNNI, AVX-512 VNNI) have a second pair of kernels
- * for every type (AVX2: but Q8_0): a blocked GEMM from 8 rows of x (more for
- * the K-quants: gemm_serves) and small tiles below that, both computing every
+ * for every type (AVX2: but Q8_0): a blocked GEMM from 5 rows of x (8 on the
+ * 256-bit paths: gemm_serves) and small tiles below that, both computing every
  * output with the same arithmetic (see "exact kernels" below, and exact_k for
  * the K-quants), so the choice by m changes no bit.
  *
@@ -784,24 +784,22 @@ typedef __m256 gemm_f;
 #endif
 #endif
 #define GEMM_PANEL (2 * GEMM_LANES)
-/* Rows of x from which the GEMM serves a call: below, unpacking the panels
- * costs more than it saves (measured on Zen 4 in decode steps, weights from
- * memory). The K-quants' small tiles stay faster up to 11 rows: at 8 rows a
- * 16384 x 2048 Q4_K product took 4.55 ms in them against 6.45 in the GEMM
- * (docs/perf/k-quants/prefetch.txt), while Q4_1's GEMM stays ahead (3.2
- * against 4.1 ms in the tiles). GEMM_MIN_ROWS is the lower of the two:
- * scratch is sized by it. The 256-bit GEMM takes the K-quants over from more
- * rows (measured on an Emerald Rapids with AVX-VNNI, and built for AVX2 there,
- * docs/perf/quantized.md): Q4_K's GEMM overtakes its tiles between
- * 12 and 16 rows with vpdpbusd, between 16 and 24 with maddubs (Q6_K: from 12
- * everywhere, gemm_serves). */
-#define GEMM_MIN_ROWS 8
+/* Rows of x from which the GEMM serves a call, every type alike: below, the
+ * small tiles (each weight block unpacked once per pair of rows) beat one
+ * unpack of each panel for all rows. Since the K-quants' panel unpack works a
+ * super-block at a time (4a71a63) and the tiles ask for the next panels' rows
+ * (gemm_thread), the GEMM wins from 5 rows on Zen 4 with AVX-512 for every
+ * type, weights from memory: 1.3-1.6x at 5-7 rows, 1.5-2.2x at 8-11 (the
+ * K-quants' tiles, once kept to 11 rows and Q6_K's to 12), level or a little
+ * behind at 4 (docs/perf/quantized.md, "The 16-row step"). The 256-bit GEMM
+ * (16 columns, 3 rows a tile) was measured only built for AVX2 on that Zen 4:
+ * ahead of the tiles from 8 rows for the K-quants too (Q6_K 1.4x, Q4_K 1.2x
+ * at 8); below 8 it was not measured there, so it keeps 8. Scratch is sized
+ * by this (gemm_scratch_bytes). */
 #if QUANT_ISA == 3
-#define GEMM_MIN_ROWS_K 12
-#elif QUANT_ISA == 2
-#define GEMM_MIN_ROWS_K 16
+#define GEMM_MIN_ROWS 5
 #else
-#define GEMM_MIN_ROWS_K 24
+#define GEMM_MIN_ROWS 8
 #endif
 
 /* Q4_K and Q5_K: every value is d * sc * q - dmin * mn with q unsigned, sc and
@@ -822,12 +820,7 @@ ALWAYS_INLINE int exact_serves(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q5_1 || (type == Q8_0 && QUANT_ISA != 1) ||
            exact_k(type);
 }
-/* Q6_K's exact small tiles are its slowest (the 6-bit unpack, once for every two
- * rows of x): its GEMM takes over from 12 rows on every path (a 16384 x 2048
- * weight at 20 rows, avx2: 15.4 ms in the tiles, 12.3 in the GEMM). */
-ALWAYS_INLINE int gemm_serves(int type, int m) {
-    return m >= (type == Q6_K ? 12 : exact_k(type) ? GEMM_MIN_ROWS_K : GEMM_MIN_ROWS);
-}
+ALWAYS_INLINE int gemm_serves(int m) { return m >= GEMM_MIN_ROWS; }
 ALWAYS_INLINE int gemm_offset(int type) { return type == Q4_0 ? 8 : type == Q5_0 ? 16 : type == Q8_0 ? 128 : 0; }
 
 /* A block's 32 stored values as unsigned bytes (value + gemm_offset), element e in byte e. */
@@ -1111,6 +1104,23 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
 #undef UNPACK_AS
 }
 
+/* A later panel's weight rows, asked for while this panel's tiles run: at 8-16
+ * rows of x the unpack's own asking (eight rows ahead) left most of a step's
+ * time with no weight bytes in flight, the tiles computing while nothing was
+ * fetched, and then the unpack waiting on memory (the LM head's product at 16
+ * rows spent ~40% of its time in the unpack). Block b of a tile's nb asks
+ * for its even share of the tile's `lines` cache lines from `ahead` (none when
+ * ahead is NULL). */
+typedef struct {
+    const uint8_t *ahead;
+    size_t lines;
+} panel_ahead_t;
+ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
+    if (!pf.ahead) return;
+    const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
+    for (size_t l = from; l < to; l++) __builtin_prefetch(pf.ahead + 64 * l);
+}
+
 /* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
 ALWAYS_INLINE void gemm_dots(const int MR, const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
                              gemm_i s[GEMM_MR][2]) {
@@ -1129,7 +1139,7 @@ ALWAYS_INLINE void gemm_dots(const int MR, const int8_t *const *x, int b, const 
 
 /* MR (<= GEMM_MR) rows of x (at[]) by the unpacked panel: out[r][0] its first GEMM_LANES columns, out[r][1] the rest. */
 ALWAYS_INLINE void gemm_tile(const int MR, const xq_t *xq, const size_t *at, int nb, int offset, int has_min,
-                             const uint8_t *scratch, gemm_f out[GEMM_MR][2]) {
+                             const uint8_t *scratch, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k;
     const float *d = (const float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
@@ -1141,6 +1151,7 @@ ALWAYS_INLINE void gemm_tile(const int MR, const xq_t *xq, const size_t *at, int
         gemm_i s[GEMM_MR][2];
         for (int r = 0; r < MR; r++)
             s[r][0] = s[r][1] = GV_SET1_I(offset ? -offset * (int)xq->isum[at[r] * (size_t)nb + b] : 0);
+        prefetch_share(pf, b, nb);
         gemm_dots(MR, x, b, scratch + (size_t)b * 32 * GEMM_PANEL, 0, 8, s);
         const gemm_f d0 = GV_LOAD_F(d + b * GEMM_PANEL), d1 = GV_LOAD_F(d + b * GEMM_PANEL + GEMM_LANES);
         for (int r = 0; r < MR; r++) {
@@ -1172,7 +1183,7 @@ ALWAYS_INLINE void gemm_scale_into(const int MR, const int32_t *sc, gemm_i s[GEM
 /* gemm_tile for the K-quants: per super-block, the integers P and M (see
  * exact_k), then their fp32 terms. */
 ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
-                               gemm_f out[GEMM_MR][2]) {
+                               panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *sc = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
     const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
@@ -1189,6 +1200,7 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
         for (int j = 0; j < 8; j++) {
             const int b = sb * 8 + j;
             const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
+            prefetch_share(pf, b, nb);
             if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper with mn */
                 gemm_dots(MR, x, b, q, 0, 4, s);
                 gemm_scale_into(MR, sc + b * GEMM_PANEL, s, p);
@@ -1240,12 +1252,12 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
  * (16 rows once took three tiles of 6, the last repeating a row twice). One
  * output's arithmetic is one lane's whatever MR. */
 typedef void (*gemm_tile_fn)(int type, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
-                             gemm_f out[GEMM_MR][2]);
+                             panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define GEMM_TILE_FN(MR)                                                                                             \
     static void gemm_tile_##MR(int type, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,           \
-                               gemm_f out[GEMM_MR][2]) {                                                             \
-        if (exact_k(type)) gemm_tile_k(type, MR, xq, at, nb, scratch, out);                                          \
-        else gemm_tile(MR, xq, at, nb, gemm_offset(type), has_min32(type), scratch, out);                            \
+                               panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {                                           \
+        if (exact_k(type)) gemm_tile_k(type, MR, xq, at, nb, scratch, pf, out);                                      \
+        else gemm_tile(MR, xq, at, nb, gemm_offset(type), has_min32(type), scratch, pf, out);                        \
     }
 GEMM_TILE_FN(1)
 GEMM_TILE_FN(2)
@@ -1263,8 +1275,13 @@ static const gemm_tile_fn gemm_tiles[GEMM_MR] = {gemm_tile_1, gemm_tile_2, gemm_
 
 /* Thread t of nt's share of the GEMM: a contiguous range of panels, each
  * unpacked once into scratch (gemm_scratch_bytes(k, m)) and swept by all m rows,
- * GEMM_MR at a time and the rest in one smaller tile. (Tiles of near-equal row
+ * GEMM_MR at a time and the rest in one smaller tile, the tiles asking for the
+ * rows of the panel PANELS_AHEAD on as they go (prefetch_share). (Tiles of near-equal row
  * counts, 5 and 6 for 512 rows, made a 512-row product 2-3% slower.) */
+/* How many panels ahead of the one unpacked the tiles ask for rows (see
+ * prefetch_share): one was 4-8% slower than two on 8-16 rows (the first
+ * panel's tiles run out before all its lines arrive). */
+#define PANELS_AHEAD 2
 static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                         long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
                         int nt) {
@@ -1274,6 +1291,12 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
     for (int p = lo; p < hi; p++) {
         const int j0 = p * GEMM_PANEL, cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
         gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
+        /* The rows of the panel PANELS_AHEAD on (contiguous in W), asked for in even
+         * shares by this panel's tiles; none past the thread's last panel. */
+        const int ja = j0 + PANELS_AHEAD * GEMM_PANEL;
+        const int ahead_cols = p + PANELS_AHEAD < hi ? (n - ja < GEMM_PANEL ? n - ja : GEMM_PANEL) : 0;
+        const size_t ahead_lines = ((size_t)ahead_cols * row_bytes + 63) / 64;
+        const int tiles = (m + GEMM_MR - 1) / GEMM_MR;
         for (int i0 = 0; i0 < m; i0 += GEMM_MR) {
             const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
             /* The next tile's stretch of y: rows of y lie more than 2 KB apart
@@ -1288,7 +1311,10 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             size_t at[GEMM_MR];
             for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
             gemm_f out[GEMM_MR][2];
-            gemm_tiles[mr - 1](type, xq, at, nb, scratch, out);
+            const size_t tile = (size_t)(i0 / GEMM_MR);
+            const size_t from = ahead_lines * tile / (size_t)tiles, to = ahead_lines * (tile + 1) / (size_t)tiles;
+            const panel_ahead_t pf = {ahead_cols ? w + (size_t)ja * row_bytes + 64 * from : NULL, to - from};
+            gemm_tiles[mr - 1](type, xq, at, nb, scratch, pf, out);
             for (int r = 0; r < mr; r++) {
                 float vals[GEMM_PANEL];
                 GV_STORE_F(vals, out[r][0]);
@@ -1544,7 +1570,7 @@ static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, co
                                 int nt) {
 #if EXACT_KERNELS
     if (exact_serves(type)) {
-        if (gemm_serves(type, m))
+        if (gemm_serves(m))
             gemm_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
         else
             exact_tiles_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);

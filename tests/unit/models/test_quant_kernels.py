@@ -141,9 +141,9 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
         full = mm(x, w, qtype)
         for i in (0, 5, 31, 63):
             assert torch.equal(mm(x[i : i + 1], w, qtype), full[i : i + 1])
-        # either side of the exact kernels' switch from tiles to the GEMM (8 rows; for the
-        # K-quants 12 with AVX-512, 16 with AVX-VNNI, 24 with AVX2)
-        for rows in (2, 3, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25):
+        # either side of the exact kernels' switch from tiles to the GEMM (5 rows with
+        # AVX-512, 8 on the 256-bit paths), and the GEMM's row tiles (6 or 3 rows)
+        for rows in (2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25):
             assert torch.equal(mm(x[9 : 9 + rows], w, qtype), full[9 : 9 + rows])
         assert torch.equal(mm(x[5:22], w, qtype), full[5:22])  # other tile boundaries
         assert torch.equal(mm(x, w[3:20], qtype), full[:, 3:20])  # weight rows in other tiles
