@@ -31,6 +31,20 @@ REPO = os.path.dirname(TESTS_DIR)
 FAKE_CORE = "server_fakes:FakeEngineCore"
 
 
+def cache_sharing_kernels(cache: str | os.PathLike[str]) -> str:
+    """`cache` made a STOKER_CACHE_DIR of its own (GGUF headers, tokenizers, model
+    identities) whose compiled C kernels are the usual cache's: each library there
+    is keyed by its sources, flags and CPU, so it is what a fresh build would give,
+    and building them all anew takes a minute on 2 cores. Returns `cache`."""
+    usual = os.path.join(os.environ.get("STOKER_CACHE_DIR") or os.path.expanduser("~/.cache/stoker"), "kernels")
+    os.makedirs(usual, exist_ok=True)
+    os.makedirs(cache, exist_ok=True)
+    kernels = os.path.join(cache, "kernels")
+    if not os.path.lexists(kernels):
+        os.symlink(os.path.realpath(usual), kernels)
+    return os.fspath(cache)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -137,9 +151,9 @@ def real_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 @pytest.fixture(scope="session")
 def transformers_default_model() -> PreTrainedModel:
     """transformers' float32 model of the default GGUF, loaded once: its GGUF
-    reader dequantizes every tensor in Python (~10 s on 2 cores), and both the
-    loader's bit-for-bit weight check and the fidelity test's reference
-    generations read the same model (neither changes it)."""
+    reader dequantizes every tensor in Python (~10 s on 2 cores), and the
+    loader's bit-for-bit weight check, the fidelity test's reference generations
+    and the LoRA test's peft base (a copy) read the same model (none changes it)."""
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 import pytest
+from conftest import cache_sharing_kernels
 from gguf import GGUFReader
 
 from stoker import cli
@@ -94,11 +94,7 @@ def test_rung_file_is_written_once(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache folder of the test's own (GGUF headers, tokenizers) sharing the compiled
     C kernels of the usual one: compiling them anew takes a minute."""
-    kernels = Path(os.environ.get("STOKER_CACHE_DIR") or Path.home() / ".cache" / "stoker") / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "cache").mkdir()
-    (tmp_path / "cache" / "kernels").symlink_to(kernels)
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
     return tmp_path / "cache"
 
 

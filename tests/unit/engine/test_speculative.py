@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from tiny_models import make_tiny_hf_model
 
 from stoker import LLM, SamplingParams
@@ -282,7 +283,7 @@ def test_quantized_fused_decoder_greedy_identical(tmp_path: Path, monkeypatch: p
         pytest.skip("no C compiler")
     from quant_models import T, write_quant_gguf
 
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
     path = write_quant_gguf(tmp_path / "tiny-q8.gguf", "qwen2", {}, T.Q8_0)
     base = _llm(path, "none", quantization="auto")
     assert base.engine.runner.model.fused is not None

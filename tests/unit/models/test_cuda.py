@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from gguf import GGMLQuantizationType as T
 from quant_models import Q4_K_M, TOKENS, write_quant_gguf
 
@@ -25,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, min_tokens=12)
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
 
 
 def random_prompts(vocab: int) -> list[list[int]]:

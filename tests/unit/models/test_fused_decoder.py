@@ -12,6 +12,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from quant_models import HEAD_DIM, Q4_K_M, TOKENS, T, last_logits, random_prompts, write_quant_gguf
 
 from stoker import LLM, SamplingParams
@@ -29,7 +30,7 @@ IDS = ["llama-Q4_1", "qwen2-bias-Q8_0", "qwen3-qknorm-Q4_K_M"]
 
 @pytest.fixture(autouse=True)
 def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
     monkeypatch.delenv("STOKER_DISABLE_C_KERNELS", raising=False)
     monkeypatch.delenv("STOKER_FUSED_DECODER", raising=False)
 

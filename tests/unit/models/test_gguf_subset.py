@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from gguf import GGUFReader
 
 from stoker.bench.self_draft import (
@@ -34,7 +35,7 @@ def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "subset-cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path_factory.getbasetemp() / "subset-cache"))
 
 
 def _tensors(path: Path) -> dict[str, bytes]:

@@ -11,6 +11,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from tiny_models import make_tiny_hf_model, set_config
 
 from stoker.models.identity import model_name, tokenizer_folder
@@ -231,7 +232,7 @@ def write_tiny_gguf(path: Path, arch: str, seed: int = 0, general_name: str = "t
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
     path = tmp_path / f"Tiny-{arch}-Q8_0.gguf"
     expected = write_tiny_gguf(path, arch)
     for attempt in range(2):  # the second load reads the cache back
@@ -257,7 +258,7 @@ def test_tiny_gguf_auto_keeps_quantized_tensors(tmp_path: Path, monkeypatch: pyt
 
     from stoker.models.quant.weights import GGMLTensor
 
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
     path = tmp_path / "Tiny-llama-Q8_0.gguf"
     expected = write_tiny_gguf(path, "llama")
     loaded = load_model(str(path), torch.float32, "cpu", "auto")

@@ -16,6 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
+from conftest import cache_sharing_kernels
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from quant_models import (
     FFN,
@@ -42,7 +43,7 @@ from stoker.models.quant.weights import Embedding, GGMLLinear, GGMLTensor, descr
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("STOKER_CACHE_DIR", cache_sharing_kernels(tmp_path / "cache"))
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TESTS_DIR
+from conftest import REPO, TESTS_DIR, cache_sharing_kernels
 from gguf import GGMLQuantizationType, GGUFReader
 
 from stoker.bench.synthetic_gguf import LlamaShape, write_llama_gguf
@@ -27,8 +27,8 @@ def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One for the module, so the C kernels the type checks load are built once."""
-    return tmp_path_factory.mktemp("cache")
+    """One for the module (GGUF headers), with the usual compiled C kernels that the type checks load."""
+    return Path(cache_sharing_kernels(tmp_path_factory.mktemp("cache")))
 
 
 def serve(
