@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from stoker import LLM, SamplingParams
 from stoker.config import default_model_path
@@ -44,15 +45,17 @@ TEXT = (
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, dict[str, Path], object]:
+def setup(
+    tmp_path_factory: pytest.TempPathFactory, transformers_default_model: PreTrainedModel
+) -> tuple[torch.nn.Module, dict[str, Path], object]:
     """transformers' base (the GGUF dequantized, float32), the adapters written by peft, and the tokenizer."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from stoker.models.loader import load_tokenizer
 
     path = Path(default_model_path())
-    base = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    # A copy of the session's model (loading it again takes ~10 s): peft wraps its layers in place.
+    base = copy.deepcopy(transformers_default_model)
     root = tmp_path_factory.mktemp("default-loras")
     model = None
     for name, (rank, targets) in ADAPTERS.items():
