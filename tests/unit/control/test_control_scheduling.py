@@ -21,13 +21,26 @@ from conftest import (
     start_server,
     wait_for,
 )
-from sqlalchemy import select
+from sqlalchemy import Row, select
 
 from stoker.control.db import open_db, usage
 from stoker.control.keys import KeyStore
 
 pytestmark = pytest.mark.timeout(120)
 STEP_S = 0.02  # fake engine: 50 tokens/s
+
+
+async def ledger_rows(db: str, request_ids: set[str]) -> dict[str, Row]:
+    """The usage rows by request id, once each of request_ids has one: the ledger writes
+    them every --ledger-flush-interval (1 s here); after 10 s, whatever is there."""
+    engine = open_db(db)
+    deadline = time.monotonic() + 10
+    while True:
+        with engine.connect() as conn:
+            by_id = {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
+        if request_ids <= by_id.keys() or time.monotonic() > deadline:
+            return by_id
+        await asyncio.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +174,7 @@ async def test_deadline_drop_is_504_timeout_and_a_late_one_ends_with_abort(serve
     assert lines["dl-queue"]["status"] == 504 and lines["dl-queue"]["error"] == "deadline"
     assert lines["dl-running"]["finish_reason"] == "abort" and lines["dl-running"]["error"] == "deadline"
     # Metered either way: a row for each; the dropped one used nothing.
-    await asyncio.sleep(1.5)  # --ledger-flush-interval 1 s
-    with open_db(db).connect() as conn:
-        by_id = {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
+    by_id = await ledger_rows(db, {lines["dl-queue"]["request_id"], lines["dl-running"]["request_id"]})
     rows = {name: by_id[x["request_id"]] for name, x in lines.items() if x["request_id"] in by_id}
     assert rows["dl-queue"].status == 504 and rows["dl-queue"].prompt_tokens == 0
     assert rows["dl-running"].completion_tokens == len(choice["text"]) and rows["dl-running"].prompt_tokens == 1
@@ -202,10 +213,8 @@ async def test_one_request_id_everywhere_even_when_reused(served) -> None:
     assert sorted(x["request_id"] for x in dup) == sorted(server_ids)
     assert all(x["engine_request_id"] == x["request_id"] for x in dup)
     assert [x["engine_request_id"] for x in lines if x["request_id"] == rid] == [rid]
-    await asyncio.sleep(1.5)
-    with open_db(db).connect() as conn:
-        ids = [r.request_id for r in conn.execute(select(usage)).fetchall()]
-    assert set(server_ids) | {rid} <= set(ids)
+    ids = await ledger_rows(db, set(server_ids) | {rid})
+    assert set(server_ids) | {rid} <= ids.keys()
 
 
 async def test_overload_retry_after_follows_the_measured_drain_rate(tmp_path) -> None:
