@@ -210,8 +210,13 @@ def test_keys_allow_adapters_and_bases_apart(server: ServerProcess) -> None:
             complete(server, model, role)
     metrics = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
     assert 'vllm:request_success_total{finished_reason="length",model_name="sql"}' in metrics
-    time.sleep(1.5)  # the ledger writes its rows every second
-    rows = sqlite3.connect(server_db(server)).execute("SELECT DISTINCT model FROM stoker_usage").fetchall()
+    # The ledger writes its rows every second: read until they are there (10 s at most).
+    deadline = time.monotonic() + 10
+    while True:
+        rows = sqlite3.connect(server_db(server)).execute("SELECT DISTINCT model FROM stoker_usage").fetchall()
+        if {"sql", "chat", "tiny"} <= {row[0] for row in rows} or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert {"sql", "chat", "tiny"} <= {row[0] for row in rows}
     metrics = httpx.get(f"{server.url}/metrics", headers=server.headers()).text
     assert 'stoker:lora_loads_total{model_name="tiny"}' in metrics
