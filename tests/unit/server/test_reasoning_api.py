@@ -8,6 +8,7 @@ budget makes the engine write the end marker at a known token."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -406,7 +407,9 @@ def test_bad_thinking_fields_are_400(server: ServerProcess, path: str, body: dic
 def test_a_parser_that_does_not_fit_stops_the_start(folders: dict[str, Path], tmp_path: Path) -> None:
     def serve(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "stoker.cli", "serve", "--port", "0", "--no-embedding-model", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+        # Its own key database: a refused start must not open (or create) the user's ~/.stoker one.
+        env = {**os.environ, "STOKER_DB": str(tmp_path / "stoker.db")}
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
 
     misfit = serve(str(folders["plain"]), "--reasoning-parser", "qwen3", "--max-model-len", "256")
     assert misfit.returncode == 1
