@@ -32,6 +32,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from stoker.models.quant.blocks import random_blocks
+from stoker.models.quant.kernels import declare_signatures
 
 T = GGMLQuantizationType
 # (rung, name, n, k, type): each rung's LM head (the tied embedding table) and
@@ -58,10 +59,7 @@ def weight_copies(qtype: GGMLQuantizationType, n: int, k: int) -> list[np.ndarra
 
 
 def main() -> None:
-    libs = {os.path.basename(path): ctypes.CDLL(path) for path in sys.argv[1:]}
-    for lib in libs.values():
-        lib.ggml_quant_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.ggml_quant_matmul.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    libs = {os.path.basename(path): declare_signatures(ctypes.CDLL(path)) for path in sys.argv[1:]}
     ms = [int(v) for v in os.environ.get("M", "1,4,8,16,32").split(",")]
     thread_counts = [int(v) for v in os.environ.get("THREADS", "1,2").split(",")]
     repeats = int(os.environ.get("REPEATS", "7"))

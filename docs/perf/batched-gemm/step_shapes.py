@@ -26,6 +26,7 @@ from gguf import GGMLQuantizationType
 
 from stoker.bench.kernels import time_call
 from stoker.models.quant.blocks import random_blocks
+from stoker.models.quant.kernels import declare_signatures
 
 T = GGMLQuantizationType
 # (name, n, k, type): q and k, and gate and up, are joined into one matrix each at load.
@@ -41,10 +42,7 @@ SHAPES: tuple[tuple[str, int, int, GGMLQuantizationType], ...] = (
 
 
 def main() -> None:
-    libs = {os.path.basename(path): ctypes.CDLL(path) for path in sys.argv[1:]}
-    for lib in libs.values():
-        lib.ggml_quant_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.ggml_quant_matmul.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    libs = {os.path.basename(path): declare_signatures(ctypes.CDLL(path)) for path in sys.argv[1:]}
     ms = [int(v) for v in os.environ.get("M", "16,32,64,512").split(",")]
     repeats, threads = int(os.environ.get("REPEATS", "9")), int(os.environ.get("THREADS", "2"))
     only = os.environ.get("ONLY", "")

@@ -21,15 +21,13 @@ import numpy as np
 from gguf import GGMLQuantizationType
 
 from stoker.models.quant.blocks import random_blocks
+from stoker.models.quant.kernels import declare_signatures
 
 T = GGMLQuantizationType
 
 
 def main() -> None:
-    libs = {path: ctypes.CDLL(path) for path in sys.argv[1:]}
-    for lib in libs.values():
-        lib.ggml_quant_matmul.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int]
-        lib.ggml_quant_matmul.argtypes += [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int]
+    libs = {path: declare_signatures(ctypes.CDLL(path)) for path in sys.argv[1:]}
     m, n, k = (int(os.environ.get(name, default)) for name, default in (("M", 1), ("N", 16384), ("K", 2048)))
     for name in os.environ.get("QT", "Q4_K,Q6_K,Q4_1,Q8_0").split(","):
         qtype = T[name]

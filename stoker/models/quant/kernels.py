@@ -121,11 +121,10 @@ def build_for_isa(source: str, name: str) -> ctypes.CDLL | None:
     return lib
 
 
-@cache
-def _library(name: str) -> ctypes.CDLL | None:
-    lib = build_for_isa("ggml_quant", name)
-    if lib is None:
-        return None
+def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """lib (a build of ggml_quant.c, this module's or one loaded from elsewhere, as the
+    benchmarks in docs/perf do to set builds side by side) with its entry points' C
+    signatures declared; returns lib."""
     i, p = ctypes.c_int, ctypes.c_void_p
     lib.ggml_quant_matmul.restype = i
     lib.ggml_quant_matmul.argtypes = [i, p, i, i, i, p, i, p, ctypes.c_long, i]
@@ -134,6 +133,12 @@ def _library(name: str) -> ctypes.CDLL | None:
     lib.ggml_quant_dequantize_rows.restype = i
     lib.ggml_quant_dequantize_rows.argtypes = [i, p, i, p, i, p, i, i]
     return lib
+
+
+@cache
+def _library(name: str) -> ctypes.CDLL | None:
+    lib = build_for_isa("ggml_quant", name)
+    return None if lib is None else declare_signatures(lib)
 
 
 def _lib() -> ctypes.CDLL | None:
