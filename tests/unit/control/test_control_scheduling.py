@@ -32,15 +32,15 @@ STEP_S = 0.02  # fake engine: 50 tokens/s
 
 async def ledger_rows(db: str, request_ids: set[str]) -> dict[str, Row]:
     """The usage rows by request id, once each of request_ids has one: the ledger writes
-    them every --ledger-flush-interval (1 s here); after 10 s, whatever is there."""
+    them every --ledger-flush-interval (1 s here)."""
     engine = open_db(db)
-    deadline = time.monotonic() + 10
-    while True:
+
+    def rows() -> dict[str, Row]:
         with engine.connect() as conn:
-            by_id = {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
-        if request_ids <= by_id.keys() or time.monotonic() > deadline:
-            return by_id
-        await asyncio.sleep(0.05)
+            return {r.request_id: r for r in conn.execute(select(usage)).fetchall()}
+
+    await wait_for(lambda: request_ids <= rows().keys(), 10, f"usage rows for {sorted(request_ids)}", interval=0.05)
+    return rows()
 
 
 @pytest.fixture(scope="module")
