@@ -33,6 +33,7 @@ from stoker.engine.params import (
     LoraInfo,
 )
 from stoker.engine.pins import PrefixAnswer, PrefixCommand
+from stoker.engine.prestart import start_engine
 
 logger = logging.getLogger(__name__)
 
@@ -154,20 +155,15 @@ class AsyncEngineClient:
         out = self._actx.socket(zmq.PULL)
         out.setsockopt(zmq.RCVHWM, 0)
         out.bind(out_addr)
-        process = self._mp.Process(
-            target=proto.run_engine,
-            args=(
-                self.config,
-                self.core_spec,
-                in_addr,
-                out_addr,
-                os.getpid(),
-                logging.getLogger("stoker").getEffectiveLevel(),
-            ),
-            name=f"stoker-engine-{self._generation}",
-            daemon=True,
+        args: proto.EngineArgs = (
+            self.config,
+            self.core_spec,
+            in_addr,
+            out_addr,
+            os.getpid(),
+            logging.getLogger("stoker").getEffectiveLevel(),
         )
-        process.start()
+        process = start_engine(self._mp, self.core_spec, args, f"stoker-engine-{self._generation}")
         engine = _Incarnation(process=process, inp=inp, out=out)
         self._engine = engine
         engine.reader = asyncio.create_task(self._read(engine))

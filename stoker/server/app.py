@@ -24,6 +24,7 @@ import stoker
 from stoker.config import EngineConfig
 from stoker.engine.client import AsyncEngineClient
 from stoker.engine.pooling import PoolingEngine
+from stoker.engine.prestart import discard as discard_prestarted
 from stoker.errors import APIError
 from stoker.server import console_data, openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
@@ -232,7 +233,10 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
         # model) runs while the engine processes load, not after them.
         front_end = asyncio.to_thread(_prepare_front_end, state)
         versions: list[ModelVersion]
-        versions, state.embedder = await asyncio.gather(state.fleet.start(), front_end)
+        try:
+            versions, state.embedder = await asyncio.gather(state.fleet.start(), front_end)
+        finally:
+            discard_prestarted()  # a model that failed to load, or a rerank model, left its engine unused
         # Each version's chat tokenizer (ModelVersion.load_chat_tokenizer), once the thread
         # above has imported transformers: two threads importing it at once can see it
         # half-initialised.

@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         extras = resolve_extension_settings(args)
         from stoker.server.fleet import plan_fleet
 
-        plan_fleet(server_config, engine_config)  # a bad model set is refused now, in one line
+        specs, _ = plan_fleet(server_config, engine_config)  # a bad model set is refused now, in one line
         if server_config.kv_peers and engine_config.kv_role != "decode":
             raise ValueError("--kv-peers names the prefill workers a decode worker pulls from: it needs --role decode")
         check_tls(server_config)
@@ -166,7 +166,14 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
-    return serve(engine_config, server_config, extras)
+    from stoker.engine import prestart
+
+    # The engines import torch while this process imports the front end (stoker.engine.prestart).
+    prestart.prestart(server_config.engine_core, sum(spec.kind != "rerank" for spec in specs))
+    try:
+        return serve(engine_config, server_config, extras)
+    finally:
+        prestart.discard()  # a start refused before the fleet loaded
 
 
 def check_tls(config: ServerConfig) -> None:

@@ -6,10 +6,12 @@ import asyncio
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from stoker.config import EngineConfig
+from stoker.engine import prestart
 from stoker.engine.client import (
     AsyncEngineClient,
     EngineDeadError,
@@ -108,3 +110,44 @@ async def test_startup_failure_is_reported() -> None:
     with pytest.raises(EngineStartupError, match="no such model"):
         await c.start()
     await c.shutdown()
+
+
+async def test_a_prestarted_process_serves_the_first_start_and_a_restart_spawns_afresh() -> None:
+    prestart.prestart(FAKE, 1)
+    [waiting] = prestart.waiting_pids()
+    c = AsyncEngineClient(EngineConfig(max_model_len=256), core_spec=FAKE, startup_timeout=60)
+    try:
+        info = await c.start()
+        assert info.pid == waiting and prestart.waiting_pids() == []
+        assert "".join((await collect(c, request("p1", 3))).values())
+        os.kill(info.pid, signal.SIGKILL)
+        await wait_for(lambda: c.info is not None and c.info.pid != waiting and c.ready, timeout=60)
+        assert "".join((await collect(c, request("p2", 3))).values())
+    finally:
+        await c.shutdown()
+
+
+async def test_a_prestarted_process_that_died_waiting_is_passed_over() -> None:
+    prestart.prestart(FAKE, 1)
+    [waiting] = prestart.waiting_pids()
+    os.kill(waiting, signal.SIGKILL)
+    await wait_for(lambda: Path(f"/proc/{waiting}/stat").read_text().split(") ")[1][0] == "Z")  # dead, not reaped
+    c = AsyncEngineClient(EngineConfig(max_model_len=256), core_spec=FAKE, startup_timeout=60)
+    try:
+        info = await c.start()
+        assert info.pid != waiting and prestart.waiting_pids() == []
+        assert "".join((await collect(c, request("d1", 3))).values())
+    finally:
+        await c.shutdown()
+
+
+def test_prestarted_processes_nobody_takes_end_on_discard() -> None:
+    prestart.prestart("another.core:Spec", 1)  # a core spec no client asks for, and no module of that name
+    prestart.prestart(FAKE, 1)
+    pids = prestart.waiting_pids()
+    assert len(pids) == 2
+    prestart.discard()
+    assert prestart.waiting_pids() == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # ended and reaped, not left a zombie
+            os.kill(pid, 0)

@@ -3,6 +3,9 @@ environment > YAML > defaults."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
 from stoker.cli import build_parser
@@ -99,7 +102,7 @@ def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
     from conftest import FAKE_CORE, REPO, TESTS_DIR
 
     db = tmp_path / "empty.db"
-    result = subprocess.run(
+    server = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -114,16 +117,31 @@ def test_require_auth_without_keys_exits_2_with_a_message(tmp_path) -> None:
             str(db),
             "--require-auth",
         ],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=60,
         cwd=REPO,
-        check=False,
-        env={**__import__("os").environ, "PYTHONPATH": f"{TESTS_DIR}:{REPO}"},
+        env={**os.environ, "PYTHONPATH": f"{TESTS_DIR}:{REPO}"},
+        start_new_session=True,
     )
-    assert result.returncode == 2, result.stderr
-    assert "--require-auth" in result.stderr and "stoker keys create" in result.stderr
-    assert "Traceback" not in result.stderr
+    _, stderr = server.communicate(timeout=60)
+    assert server.returncode == 2, stderr
+    assert "--require-auth" in stderr and "stoker keys create" in stderr
+    assert "Traceback" not in stderr
+    # The engine process it prestarted while it read its settings ends with it
+    # (and multiprocessing's resource tracker a moment after it).
+    deadline = time.monotonic() + 10
+    while _group_alive(server.pid):
+        assert time.monotonic() < deadline, "a process of the refused server outlived it by 10 s"
+        time.sleep(0.05)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_models_and_fallbacks_from_flags_yaml_and_env(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

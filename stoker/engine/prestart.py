@@ -1,0 +1,92 @@
+"""Engine processes started before the front end needs them.
+
+`stoker serve` spends about a second importing its front end (FastAPI, the
+control plane, the fleet) before its lifespan asks for an engine, and the
+engine process then spends as long again importing torch and the model code.
+On a two-core machine those two imports can run at once: prestart() spawns
+the engine processes as soon as the command line is understood, each imports
+its core's module and then waits for run_engine's arguments; the first start
+of each engine takes one (start_engine), and whatever is left when the fleet
+is up is ended (discard). Restarts and wakes spawn afresh: a waiting process
+would hold torch's ~200 MB for a moment that may never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnContext, SpawnProcess
+
+from stoker.engine.process import EngineArgs, run_engine, run_engine_when_asked
+
+logger = logging.getLogger(__name__)
+
+_spawn = multiprocessing.get_context("spawn")  # fork + torch threads is unsafe
+
+
+@dataclass
+class _Waiting:
+    core_spec: str
+    process: SpawnProcess
+    orders: Connection
+    """The parent's end of the pipe the process waits on for its EngineArgs."""
+
+
+_waiting: list[_Waiting] = []
+
+
+def prestart(core_spec: str, count: int) -> None:
+    """Spawn count engine processes for core_spec, each importing it and then
+    waiting for start_engine (or for discard)."""
+    for _ in range(count):
+        reader, writer = _spawn.Pipe(duplex=False)
+        process = _spawn.Process(
+            target=run_engine_when_asked, args=(core_spec, reader), name="stoker-engine", daemon=True
+        )
+        process.start()
+        reader.close()  # the child's now: once our writer closes (or we die), its recv() ends
+        _waiting.append(_Waiting(core_spec, process, writer))
+
+
+def start_engine(context: SpawnContext, core_spec: str, args: EngineArgs, name: str) -> SpawnProcess:
+    """An engine process running run_engine(*args): a prestarted one for this
+    core when one still waits, else a fresh one from context."""
+    while True:
+        waiting = next((w for w in _waiting if w.core_spec == core_spec), None)
+        if waiting is None:
+            break
+        _waiting.remove(waiting)
+        try:
+            if not waiting.process.is_alive():
+                raise BrokenPipeError
+            waiting.orders.send(args)
+        except OSError:  # it died while waiting (killed, out of memory): spawn as if it never was
+            _end(waiting)
+            continue
+        waiting.orders.close()
+        waiting.process.name = name
+        return waiting.process
+    process = context.Process(target=run_engine, args=args, name=name, daemon=True)
+    process.start()
+    return process
+
+
+def discard() -> None:
+    """End every process still waiting: the fleet is up without them."""
+    while _waiting:
+        _end(_waiting.pop())
+
+
+def waiting_pids() -> list[int]:
+    """The processes prestarted and not yet taken or discarded."""
+    return [w.process.pid for w in _waiting if w.process.pid is not None]
+
+
+def _end(waiting: _Waiting) -> None:
+    waiting.orders.close()  # a waiting child sees EOF and returns
+    waiting.process.join(timeout=0.5)
+    if waiting.process.is_alive():  # still importing: nothing of it is needed
+        waiting.process.kill()
+        waiting.process.join(timeout=5)
