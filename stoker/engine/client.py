@@ -235,6 +235,12 @@ class AsyncEngineClient:
         engine = self._engine
         if engine is None:
             return
+        if not engine.ready.done():
+            # Still starting (a restart, a wake): it holds no request, and its sockets may
+            # not be connected yet, so a SHUTDOWN sent now could be dropped and then
+            # waited on for the whole timeout.
+            self._discard(engine, kill=True)
+            return
         try:
             engine.inp.send_multipart([proto.SHUTDOWN, b""], zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -151,3 +151,16 @@ def test_prestarted_processes_nobody_takes_end_on_discard() -> None:
     for pid in pids:
         with pytest.raises(ProcessLookupError):  # ended and reaped, not left a zombie
             os.kill(pid, 0)
+
+
+async def test_a_shutdown_while_the_engine_restarts_does_not_wait_for_it() -> None:
+    c = AsyncEngineClient(EngineConfig(max_model_len=256), core_spec=FAKE, startup_timeout=60)
+    info = await c.start()
+    os.kill(info.pid, signal.SIGKILL)
+    await wait_for(lambda: not c.ready)
+    started = time.monotonic()
+    # The restart has begun: its process is not listening yet, so a SHUTDOWN message would
+    # be dropped and waited on for the whole timeout.
+    await c.shutdown(timeout=30)
+    assert time.monotonic() - started < 10
+    assert c._engine is None
