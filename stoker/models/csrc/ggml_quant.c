@@ -754,7 +754,9 @@ typedef __m512 gemm_f;
 #define GV_CVT(a) _mm512_cvtepi32_ps(a)
 #define GV_MUL_F(a, b) _mm512_mul_ps(a, b)
 #define GV_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define GV_SRAI_I(a, n) _mm512_srai_epi32(a, n)
 #define GV_DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
+#define GV_DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
 #define GEMM_LANES 8
 #define GEMM_MR 3
@@ -774,13 +776,16 @@ typedef __m256 gemm_f;
 #define GV_CVT(a) _mm256_cvtepi32_ps(a)
 #define GV_MUL_F(a, b) _mm256_mul_ps(a, b)
 #define GV_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define GV_SRAI_I(a, n) _mm256_srai_epi32(a, n)
 #if QUANT_ISA == 2
 #define GV_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define GV_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
 #else
 /* maddubs sums two u8 * s8 products in int16: exact while the unsigned values
  * stay below 128 (127 * 127 * 2 fits), which holds for every type but Q8_0
  * (stored + 128): AVX2 builds leave Q8_0 to the tile kernels (exact_serves). */
 #define GV_DPBUSD(acc, u, s) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)))
+#define GV_DPWSSD(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
 #endif
 #endif
 #define GEMM_PANEL (2 * GEMM_LANES)
@@ -939,6 +944,15 @@ ALWAYS_INLINE void store_scales8(const __m128i t[4], int is_signed, int32_t *dst
     }
 }
 
+/* Eight columns' bytes a (low 8 bytes) and b (high 8 bytes of another vector, or of
+ * the same) widened to int16 and interleaved: dword c = a[c] | b[c] << 16, at dst. */
+ALWAYS_INLINE void store_pairs8(__m128i a, __m128i b, int is_signed, int32_t *dst) {
+    const __m128i a16 = is_signed ? _mm_cvtepi8_epi16(a) : _mm_cvtepu8_epi16(a);
+    const __m128i b16 = is_signed ? _mm_cvtepi8_epi16(b) : _mm_cvtepu8_epi16(b);
+    _mm_storeu_si128((__m128i *)dst, _mm_unpacklo_epi16(a16, b16));
+    _mm_storeu_si128((__m128i *)(dst + 4), _mm_unpackhi_epi16(a16, b16));
+}
+
 /* gemm_unpack_as for the K-quants, super-block by super-block for eight columns
  * at a time: the same panel, built with a third to a half of the work. The
  * values' bit operations act byte by byte and the transpose moves whole dwords,
@@ -985,10 +999,19 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
                 _mm256_storeu_ps(dmin_k + (size_t)sb * GEMM_PANEL + c0, _mm256_xor_ps(mv, _mm256_set1_ps(-0.f)));
             }
             const int is_signed = type == Q6_K;
+            __m128i tm[4];
             transpose_bytes8(sc8, t);
             store_scales8(t, is_signed, sc_k + (size_t)sb * 8 * GEMM_PANEL + c0);
-            transpose_bytes8(mn8, t);
-            store_scales8(t, is_signed, mn_k + (size_t)sb * 8 * GEMM_PANEL + c0);
+            transpose_bytes8(mn8, tm);
+            if (type == Q6_K) /* chunk j's pair (lower, upper): mn_k row sb * 8 + j */
+                for (int j = 0; j < 8; j++) {
+                    const __m128i lo = j & 1 ? _mm_unpackhi_epi64(t[j / 2], t[j / 2]) : t[j / 2];
+                    const __m128i hi = j & 1 ? _mm_unpackhi_epi64(tm[j / 2], tm[j / 2]) : tm[j / 2];
+                    store_pairs8(lo, hi, 1, mn_k + (size_t)(sb * 8 + j) * GEMM_PANEL + c0);
+                }
+            else /* sub-blocks 2i and 2i + 1's mins: mn_k row sb * 4 + i */
+                for (int i = 0; i < 4; i++)
+                    store_pairs8(tm[i], _mm_unpackhi_epi64(tm[i], tm[i]), 0, mn_k + (size_t)(sb * 4 + i) * GEMM_PANEL + c0);
             uint8_t *dst = scratch + (size_t)sb * 8 * 32 * GEMM_PANEL + (size_t)c0 * 4;
             __m256i high[8], lo[8];
             if (type == Q6_K) {
@@ -1032,9 +1055,11 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
 }
 
 /* Weight rows w[0 .. cols-1] (cols <= GEMM_PANEL) into the panel: q [nb][8][PANEL][4]
- * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc and mn [nb][PANEL]
- * int32, then d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of the
- * lower and upper 16 values in place of sc and mn); columns past cols are zero.
+ * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc [nb][PANEL] int32, an
+ * area mn of [nb][PANEL] dwords whose first nb / 2 rows hold the mins of
+ * sub-blocks 2i and 2i + 1 as an int16 pair per column (row sb * 4 + i), then
+ * d and -dmin [nb / 8][PANEL] floats; Q6_K: sc the scales of each chunk's lower
+ * 16 values, mn its (lower, upper) scales as an int16 pair); columns past cols are zero.
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers
  * (the K-quants' super-blocks in gemm_unpack_k). */
 ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_bytes, int cols, int nb,
@@ -1170,9 +1195,9 @@ ALWAYS_INLINE void gemm_tile(const int MR, const xq_t *xq, const size_t *at, int
     }
 }
 
-/* p[r] += s[r] * the panel's integer scales sc (then s is zeroed). */
-ALWAYS_INLINE void gemm_scale_into(const int MR, const int32_t *sc, gemm_i s[GEMM_MR][2], gemm_i p[GEMM_MR][2]) {
-    const gemm_i sc0 = GV_LOAD_I(sc), sc1 = GV_LOAD_I(sc + GEMM_LANES);
+/* p[r] += s[r] * the integer scales (sc0, sc1) of the panel's two column vectors (then s is zeroed). */
+ALWAYS_INLINE void gemm_scale_into(const int MR, const gemm_i sc0, const gemm_i sc1, gemm_i s[GEMM_MR][2],
+                                   gemm_i p[GEMM_MR][2]) {
     for (int r = 0; r < MR; r++) {
         p[r][0] = GV_ADD_I(p[r][0], GV_MULLO_I(s[r][0], sc0));
         p[r][1] = GV_ADD_I(p[r][1], GV_MULLO_I(s[r][1], sc1));
@@ -1181,7 +1206,10 @@ ALWAYS_INLINE void gemm_scale_into(const int MR, const int32_t *sc, gemm_i s[GEM
 }
 
 /* gemm_tile for the K-quants: per super-block, the integers P and M (see
- * exact_k), then their fp32 terms. */
+ * exact_k), then their fp32 terms. The terms of x's sums (Q4_K and Q5_K's M,
+ * Q6_K's -32 offset) take one vpdpwssd per pair of int16 products: as a
+ * vpmulld and a vpaddd per product they cost a 512-row Q4_K product ~20% and
+ * Q6_K's ~25% of its time on Zen 4 (docs/perf/quantized.md, "Prefill on the 3B rung"). */
 ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, nsb = nb / 8;
@@ -1201,14 +1229,16 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
             const int b = sb * 8 + j;
             const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
             prefetch_share(pf, b, nb);
-            if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper with mn */
+            const int32_t *scb = sc + (size_t)b * GEMM_PANEL;
+            if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper from mn's pair */
                 gemm_dots(MR, x, b, q, 0, 4, s);
-                gemm_scale_into(MR, sc + b * GEMM_PANEL, s, p);
+                gemm_scale_into(MR, GV_LOAD_I(scb), GV_LOAD_I(scb + GEMM_LANES), s, p);
                 gemm_dots(MR, x, b, q, 4, 8, s);
-                gemm_scale_into(MR, mn + b * GEMM_PANEL, s, p);
+                const int32_t *pair = mn + (size_t)b * GEMM_PANEL;
+                gemm_scale_into(MR, GV_SRAI_I(GV_LOAD_I(pair), 16), GV_SRAI_I(GV_LOAD_I(pair + GEMM_LANES), 16), s, p);
             } else {
                 gemm_dots(MR, x, b, q, 0, 8, s);
-                gemm_scale_into(MR, sc + b * GEMM_PANEL, s, p);
+                gemm_scale_into(MR, GV_LOAD_I(scb), GV_LOAD_I(scb + GEMM_LANES), s, p);
             }
         }
         const gemm_f d0 = GV_LOAD_F(d + sb * GEMM_PANEL), d1 = GV_LOAD_F(d + sb * GEMM_PANEL + GEMM_LANES);
@@ -1216,15 +1246,15 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
         for (int r = 0; r < MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            if (type == Q6_K) { /* P - 32 * sum of sc * x's sums of 16 */
+            if (type == Q6_K) { /* P - 32 * sum of sc * x's sums of 16: a chunk's pair of each by one vpdpwssd */
                 gemm_i o0 = GV_ZERO_I(), o1 = GV_ZERO_I();
                 for (int j = 0; j < 8; j++) {
-                    const int32_t *lo = sc + (size_t)(sb * 8 + j) * GEMM_PANEL, *hi = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
-                    const gemm_i x0 = GV_SET1_I(bs[2 * j]), x1 = GV_SET1_I(bs[2 * j + 1]);
-                    o0 = GV_ADD_I(o0, GV_ADD_I(GV_MULLO_I(GV_LOAD_I(lo), x0),
-                                                               GV_MULLO_I(GV_LOAD_I(hi), x1)));
-                    o1 = GV_ADD_I(o1, GV_ADD_I(GV_MULLO_I(GV_LOAD_I(lo + GEMM_LANES), x0),
-                                                               GV_MULLO_I(GV_LOAD_I(hi + GEMM_LANES), x1)));
+                    const int32_t *pair = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
+                    int32_t sums;
+                    memcpy(&sums, bs + 2 * j, sizeof sums);
+                    const gemm_i xs = GV_SET1_I(sums);
+                    o0 = GV_DPWSSD(o0, GV_LOAD_I(pair), xs);
+                    o1 = GV_DPWSSD(o1, GV_LOAD_I(pair + GEMM_LANES), xs);
                 }
                 const gemm_i t0 = GV_SUB_I(p[r][0], GV_SLLI_I(o0, 5));
                 const gemm_i t1 = GV_SUB_I(p[r][1], GV_SLLI_I(o1, 5));
@@ -1232,12 +1262,14 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
                 out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(t1), d1), dx, out[r][1]);
                 continue;
             }
+            /* M, two sub-blocks a vpdpwssd: their mins against x's sums of 32 (at most 32 * 128, an int16) */
             gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
-            for (int j = 0; j < 8; j++) {
-                const gemm_i xs = GV_SET1_I((int)bs[2 * j] + (int)bs[2 * j + 1]);
-                const int32_t *mj = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
-                mm0 = GV_ADD_I(mm0, GV_MULLO_I(GV_LOAD_I(mj), xs));
-                mm1 = GV_ADD_I(mm1, GV_MULLO_I(GV_LOAD_I(mj + GEMM_LANES), xs));
+            for (int i = 0; i < 4; i++) {
+                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
+                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+                const int32_t *mi = mn + (size_t)(sb * 4 + i) * GEMM_PANEL;
+                mm0 = GV_DPWSSD(mm0, GV_LOAD_I(mi), xs);
+                mm1 = GV_DPWSSD(mm1, GV_LOAD_I(mi + GEMM_LANES), xs);
             }
             out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
             out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
