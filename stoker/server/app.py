@@ -11,6 +11,7 @@ import importlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,8 @@ from stoker.engine.client import AsyncEngineClient
 from stoker.engine.pooling import PoolingEngine
 from stoker.engine.prestart import discard as discard_prestarted
 from stoker.errors import APIError
+from stoker.models.identity import tokenizer_folder
+from stoker.models.tokenizer import preload_hf_tokenizer
 from stoker.server import console_data, openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
 from stoker.server.config import ServerConfig, parse_peers
@@ -283,6 +286,11 @@ def _prepare_front_end(state: ServerState) -> Any:
     import transformers
 
     _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
+    for version in state.fleet.initial:
+        if version.spec.kind == "rerank":
+            continue
+        with contextlib.suppress(OSError, ValueError):  # a missing or bad file: its engine's start says why
+            preload_hf_tokenizer(Path(tokenizer_folder(version.spec.path)))
     if not state.config.embedding_model:
         return None
     return _load_embedder(state)

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from stoker.config import default_model_path
+from stoker.models import tokenizer as tokenizer_module
 from stoker.models.identity import gguf_tokenizer_folder
 from stoker.models.loader import load_tokenizer
-from stoker.models.tokenizer import Tokenizer, backend_serves, load_hf_tokenizer
+from stoker.models.tokenizer import Tokenizer, backend_serves, load_hf_tokenizer, preload_hf_tokenizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,14 +132,34 @@ def test_which_folders_the_tokenizers_backend_serves(tmp_path: Path) -> None:
 @pytest.mark.parametrize("embedding_model", [None, "all-MiniLM-L6-v2"])
 def test_the_front_end_imports_transformers_but_not_torch(embedding_model: str | None) -> None:
     """The front end's loading thread needs transformers (the chat half of the
-    tokenizer); the embedding model runs on numpy, so no torch either way."""
+    tokenizer, preloaded there); the embedding model runs on numpy, so no torch either way."""
+    load_tokenizer(default_model_path())  # its folder converted, as an earlier start leaves it
     modules = _modules_after(
         "from types import SimpleNamespace\n"
         "from stoker.server.app import _prepare_front_end\n"
+        "from stoker.models import tokenizer\n"
         f"config = SimpleNamespace(embedding_model={embedding_model!r}, embedding_batch_size=4)\n"
-        "embedder = _prepare_front_end(SimpleNamespace(config=config, embeddings_disabled=None))\n"
+        f"version = SimpleNamespace(spec=SimpleNamespace(kind='generate', path={str(default_model_path())!r}))\n"
+        "fleet = SimpleNamespace(initial=[version])\n"
+        "embedder = _prepare_front_end(SimpleNamespace(config=config, embeddings_disabled=None, fleet=fleet))\n"
+        "assert len(tokenizer._preloaded) == 1\n"
         f"assert (embedder is None) == {embedding_model is None}\n"
         "assert embedder is None or embedder.model.forward([[101, 7592, 102]]).shape == (1, 384)"
     )
     assert "transformers" in modules
     assert "torch" not in modules
+
+
+def test_a_preloaded_chat_tokenizer_goes_to_the_first_tokenizer_of_its_folder(tmp_path: Path) -> None:
+    path = default_model_path()
+    folder = gguf_tokenizer_folder(path)
+    sent = pickle.loads(pickle.dumps(load_tokenizer(path)))  # as the engine sends it: no transformers half
+    assert sent._hf is None
+    preload_hf_tokenizer(folder)
+    preload_hf_tokenizer(tmp_path)  # no tokenizer there: nothing loaded, nothing raised
+    preloaded = tokenizer_module._preloaded[folder.resolve()]
+    assert sent.hf is preloaded and tokenizer_module._preloaded == {}
+    again = pickle.loads(pickle.dumps(load_tokenizer(path)))
+    assert again.hf is not preloaded  # its own, to set a chat template on
+    text = "<|im_start|>user\nhi \u00e9t\u00e9<|im_end|>"
+    assert again.hf.encode(text) == preloaded.encode(text) and again.chat_template == preloaded.chat_template
