@@ -104,7 +104,7 @@ class EngineCore:
             # The disk tier's folder and the KV transfer's layout are keyed by the weights' digest:
             # hashed while they load (hashlib releases the GIL), not after.
             digesting = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stoker-digest")
-            digest = digesting.submit(model_digest, model_path)
+            digest = digesting.submit(model_digest, model_path, reuse=True)
             digesting.shutdown(wait=False)
         quantized_weights = weights_stay_quantized(model_path, str(self.device), config.quantization)
         self.dtype = resolve_dtype(config.dtype, self.device, quantized_weights)

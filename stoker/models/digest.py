@@ -17,16 +17,27 @@ Only regular files are read (a symlink counts as what it points to): a
 device (/dev/zero) or a FIFO never ends or never answers, so it is refused
 before a byte is read. A caller that bounds the time it waits passes a
 threading.Event: once set, hashing stops at its next chunk (DigestCancelled).
+
+Hashing an 8B GGUF takes a core 3-5 s, on every start. Where nothing is
+pinned (the digest names the version; the disk tier keys its blocks by it),
+model_digest(reuse=True) takes a file's hash from the last time it was read
+if the file is still the same inode with the same size, modification and
+change times: a write changes the change time, which no user can set back.
+A pin is always checked against the bytes themselves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
 import re
 import stat
 import threading
 from pathlib import Path
+
+from stoker.models.identity import cache_root
 
 DIGEST_PATTERN = re.compile(r"^sha256:[0-9a-f]{64}$")
 PINNED_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".model", ".txt", ".jinja")
@@ -75,17 +86,45 @@ def pinned_files(folder: str | Path, cancel: threading.Event | None = None) -> l
     return sorted(found, key=lambda p: p.encode())
 
 
-def model_digest(path: str | Path, cancel: threading.Event | None = None) -> str:
-    """ "sha256:<hex>" of a model file or folder (see the module docstring).
-    OSError when it cannot be read, is no regular file or folder, or cancel
-    was set (DigestCancelled); ValueError for a folder with no pinned file."""
+def model_digest(path: str | Path, cancel: threading.Event | None = None, reuse: bool = False) -> str:
+    """ "sha256:<hex>" of a model file or folder (see the module docstring);
+    reuse: a file's hash from an earlier read of the very same file. OSError
+    when it cannot be read, is no regular file or folder, or cancel was set
+    (DigestCancelled); ValueError for a folder with no pinned file."""
+    hash_file = reused_file_sha256 if reuse else file_sha256
     if os.path.isdir(path):
         files = pinned_files(path, cancel)
         if not files:
             raise ValueError(f"{path}: no weight, config or tokenizer file to digest")
-        manifest = "".join(f"{file_sha256(Path(path) / rel, cancel)}  {rel}\n" for rel in files)
+        manifest = "".join(f"{hash_file(Path(path) / rel, cancel)}  {rel}\n" for rel in files)
         return "sha256:" + hashlib.sha256(manifest.encode()).hexdigest()
-    return "sha256:" + file_sha256(path, cancel)
+    return "sha256:" + hash_file(path, cancel)
+
+
+def reused_file_sha256(path: str | Path, cancel: threading.Event | None = None) -> str:
+    """file_sha256, taken from the digest cache while the file's identity
+    (inode, size, modification and change times) is what it was when hashed."""
+    entry = cache_root() / "digests" / (hashlib.sha256(os.path.realpath(path).encode()).hexdigest()[:32] + ".json")
+    before = _identity(path)
+    try:
+        saved = json.loads(entry.read_text())
+        if saved["identity"] == before and DIGEST_PATTERN.match("sha256:" + saved["sha256"]):
+            return str(saved["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none yet, or unreadable: hashed below and written again
+    hexdigest = file_sha256(path, cancel)
+    if _identity(path) == before:  # not written to while it was read
+        with contextlib.suppress(OSError):
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            partial = entry.with_suffix(f".{os.getpid()}.tmp")
+            partial.write_text(json.dumps({"identity": before, "sha256": hexdigest}))
+            os.replace(partial, entry)
+    return hexdigest
+
+
+def _identity(path: str | Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def check_digest_syntax(digest: str) -> str:

@@ -691,7 +691,10 @@ class Fleet:
         be read (in time) or do not match their pin."""
         try:
             digest = await in_worker(
-                lambda cancel: model_digest(spec.path, cancel), self.check_timeout, f"model {spec.name}: its digest"
+                # A pin is checked against the bytes; otherwise a hash of the same unchanged file is reused.
+                lambda cancel: model_digest(spec.path, cancel, reuse=spec.digest is None),
+                self.check_timeout,
+                f"model {spec.name}: its digest",
             )
         except (OSError, ValueError) as exc:
             raise FleetError(f"model {spec.name}: cannot read {spec.path}: {exc}") from None

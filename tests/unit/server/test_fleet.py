@@ -4,6 +4,8 @@ parsing and checks, content digests, the canary's share, the cost meter."""
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -114,6 +116,44 @@ def test_folder_digest_matches_the_documented_shell_command(tmp_path: Path) -> N
         model_digest(tmp_path / "empty")
 
 
+def test_an_unpinned_digest_reuses_the_hash_of_the_same_unchanged_file(
+    model_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    true = "sha256:" + hashlib.sha256(model_file.read_bytes()).hexdigest()
+    assert model_digest(model_file, reuse=True) == true
+    [entry] = (tmp_path / "cache" / "digests").iterdir()
+    planted = {**json.loads(entry.read_text()), "sha256": "0" * 64}
+    entry.write_text(json.dumps(planted))
+    assert model_digest(model_file, reuse=True) == "sha256:" + "0" * 64  # read from the entry, not the file
+    assert model_digest(model_file) == true  # what a pin is checked against: the bytes
+    # Written to, same size, its modification time put back: the change time still moved.
+    before = model_file.stat()
+    model_file.write_bytes(b"WEIGHTS" * 1000)
+    os.utime(model_file, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert model_digest(model_file, reuse=True) == "sha256:" + hashlib.sha256(b"WEIGHTS" * 1000).hexdigest()
+
+
+async def test_the_fleet_reuses_a_hash_only_where_nothing_is_pinned(
+    model_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stoker.config import EngineConfig
+    from stoker.server.fleet import Fleet
+
+    monkeypatch.setenv("STOKER_CACHE_DIR", str(tmp_path / "cache"))
+    true = "sha256:" + hashlib.sha256(model_file.read_bytes()).hexdigest()
+    [version] = await Fleet([ModelSpec("a", str(model_file))], {}, EngineConfig(), _RecordedEngine, lambda t: t).start()  # type: ignore[arg-type]
+    assert version.digest == true
+    [entry] = (tmp_path / "cache" / "digests").iterdir()
+    entry.write_text(json.dumps({**json.loads(entry.read_text()), "sha256": "1" * 64}))
+    [again] = await Fleet([ModelSpec("a", str(model_file))], {}, EngineConfig(), _RecordedEngine, lambda t: t).start()  # type: ignore[arg-type]
+    assert again.digest == "sha256:" + "1" * 64
+    [pinned] = await Fleet(
+        [ModelSpec("a", str(model_file), true)], {}, EngineConfig(), _RecordedEngine, lambda t: t
+    ).start()  # type: ignore[arg-type]
+    assert pinned.digest == true
+
+
 class _Version:
     def __init__(self, label: str) -> None:
         self.label = label
@@ -197,7 +237,7 @@ async def test_an_unpinned_file_is_hashed_while_its_engine_starts(
     [version] = await fleet.start()
     assert version.digest == model_digest(str(model_file)) and version.engine.events == ["start"]  # type: ignore[attr-defined]
 
-    def unreadable(path: str, cancel: object = None) -> str:
+    def unreadable(path: str, cancel: object = None, reuse: bool = False) -> str:
         raise PermissionError(13, "Permission denied", path)
 
     monkeypatch.setattr("stoker.server.fleet.model_digest", unreadable)
