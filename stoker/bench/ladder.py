@@ -163,19 +163,28 @@ def _rung_path(name: str, given: Path | None, cache: Path) -> Path:
         raise _Skip(f"cannot write its file: {exc}") from None
 
 
-def _fitting(candidates: list[engines.Engine], notes: list[str]) -> list[engines.Engine]:
-    """The engines whose estimates fit in memory together, stoker first; a line for each left out."""
+def _groups(candidates: list[engines.Engine], notes: list[str]) -> list[list[engines.Engine]]:
+    """The engines in the groups they run in: first those whose estimates fit in
+    memory together (stoker first), then each one that fits only alone, in a
+    group of its own after the others stopped (a line for each: its phases did
+    not alternate with the others'); a line for each that fits not even alone."""
     available = engines.memory_available() * MEMORY_HEADROOM
     if candidates[0].memory_estimate > available:
         raise _Skip(f"stoker would need ~{candidates[0].memory_estimate / 1e9:.1f} GB, {available / 1e9:.1f} available")
-    chosen, total = [], 0
+    together: list[engines.Engine] = []
+    alone: list[list[engines.Engine]] = []
+    total = 0
     for engine in candidates:
-        if total + engine.memory_estimate > available:
-            notes.append(f"{engine.name}: ~{engine.memory_estimate / 1e9:.1f} GB more would not fit beside the others")
-            continue
-        chosen.append(engine)
-        total += engine.memory_estimate
-    return chosen
+        gb = engine.memory_estimate / 1e9
+        if total + engine.memory_estimate <= available:
+            together.append(engine)
+            total += engine.memory_estimate
+        elif engine.memory_estimate <= available:
+            notes.append(f"{engine.name}: ~{gb:.1f} GB would not fit beside the others: run alone after them")
+            alone.append([engine])
+        else:
+            notes.append(f"{engine.name}: ~{gb:.1f} GB would not fit in memory, {available / 1e9:.1f} available")
+    return [together, *alone]
 
 
 class _Skip(Exception):
@@ -220,7 +229,7 @@ def _rung(
         else:
             folder = engines.write_hf_folder(path, args.cache / f"{name}-bf16")
             candidates.append(engines.vllm_engine(vllm, folder, limits, facts))
-    chosen = _fitting(candidates, notes)
+    groups = _groups(candidates, notes)
     cold = report.cold_read_seconds(path)
     rung: dict[str, Any] = {
         "name": name,
@@ -232,15 +241,53 @@ def _rung(
         "engines": {},
         "notes": notes,
     }
+    for group in groups:
+        _run_group(group, rung, args, limits, facts, work, input_len, output_len, result, path)
+    if llama is not None and "llama-server" in rung["engines"]:
+        pp = engines.llama_bench(llama, path, limits.threads, tuple(result["prefill"]))
+        if isinstance(pp, str):
+            notes.append(pp)
+        else:
+            for length, tok_s in pp.items():
+                rung["engines"]["llama-server"][f"pp{length}"] = tok_s
+                mine = rung["engines"]["stoker"].get(f"prefill_{length}_tok_s")
+                if mine:
+                    rung["engines"]["stoker"][f"prefill_{length}_of_pp"] = mine / tok_s
+    if args.check_greedy:  # after the servers stopped: its two models in turn take the memory they had
+        from stoker.bench import greedy_check
+
+        try:
+            greedy = greedy_check.check(path, facts.vocab)
+            rung["greedy"] = {**asdict(greedy), "ok": greedy.ok, "summary": greedy.summary()}
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:
+            rung["greedy"] = {"ok": False, "summary": f"could not run: {exc}"}
+        print(f"{name}: greedy, {rung['greedy']['summary']}")
+    return rung
+
+
+def _run_group(
+    group: list[engines.Engine],
+    rung: dict[str, Any],
+    args: argparse.Namespace,
+    limits: engines.Limits,
+    facts: report.RungFacts,
+    work: Path,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    result: dict[str, Any],
+    path: Path,
+) -> None:
+    """Start the group's engines one after another, send every phase to them
+    (alternating), stop them."""
     started: list[engines.Started] = []
     try:
-        for engine in chosen:
-            print(f"{name}: starting {engine.name} ...")
+        for engine in group:
+            print(f"{rung['name']}: starting {engine.name} ...")
             server = engines.Started(engine, work, args.ready_timeout)
             if server.error is not None:
                 if engine.name == "stoker":
                     raise _Skip(server.error)
-                notes.append(server.error)
+                rung["notes"].append(server.error)
                 continue
             started.append(server)
             kv = limits.kv_tokens * facts.kv_bytes_per_token
@@ -252,26 +299,6 @@ def _rung(
         from stoker.bench.ladder_phases import measure
 
         measure(started, rung, args, input_len, output_len, result["streams"], result["prefill"], path)
-        if llama is not None and "llama-server" in rung["engines"]:
-            pp = engines.llama_bench(llama, path, limits.threads, tuple(result["prefill"]))
-            if isinstance(pp, str):
-                notes.append(pp)
-            else:
-                for length, tok_s in pp.items():
-                    rung["engines"]["llama-server"][f"pp{length}"] = tok_s
-                    mine = rung["engines"]["stoker"].get(f"prefill_{length}_tok_s")
-                    if mine:
-                        rung["engines"]["stoker"][f"prefill_{length}_of_pp"] = mine / tok_s
     finally:
         for server in started:
             server.stop()
-    if args.check_greedy:  # after the servers stopped: its two models in turn take the memory they had
-        from stoker.bench import greedy_check
-
-        try:
-            greedy = greedy_check.check(path, facts.vocab)
-            rung["greedy"] = {**asdict(greedy), "ok": greedy.ok, "summary": greedy.summary()}
-        except (RuntimeError, subprocess.TimeoutExpired) as exc:
-            rung["greedy"] = {"ok": False, "summary": f"could not run: {exc}"}
-        print(f"{name}: greedy, {rung['greedy']['summary']}")
-    return rung

@@ -18,6 +18,7 @@ from gguf import GGUFReader
 from stoker import cli
 from stoker.bench import greedy_check, ladder_report, synthetic_gguf
 from stoker.bench.synthetic_gguf import FAMILIES, LlamaShape, T, rung_shape, write_llama_gguf
+from stoker.bench.workload import LengthDist
 
 pytestmark = pytest.mark.timeout(300, func_only=True)
 
@@ -195,3 +196,74 @@ def test_bf16_folder_for_vllm_is_the_same_model(tmp_path: Path, cache: Path) -> 
     llm = LLM(str(gguf), dtype="float32", quantization="none", max_model_len=64, kv_cache_tokens=256)
     (want,) = last_logits(llm, [ids])
     assert float((got - want).norm() / want.norm()) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("available_of_two", "runs", "note"),
+    [
+        (2.5, [["stoker", "llama-server"]], None),  # both fit: up together, phases alternating
+        (1.5, [["stoker"], ["llama-server"]], "llama-server: ~{gb} GB would not fit beside the others: run alone"),
+        (0.5, [["stoker"]], "llama-server: ~{gb} GB would not fit in memory"),  # stoker alone takes all there is
+    ],
+)
+def test_an_engine_that_fits_only_alone_runs_after_the_others(
+    available_of_two: float, runs: list[list[str]], note: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ladder's grouping by memory, servers and phases stood in for: which engines are up
+    together while the phases run, and the line for one that runs alone or not at all."""
+    from stoker.bench import ladder, ladder_engines, ladder_phases
+
+    monkeypatch.setitem(FAMILIES, "tiny-qwen2", TINY_QWEN2)
+    events: list[tuple[str, object]] = []
+    estimate = 10**9
+
+    def engine(name: str) -> ladder_engines.Engine:
+        return ladder_engines.Engine(name, [], "/health", estimate, {})
+
+    class Started:
+        def __init__(self, engine: ladder_engines.Engine, work: Path, timeout: float) -> None:
+            self.engine, self.url, self.error, self.ready_s, self.rss_after_load = engine, "", None, 1.0, 1
+            events.append(("start", engine.name))
+
+        def stop(self) -> None:
+            events.append(("stop", self.engine.name))
+
+    monkeypatch.setattr(ladder_engines, "stoker_engine", lambda *a: engine("stoker"))
+    monkeypatch.setattr(ladder_engines, "llama_engine", lambda *a: engine("llama-server"))
+    monkeypatch.setattr(ladder_engines, "Started", Started)
+    monkeypatch.setattr(ladder_engines, "llama_bench", lambda *a: "llama-bench: not run here")
+    monkeypatch.setattr(
+        ladder_engines, "memory_available", lambda: available_of_two * estimate / ladder.MEMORY_HEADROOM
+    )
+    monkeypatch.setattr(ladder_report, "cold_read_seconds", lambda path: 0.1)
+    if available_of_two < 1:  # stoker must fit alone, or the rung is skipped: it gets exactly what there is
+        estimate_of = {"stoker": int(available_of_two * estimate), "llama-server": estimate}
+        monkeypatch.setattr(
+            ladder_engines,
+            "stoker_engine",
+            lambda *a: dataclasses.replace(engine("stoker"), memory_estimate=estimate_of["stoker"]),
+        )
+    monkeypatch.setattr(
+        ladder_phases, "measure", lambda started, *a: events.append(("measure", [s.engine.name for s in started]))
+    )
+    args = cli.build_parser().parse_args(["bench", "ladder", "--cache", str(tmp_path), "--no-llama"])
+    result = {"bandwidth": {"triad": 1e10}, "streams": [4], "prefill": [512]}
+    limits = ladder_engines.Limits(4, 512, 2048, 1)
+    rung = ladder._rung(
+        "tiny-qwen2-q4_k_m",
+        None,
+        args,
+        limits,
+        Path("llama-server"),
+        None,
+        tmp_path,
+        result,
+        *[LengthDist("fixed", 8)] * 2,
+    )
+    expected: list[tuple[str, object]] = []
+    for group in runs:
+        expected += [("start", name) for name in group] + [("measure", group)] + [("stop", name) for name in group]
+    assert events == expected
+    assert sorted(rung["engines"]) == sorted(name for group in runs for name in group)
+    told = [line for line in rung["notes"] if line.startswith("llama-server: ~")]
+    assert told == ([] if note is None else [told[0]]) and (note is None or told[0].startswith(note.format(gb="1.0")))
