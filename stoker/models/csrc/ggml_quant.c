@@ -748,13 +748,10 @@ typedef __m512 gemm_f;
 #define GV_ZERO_I() _mm512_setzero_si512()
 #define GV_ZERO_F() _mm512_setzero_ps()
 #define GV_ADD_I(a, b) _mm512_add_epi32(a, b)
-#define GV_SUB_I(a, b) _mm512_sub_epi32(a, b)
 #define GV_MULLO_I(a, b) _mm512_mullo_epi32(a, b)
-#define GV_SLLI_I(a, n) _mm512_slli_epi32(a, n)
 #define GV_CVT(a) _mm512_cvtepi32_ps(a)
 #define GV_MUL_F(a, b) _mm512_mul_ps(a, b)
 #define GV_FMADD(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define GV_SRAI_I(a, n) _mm512_srai_epi32(a, n)
 #define GV_DPBUSD(acc, u, s) _mm512_dpbusd_epi32(acc, u, s)
 #define GV_DPWSSD(acc, a, b) _mm512_dpwssd_epi32(acc, a, b)
 #else
@@ -770,13 +767,10 @@ typedef __m256 gemm_f;
 #define GV_ZERO_I() _mm256_setzero_si256()
 #define GV_ZERO_F() _mm256_setzero_ps()
 #define GV_ADD_I(a, b) _mm256_add_epi32(a, b)
-#define GV_SUB_I(a, b) _mm256_sub_epi32(a, b)
 #define GV_MULLO_I(a, b) _mm256_mullo_epi32(a, b)
-#define GV_SLLI_I(a, n) _mm256_slli_epi32(a, n)
 #define GV_CVT(a) _mm256_cvtepi32_ps(a)
 #define GV_MUL_F(a, b) _mm256_mul_ps(a, b)
 #define GV_FMADD(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define GV_SRAI_I(a, n) _mm256_srai_epi32(a, n)
 #if QUANT_ISA == 2
 #define GV_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #define GV_DPWSSD(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
@@ -944,11 +938,10 @@ ALWAYS_INLINE void store_scales8(const __m128i t[4], int is_signed, int32_t *dst
     }
 }
 
-/* Eight columns' bytes a (low 8 bytes) and b (high 8 bytes of another vector, or of
- * the same) widened to int16 and interleaved: dword c = a[c] | b[c] << 16, at dst. */
-ALWAYS_INLINE void store_pairs8(__m128i a, __m128i b, int is_signed, int32_t *dst) {
-    const __m128i a16 = is_signed ? _mm_cvtepi8_epi16(a) : _mm_cvtepu8_epi16(a);
-    const __m128i b16 = is_signed ? _mm_cvtepi8_epi16(b) : _mm_cvtepu8_epi16(b);
+/* Eight columns' unsigned bytes a[c] and b[c] (the low 8 bytes of each) as int16
+ * pairs: dword c = a[c] | b[c] << 16, at dst. */
+ALWAYS_INLINE void store_pairs8(__m128i a, __m128i b, int32_t *dst) {
+    const __m128i a16 = _mm_cvtepu8_epi16(a), b16 = _mm_cvtepu8_epi16(b);
     _mm_storeu_si128((__m128i *)dst, _mm_unpacklo_epi16(a16, b16));
     _mm_storeu_si128((__m128i *)(dst + 4), _mm_unpackhi_epi16(a16, b16));
 }
@@ -1003,15 +996,11 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
             transpose_bytes8(sc8, t);
             store_scales8(t, is_signed, sc_k + (size_t)sb * 8 * GEMM_PANEL + c0);
             transpose_bytes8(mn8, tm);
-            if (type == Q6_K) /* chunk j's pair (lower, upper): mn_k row sb * 8 + j */
-                for (int j = 0; j < 8; j++) {
-                    const __m128i lo = j & 1 ? _mm_unpackhi_epi64(t[j / 2], t[j / 2]) : t[j / 2];
-                    const __m128i hi = j & 1 ? _mm_unpackhi_epi64(tm[j / 2], tm[j / 2]) : tm[j / 2];
-                    store_pairs8(lo, hi, 1, mn_k + (size_t)(sb * 8 + j) * GEMM_PANEL + c0);
-                }
+            if (type == Q6_K)
+                store_scales8(tm, is_signed, mn_k + (size_t)sb * 8 * GEMM_PANEL + c0);
             else /* sub-blocks 2i and 2i + 1's mins: mn_k row sb * 4 + i */
                 for (int i = 0; i < 4; i++)
-                    store_pairs8(tm[i], _mm_unpackhi_epi64(tm[i], tm[i]), 0, mn_k + (size_t)(sb * 4 + i) * GEMM_PANEL + c0);
+                    store_pairs8(tm[i], _mm_unpackhi_epi64(tm[i], tm[i]), mn_k + (size_t)(sb * 4 + i) * GEMM_PANEL + c0);
             uint8_t *dst = scratch + (size_t)sb * 8 * 32 * GEMM_PANEL + (size_t)c0 * 4;
             __m256i high[8], lo[8];
             if (type == Q6_K) {
@@ -1058,8 +1047,8 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
  * bytes, then d and m [nb][PANEL] floats (Q4_K, Q5_K: sc [nb][PANEL] int32, an
  * area mn of [nb][PANEL] dwords whose first nb / 2 rows hold the mins of
  * sub-blocks 2i and 2i + 1 as an int16 pair per column (row sb * 4 + i), then
- * d and -dmin [nb / 8][PANEL] floats; Q6_K: sc the scales of each chunk's lower
- * 16 values, mn its (lower, upper) scales as an int16 pair); columns past cols are zero.
+ * d and -dmin [nb / 8][PANEL] floats; Q6_K: the scales of each chunk's lower
+ * and upper 16 values in place of sc and mn); columns past cols are zero.
  * Eight columns at a time: their blocks' 8 dwords (4 values each) transposed in registers
  * (the K-quants' super-blocks in gemm_unpack_k). */
 ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_bytes, int cols, int nb,
@@ -1206,10 +1195,12 @@ ALWAYS_INLINE void gemm_scale_into(const int MR, const gemm_i sc0, const gemm_i 
 }
 
 /* gemm_tile for the K-quants: per super-block, the integers P and M (see
- * exact_k), then their fp32 terms. The terms of x's sums (Q4_K and Q5_K's M,
- * Q6_K's -32 offset) take one vpdpwssd per pair of int16 products: as a
- * vpmulld and a vpaddd per product they cost a 512-row Q4_K product ~20% and
- * Q6_K's ~25% of its time on Zen 4 (docs/perf/quantized.md, "Prefill on the 3B rung"). */
+ * exact_k), then their fp32 terms. The terms of x's sums cost no vpmulld of
+ * their own: Q4_K and Q5_K's M takes one vpdpwssd per two sub-blocks (mins
+ * against x's sums of 32, int16 pairs), and Q6_K's -32 offset rides in each
+ * group's dot, which starts from -32 * x's sum instead of zero. As a vpmulld
+ * and a vpaddd per product they cost a 512-row Q4_K product ~20% and Q6_K's
+ * ~30% of its time on Zen 4 (docs/perf/quantized.md, "Prefill on the 3B rung"). */
 ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *scratch,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, nsb = nb / 8;
@@ -1225,17 +1216,27 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
         for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
         gemm_i s[GEMM_MR][2];
         for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_ZERO_I();
+        /* Q6_K: each 16-value group's dot starts from -32 * x's sum over the group, so
+         * the scaled sum is P itself (its -32 offset taken with the scale's vpmulld). */
+        int32_t offset32[GEMM_MR][16];
+        if (type == Q6_K)
+            for (int r = 0; r < MR; r++) {
+                const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
+                for (int g = 0; g < 16; g++) offset32[r][g] = -32 * (int32_t)bs[g];
+            }
         for (int j = 0; j < 8; j++) {
             const int b = sb * 8 + j;
             const uint8_t *q = scratch + (size_t)b * 32 * GEMM_PANEL;
             prefetch_share(pf, b, nb);
             const int32_t *scb = sc + (size_t)b * GEMM_PANEL;
-            if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper from mn's pair */
+            if (type == Q6_K) { /* a scale per 16 values: the lower 16 with sc, the upper with mn */
+                const int32_t *mnb = mn + (size_t)b * GEMM_PANEL;
+                for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(offset32[r][2 * j]);
                 gemm_dots(MR, x, b, q, 0, 4, s);
                 gemm_scale_into(MR, GV_LOAD_I(scb), GV_LOAD_I(scb + GEMM_LANES), s, p);
+                for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(offset32[r][2 * j + 1]);
                 gemm_dots(MR, x, b, q, 4, 8, s);
-                const int32_t *pair = mn + (size_t)b * GEMM_PANEL;
-                gemm_scale_into(MR, GV_SRAI_I(GV_LOAD_I(pair), 16), GV_SRAI_I(GV_LOAD_I(pair + GEMM_LANES), 16), s, p);
+                gemm_scale_into(MR, GV_LOAD_I(mnb), GV_LOAD_I(mnb + GEMM_LANES), s, p);
             } else {
                 gemm_dots(MR, x, b, q, 0, 8, s);
                 gemm_scale_into(MR, GV_LOAD_I(scb), GV_LOAD_I(scb + GEMM_LANES), s, p);
@@ -1246,20 +1247,9 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
         for (int r = 0; r < MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            if (type == Q6_K) { /* P - 32 * sum of sc * x's sums of 16: a chunk's pair of each by one vpdpwssd */
-                gemm_i o0 = GV_ZERO_I(), o1 = GV_ZERO_I();
-                for (int j = 0; j < 8; j++) {
-                    const int32_t *pair = mn + (size_t)(sb * 8 + j) * GEMM_PANEL;
-                    int32_t sums;
-                    memcpy(&sums, bs + 2 * j, sizeof sums);
-                    const gemm_i xs = GV_SET1_I(sums);
-                    o0 = GV_DPWSSD(o0, GV_LOAD_I(pair), xs);
-                    o1 = GV_DPWSSD(o1, GV_LOAD_I(pair + GEMM_LANES), xs);
-                }
-                const gemm_i t0 = GV_SUB_I(p[r][0], GV_SLLI_I(o0, 5));
-                const gemm_i t1 = GV_SUB_I(p[r][1], GV_SLLI_I(o1, 5));
-                out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(t0), d0), dx, out[r][0]);
-                out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(t1), d1), dx, out[r][1]);
+            if (type == Q6_K) {
+                out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
+                out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
                 continue;
             }
             /* M, two sub-blocks a vpdpwssd: their mins against x's sums of 32 (at most 32 * 128, an int16) */
