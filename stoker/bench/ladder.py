@@ -31,6 +31,7 @@ from stoker.bench import ladder_engines as engines
 from stoker.bench import ladder_report as report
 from stoker.bench.synthetic_gguf import LADDER, rung_file, rung_shape
 from stoker.bench.workload import LengthDist
+from stoker.models.readahead import memory_available
 
 DEFAULT_CACHE = Path.home() / ".cache" / "stoker" / "ladder"
 MEMORY_HEADROOM = 0.9
@@ -168,7 +169,7 @@ def _groups(candidates: list[engines.Engine], notes: list[str]) -> list[list[eng
     memory together (stoker first), then each one that fits only alone, in a
     group of its own after the others stopped (a line for each: its phases did
     not alternate with the others'); a line for each that fits not even alone."""
-    available = engines.memory_available() * MEMORY_HEADROOM
+    available = memory_available() * MEMORY_HEADROOM
     if candidates[0].memory_estimate > available:
         raise _Skip(f"stoker would need ~{candidates[0].memory_estimate / 1e9:.1f} GB, {available / 1e9:.1f} available")
     together: list[engines.Engine] = []
@@ -224,7 +225,7 @@ def _rung(
         candidates.append(engines.llama_engine(llama, path, limits, facts))
     if vllm is not None:
         need = 2 * facts.parameters * 2 + engines.GiB  # the dense folder, built in memory once
-        if need > engines.memory_available() * MEMORY_HEADROOM:
+        if need > memory_available() * MEMORY_HEADROOM:
             notes.append(f"vllm: writing its {2 * facts.parameters / 1e9:.1f} GB bf16 folder would not fit in memory")
         else:
             folder = engines.write_hf_folder(path, args.cache / f"{name}-bf16")

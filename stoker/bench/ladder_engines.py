@@ -55,15 +55,6 @@ class Engine:
     env: dict[str, str]
 
 
-def memory_available() -> int:
-    """MemAvailable in bytes (what can be taken without swapping anything out)."""
-    with open("/proc/meminfo", encoding="utf-8") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no MemAvailable in /proc/meminfo")
-
-
 def stoker_engine(gguf: Path, limits: Limits, work: Path, facts: RungFacts) -> Engine:
     port = free_port()
     argv = [sys.executable, "-m", "stoker.cli", "serve", "--model", str(gguf), "--host", "127.0.0.1"]

@@ -167,9 +167,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
     from stoker.engine import prestart
+    from stoker.models.readahead import start_readahead
 
-    # The engines import torch while this process imports the front end (stoker.engine.prestart).
+    # The engines import torch while this process imports the front end (stoker.engine.prestart),
+    # and the kernel reads their weights meanwhile (stoker.models.readahead).
     prestart.prestart(server_config.engine_core, sum(spec.kind != "rerank" for spec in specs))
+    start_readahead([spec.path for spec in specs])
     try:
         return serve(engine_config, server_config, extras)
     finally:

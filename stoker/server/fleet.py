@@ -45,6 +45,7 @@ from stoker.errors import APIError
 from stoker.models.cross_encoder import ModelKind, model_kind
 from stoker.models.digest import DigestCancelled, check_digest_syntax, model_digest
 from stoker.models.identity import model_name
+from stoker.models.readahead import WEIGHT_SUFFIXES
 from stoker.models.tokenizer import Tokenizer
 from stoker.server.config import ServerConfig
 from stoker.server.protocol import unavailable
@@ -65,7 +66,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stoker.server")
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/+-]{0,127}$")
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 ENGINE_RUNTIME_BYTES = 480 << 20
 """What an engine process holds besides its weights and its KV cache (torch,
 the kernels, the tokenizer, activations): the default 135M model's engine,

@@ -232,9 +232,7 @@ def test_an_engine_that_fits_only_alone_runs_after_the_others(
     monkeypatch.setattr(ladder_engines, "llama_engine", lambda *a: engine("llama-server"))
     monkeypatch.setattr(ladder_engines, "Started", Started)
     monkeypatch.setattr(ladder_engines, "llama_bench", lambda *a: "llama-bench: not run here")
-    monkeypatch.setattr(
-        ladder_engines, "memory_available", lambda: available_of_two * estimate / ladder.MEMORY_HEADROOM
-    )
+    monkeypatch.setattr(ladder, "memory_available", lambda: available_of_two * estimate / ladder.MEMORY_HEADROOM)
     monkeypatch.setattr(ladder_report, "cold_read_seconds", lambda path: 0.1)
     if available_of_two < 1:  # stoker must fit alone, or the rung is skipped: it gets exactly what there is
         estimate_of = {"stoker": int(available_of_two * estimate), "llama-server": estimate}

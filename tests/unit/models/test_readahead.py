@@ -1,0 +1,84 @@
+"""`stoker serve` asks the kernel to read its models' weight files while it starts
+(stoker/models/readahead.py): the pages are resident afterwards, checked with
+mincore(2); nothing is asked for files that would not fit, or that are not there."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from stoker.models import readahead
+
+PAGE = mmap.PAGESIZE
+
+
+def resident_share(path: Path) -> float:
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    with open(path, "rb") as f:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value)
+        try:
+            pages = -(-size // PAGE)
+            vec = ctypes.create_string_buffer(pages)
+            assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+            return sum(b & 1 for b in vec.raw) / pages
+        finally:
+            libc.munmap(addr, size)
+
+
+def evicted(path: Path) -> Path:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if resident_share(path) > 0.5:
+        pytest.skip(f"{path.parent}'s file system keeps its pages (tmpfs?): nothing to read ahead")
+    return path
+
+
+def test_a_models_weights_are_in_the_page_cache_after_the_read_ahead(tmp_path: Path) -> None:
+    folder = tmp_path / "hf"
+    (folder / ".git").mkdir(parents=True)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(os.urandom(8 << 20))
+    (folder / "README.md").write_text("not weights")
+    (folder / ".git" / "pack.bin").write_bytes(b"hidden")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(os.urandom(4 << 20))
+    assert readahead.weight_files(str(folder)) == [weights]
+    evicted(weights), evicted(gguf)
+    thread = readahead.start_readahead([str(folder), str(gguf)])
+    assert thread is not None
+    thread.join(30)
+    deadline = time.monotonic() + 10  # the advice queues the reads; they land shortly after
+    while min(resident_share(weights), resident_share(gguf)) < 0.9:
+        assert time.monotonic() < deadline, (resident_share(weights), resident_share(gguf))
+        time.sleep(0.05)
+
+
+def test_nothing_is_read_ahead_that_would_not_fit_or_is_not_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    weights = tmp_path / "m.gguf"
+    weights.write_bytes(os.urandom(4 << 20))
+    evicted(weights)
+    monkeypatch.setattr(readahead, "memory_available", lambda: 6 << 20)  # half of it is less than the file
+    assert readahead.start_readahead([str(weights)]) is None
+    time.sleep(0.2)
+    assert resident_share(weights) < 0.5
+    monkeypatch.undo()
+    assert readahead.start_readahead([str(tmp_path / "missing.gguf")]) is None
+    (tmp_path / "no-weights").mkdir()
+    assert readahead.start_readahead([str(tmp_path / "no-weights")]) is None
