@@ -13,15 +13,12 @@ would hold torch's ~200 MB for a moment that may never come.
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import SpawnContext, SpawnProcess
 
 from stoker.engine.process import EngineArgs, run_engine, run_engine_when_asked
-
-logger = logging.getLogger(__name__)
 
 _spawn = multiprocessing.get_context("spawn")  # fork + torch threads is unsafe
 
@@ -53,21 +50,12 @@ def prestart(core_spec: str, count: int) -> None:
 def start_engine(context: SpawnContext, core_spec: str, args: EngineArgs, name: str) -> SpawnProcess:
     """An engine process running run_engine(*args): a prestarted one for this
     core when one still waits, else a fresh one from context."""
-    while True:
-        waiting = next((w for w in _waiting if w.core_spec == core_spec), None)
-        if waiting is None:
-            break
+    for waiting in [w for w in _waiting if w.core_spec == core_spec]:
         _waiting.remove(waiting)
-        try:
-            if not waiting.process.is_alive():
-                raise BrokenPipeError
-            waiting.orders.send(args)
-        except OSError:  # it died while waiting (killed, out of memory): spawn as if it never was
-            _end(waiting)
-            continue
-        waiting.orders.close()
-        waiting.process.name = name
-        return waiting.process
+        if waiting.process.is_alive() and _send(waiting, args):
+            waiting.process.name = name
+            return waiting.process
+        _end(waiting)  # it died while waiting (killed, out of memory): as if it never was
     process = context.Process(target=run_engine, args=args, name=name, daemon=True)
     process.start()
     return process
@@ -82,6 +70,16 @@ def discard() -> None:
 def waiting_pids() -> list[int]:
     """The processes prestarted and not yet taken or discarded."""
     return [w.process.pid for w in _waiting if w.process.pid is not None]
+
+
+def _send(waiting: _Waiting, args: EngineArgs) -> bool:
+    """The arguments sent to a waiting process (its pipe closed after); False if its end is gone."""
+    try:
+        waiting.orders.send(args)
+    except OSError:
+        return False
+    waiting.orders.close()
+    return True
 
 
 def _end(waiting: _Waiting) -> None:

@@ -286,9 +286,7 @@ def _prepare_front_end(state: ServerState) -> Any:
     import transformers
 
     _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
-    for version in state.fleet.initial:
-        if version.spec.kind == "rerank":
-            continue
+    for version in (v for v in state.fleet.initial if v.spec.kind == "generate"):
         with contextlib.suppress(OSError, ValueError):  # a missing or bad file: its engine's start says why
             preload_hf_tokenizer(Path(tokenizer_folder(version.spec.path)))
     if not state.config.embedding_model:

@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
     # The engines import torch while this process imports the front end (stoker.engine.prestart),
     # and the kernel reads their weights meanwhile (stoker.models.readahead).
-    prestart.prestart(server_config.engine_core, sum(spec.kind != "rerank" for spec in specs))
+    prestart.prestart(server_config.engine_core, sum(spec.kind == "generate" for spec in specs))
     start_readahead([spec.path for spec in specs])
     try:
         return serve(engine_config, server_config, extras)
