@@ -16,7 +16,7 @@
  * with -ffp-contract=off and without -fassociative-math.
  *
  * The SIMD builds (AVX2, AVX-VNNI, AVX-512 VNNI) have a second pair of kernels
- * for every type (AVX2: but Q8_0): a blocked GEMM from 5 rows of x (8 on the
+ * for every type (AVX2: but Q8_0): a blocked GEMM from 4 rows of x (8 on the
  * 256-bit paths: gemm_serves) and small tiles below that, both computing every
  * output with the same arithmetic (see "exact kernels" below, and exact_k for
  * the K-quants), so the choice by m changes no bit.
@@ -787,16 +787,20 @@ typedef __m256 gemm_f;
  * small tiles (each weight block unpacked once per pair of rows) beat one
  * unpack of each panel for all rows. Since the K-quants' panel unpack works a
  * super-block at a time (4a71a63) and the tiles ask for the next panels' rows
- * (gemm_thread), the GEMM wins from 5 rows on Zen 4 with AVX-512 for every
- * type, weights from memory: 1.3-1.6x at 5-7 rows, 1.5-2.2x at 8-11 (the
- * K-quants' tiles, once kept to 11 rows and Q6_K's to 12), level or a little
- * behind at 4 (docs/perf/quantized.md, "The 16-row step"). The 256-bit GEMM
+ * (gemm_thread), the GEMM wins from 4 rows on Zen 4 with AVX-512, weights from
+ * memory: 1.3-1.6x at 5-7 rows, 1.5-2.2x at 8-11 (the K-quants' tiles, once
+ * kept to 11 rows and Q6_K's to 12), and at 4 (two passes of pair tiles, each
+ * unpacking every weight block) 1.2-1.3x on the LM heads, Q4_K gate+up and
+ * Q6_K down, level on Q4_K down; a whole 4-row decode step of the 1B rung
+ * 1.2-1.3x (docs/perf/decode-step.md, "Four rows"). At 3 rows the tiles (a
+ * pair and one row) stay: the GEMM was level or behind there (Q4_K gate+up
+ * and down 15-20% behind). The 256-bit GEMM
  * (16 columns, 3 rows a tile) was measured only built for AVX2 on that Zen 4:
  * ahead of the tiles from 8 rows for the K-quants too (Q6_K 1.4x, Q4_K 1.2x
  * at 8); below 8 it was not measured there, so it keeps 8. Scratch is sized
  * by this (gemm_scratch_bytes). */
 #if QUANT_ISA == 3
-#define GEMM_MIN_ROWS 5
+#define GEMM_MIN_ROWS 4
 #else
 #define GEMM_MIN_ROWS 8
 #endif

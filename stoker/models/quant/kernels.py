@@ -7,7 +7,7 @@ the best one this CPU can run is used unless STOKER_QUANT_ISA names another.
 Output (i, j) is bit-identical whatever m, the tiling and the thread count
 (see the C file), so batching never changes a sequence's result. On the SIMD
 paths every type (avx2: but Q8_0) takes the "exact" kernels (a blocked GEMM
-from 5 rows with AVX-512, from 8 on the 256-bit paths, small tiles below, one
+from 4 rows with AVX-512, from 8 on the 256-bit paths, small tiles below, one
 arithmetic for both; docs/quantization.md#the-kernels)."""
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def _row_elems(weight: torch.Tensor, qtype: GGMLQuantizationType) -> int:
 
 def exact_kernels(qtype: GGMLQuantizationType) -> bool:
     """Whether the path in use serves this type with the exact kernels (a blocked
-    GEMM from 5 or 8 rows, small tiles below; the SIMD builds, every
+    GEMM from 4 or 8 rows, small tiles below; the SIMD builds, every
     type but avx2's Q8_0): a different fp32 summation than the tile kernels, the same whatever m."""
     lib = _lib()
     return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_exact_kernels(int(qtype)))
