@@ -15,9 +15,9 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import httpx
 import pytest
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 REPO = os.path.dirname(TESTS_DIR)
+T = TypeVar("T")
 FAKE_CORE = "server_fakes:FakeEngineCore"
 
 
@@ -186,6 +187,19 @@ def store_failures(server: ServerProcess, store: str) -> dict[str, float]:
         for sample in family.samples
         if sample.name == "stoker:store_failures_total" and sample.labels["store"] == store
     }
+
+
+def poll_until(read: Callable[[], T], done: Callable[[T], bool], timeout: float, interval: float = 0.05) -> T:
+    """read() again every `interval` until done(value) or `timeout` passes; the last value.
+    For figures a periodic feed publishes (the engine's stats, /metrics every 0.25 s): the
+    caller asserts on the value returned, as it did after a fixed sleep past the feed's
+    period, and a value that never comes fails the same assertion once the timeout is out."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while not done(value) and time.monotonic() < deadline:
+        time.sleep(interval)
+        value = read()
+    return value
 
 
 async def wait_for(predicate, timeout: float, what: str, interval: float = 0.02) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, start_server
+from conftest import FAKE_CORE, REPO, TESTS_DIR, ServerProcess, poll_until, start_server
 
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
@@ -93,10 +93,15 @@ def test_each_model_answers_under_its_own_name(fleet: ServerProcess, files: dict
     metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
     assert 'vllm:request_success_total{finished_reason="length",model_name="small"}' in metrics
     assert f'digest="{files["big"][1]}"' in metrics and "stoker:model_version_info" in metrics
-    time.sleep(0.6)  # the stats feed runs every 0.25 s
-    metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
-    costs = [line for line in metrics.splitlines() if line.startswith("stoker:cost_per_million_tokens{")]
-    assert any('kind="generation",model_name="small"' in line and float(line.split()[-1]) > 0 for line in costs)
+
+    def costs() -> list[str]:
+        metrics = httpx.get(f"{fleet.url}/metrics", headers=ADMIN).text
+        return [line for line in metrics.splitlines() if line.startswith("stoker:cost_per_million_tokens{")]
+
+    def small_costs(lines: list[str]) -> bool:
+        return any('kind="generation",model_name="small"' in line and float(line.split()[-1]) > 0 for line in lines)
+
+    assert small_costs(poll_until(costs, small_costs, 5))  # the stats feed runs every 0.25 s
 
 
 def test_kill_9_falls_back_and_leaves_the_others_alone(fleet: ServerProcess) -> None:
