@@ -296,6 +296,7 @@ def _run_group(
                 "ready_s": server.ready_s,
                 "rss_mb": server.rss_after_load / 1e6,
                 "rss_of_file_kv": server.rss_after_load / (rung["file_bytes"] + kv),
+                "argv": engine.argv,
             }
         from stoker.bench.ladder_phases import measure
 

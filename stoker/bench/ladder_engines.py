@@ -61,6 +61,10 @@ def stoker_engine(gguf: Path, limits: Limits, work: Path, facts: RungFacts) -> E
     argv += ["--port", str(port), "--no-embedding-model", "--max-num-seqs", str(limits.max_seqs)]
     argv += ["--max-model-len", str(limits.max_model_len), "--kv-cache-tokens", str(limits.kv_tokens)]
     argv += ["--num-threads", str(limits.threads)]
+    # No speculation: a random-weight model's greedy output loops, so prompt lookup's
+    # drafts would be accepted almost always and the figures would measure the noise's
+    # repetition, not the engine (llama-server and vLLM do not speculate by default either).
+    argv += ["--speculative-method", "none"]
     # Its own key database: the user's keys would close the server to the bench.
     env = {**os.environ, "STOKER_DB": str(work / "stoker.db")}
     memory = gguf.stat().st_size + limits.kv_tokens * facts.kv_bytes_per_token + OVERHEAD["stoker"]

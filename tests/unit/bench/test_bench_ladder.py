@@ -154,6 +154,9 @@ def test_ladder_end_to_end_with_skips(tmp_path: Path, cache: Path, monkeypatch: 
     for key in ("one_stream_tok_s", "decode_tok_s", "streams_2_tok_s", "prefill_64_tok_s", "rss_mb", "ready_s"):
         assert figures[key] > 0, key
     assert rung["notes"] == [] and rung["roofline_tok_s"] > 0
+    # A random model's greedy output loops: speculation would measure that, not the engine.
+    argv = figures["argv"]
+    assert argv[argv.index("--speculative-method") + 1] == "none"
     table = (out / "ladder.md").read_text()
     assert "## tiny-qwen2-q4_k_m" in table and "| 2 streams, out tok/s |" in table
     assert "- skipped: tiny-falcon: stoker exited with 1" in table
