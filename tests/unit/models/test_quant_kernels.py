@@ -141,7 +141,7 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
         full = mm(x, w, qtype)
         for i in (0, 5, 31, 63):
             assert torch.equal(mm(x[i : i + 1], w, qtype), full[i : i + 1])
-        # either side of the exact kernels' switch from tiles to the GEMM (5 rows with
+        # either side of the exact kernels' switch from tiles to the GEMM (4 rows with
         # AVX-512, 8 on the 256-bit paths), and the GEMM's row tiles (6 or 3 rows)
         for rows in (2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 23, 24, 25):
             assert torch.equal(mm(x[9 : 9 + rows], w, qtype), full[9 : 9 + rows])
