@@ -48,6 +48,10 @@ SHAPES: tuple[tuple[str, str, int, int, GGMLQuantizationType], ...] = (
     ("1B", "v", 512, 2048, T.Q6_K),
     ("1B", "gate+up", 16384, 2048, T.Q4_K),
     ("1B", "down", 2048, 8192, T.Q4_K),
+    ("3B", "gate+up", 16384, 3072, T.Q4_K),
+    ("8B", "gate+up", 28672, 4096, T.Q4_K),
+    ("8B", "down", 4096, 14336, T.Q4_K),
+    ("8B", "down", 4096, 14336, T.Q6_K),
 )
 COLD_BYTES = 96 << 20
 

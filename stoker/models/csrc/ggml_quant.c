@@ -1486,10 +1486,100 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
     _mm256_storeu_ps(res, acc);
 }
 
+/* One row of x by 8 weight rows, the 8 rows read one after another instead of
+ * side by side. The 1 x 8 tiles below walk their 8 rows block by block: 8
+ * short streams at once. A decode step's weights come from memory, and on rows
+ * of 1-2 KB (k = 2048: the 1B rung's attention, gate, up and LM head) the
+ * hardware prefetcher learns none of those streams before it ends, so most
+ * loads waited on DRAM. Here a thread's weights are one sequential stream (its
+ * groups of 8 rows are adjacent), also asked for STREAM_AHEAD bytes ahead into
+ * L2. Each (weight row, unit)'s integer sums wait in pbuf (mbuf: the K-quants'
+ * min terms); then the fp32 terms run unit by unit exactly as in the tiles:
+ * the same integers and float operations in the same order, so every output
+ * keeps its bits and batch invariance across 1, 2 and 4+ rows of x holds.
+ * Serves rows of up to ROWS_UNITS units (the sums stay in L1), and the types
+ * whose one-row product waits on memory: Q4_0 / Q4_1 / Q5_0 / Q5_1 unpack
+ * enough per byte to be bound by their instructions, where the extra stores
+ * cost more than the stream saves (docs/perf/decode-step.md). */
+#define ROWS_UNITS 32
+#define STREAM_AHEAD 8192
+ALWAYS_INLINE int rows_serve(int type, int k) {
+    const int unit = exact_k(type) ? 256 : 32;
+    return (exact_k(type) || type == Q8_0) && k / unit <= ROWS_UNITS;
+}
+ALWAYS_INLINE void exact_rows(const int type, const uint8_t *const *wr, const xq_t *xq, size_t row, float *res) {
+    const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
+    const int ts = ggml_quant_type_size(type), k = xq->k, unit = exact_k(type) ? 256 : 32, nu = k / unit;
+    const int8_t *x = xq->qs + row * (size_t)k;
+    const int16_t *bsums = xq->bsums + row * (size_t)(k / 16);
+    __m256i pbuf[8][ROWS_UNITS], mbuf[8][ROWS_UNITS], xsum[ROWS_UNITS];
+    if (is_k)
+        for (int u = 0; u < nu; u++) /* lane c: x's sum over sub-block c */
+            xsum[u] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsums + (size_t)u * 16)),
+                                        _mm256_set1_epi16(1));
+    for (int j = 0; j < 8; j++)
+        for (int u = 0; u < nu; u++) {
+            const uint8_t *blk = wr[j] + (size_t)u * ts;
+            const int8_t *xu = x + (size_t)u * unit;
+            if (row == 0) /* only a lone row of x streams the weights; the pairs before it left them in cache */
+                for (int l = 0; l < ts; l += 64) __builtin_prefetch(blk + STREAM_AHEAD + l, 0, 2);
+            __m256i p = _mm256_setzero_si256();
+            if (is_q6) {
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                for (int c = 0; c < 8; c++)
+                    p = _mm256_add_epi32(p, dot_scaled(q6_values(blk, c), xu + 32 * c,
+                                                       scales_pair(sc[2 * c], sc[2 * c + 1])));
+                const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
+                                                         _mm256_loadu_si256((const __m256i *)(bsums + (size_t)u * 16)));
+                p = _mm256_sub_epi32(p, _mm256_slli_epi32(offset, 5));
+            } else if (is_k) {
+                uint64_t sc8, mn8;
+                k_scales_mins(blk + 4, &sc8, &mn8);
+                for (int c = 0; c < 8; c++)
+                    p = _mm256_add_epi32(p, dot_scaled(k_values(type, blk, c), xu + 32 * c,
+                                                       scale_one((int)((sc8 >> (8 * c)) & 0xFF))));
+                const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
+                mbuf[j][u] = _mm256_mullo_epi32(mins, xsum[u]);
+            } else {
+                w32_t wb;
+                unpack32(type, blk, &wb); /* its d unused: block_scales below */
+                p = is_signed32(type) ? dot_signed(wb.q, wb.aq, xu) : dot_unsigned(wb.q, xu);
+            }
+            pbuf[j][u] = p;
+        }
+    __m256 acc = _mm256_setzero_ps();
+    for (int u = 0; u < nu; u++) {
+        const __m256 dx = _mm256_set1_ps(xq->d[row * (size_t)nu + u]);
+        __m256i pv[8];
+        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u];
+        const __m256 pt = _mm256_cvtepi32_ps(lane_totals(pv));
+        if (is_q6) {
+            float dw[8];
+            for (int j = 0; j < 8; j++) dw[j] = fp16_at(wr[j] + (size_t)u * ts + 208);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, by_column(dw, 8)), dx, acc);
+            continue;
+        }
+        __m256 dw, mw;
+        block_scales(8, wr, (size_t)u * ts, &dw, &mw);
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, dw), dx, acc);
+        if (is_k) { /* mw holds dmin: the tiles' -dmin */
+            __m256i mv[8];
+            for (int j = 0; j < 8; j++) mv[j] = mbuf[j][u];
+            const __m256 mt = _mm256_cvtepi32_ps(lane_totals(mv));
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(mt, _mm256_xor_ps(mw, _mm256_set1_ps(-0.f))), dx, acc);
+        } else if (has_min32(type)) {
+            acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq->s[row * (size_t)nu + u]), acc);
+        }
+    }
+    _mm256_storeu_ps(res, acc);
+}
+
 /* The small tile for a type (constant in each function below, so this folds away). */
 ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, const uint8_t *const *wr,
                                  const xq_t *xq, const size_t *rows, float *res) {
-    if (type == Q6_K)
+    if (MR == 1 && rows_serve(type, xq->k))
+        exact_rows(type, wr, xq, rows[0], res);
+    else if (type == Q6_K)
         exact_tile_q6k(MR, NR, wr, xq, rows, res);
     else if (exact_k(type))
         exact_tile_k(type, MR, NR, wr, xq, rows, res);
