@@ -299,12 +299,16 @@ ALWAYS_INLINE vq_t nibbles32(const uint8_t *qs) { /* 16 bytes: low nibbles are 0
 ALWAYS_INLINE vq_t with_high_bits(vq_t q, const uint8_t *qh) { /* bit j of the u32 -> 0x10 in byte j */
     uint32_t h;
     memcpy(&h, qh, sizeof h);
+#if QUANT_ISA == 3 /* the u32 is a byte mask as it stands: one masked add, not six shuffles and compares */
+    return _mm256_mask_add_epi8(q, (__mmask32)h, q, _mm256_set1_epi8(0x10)); /* q < 16: + is or */
+#else
     const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
                                             3, 3, 3, 3, 3, 3, 3);
     const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
     __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), spread);
     v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
     return _mm256_or_si256(q, _mm256_and_si256(v, _mm256_set1_epi8(0x10)));
+#endif
 }
 ALWAYS_INLINE vq_t minus(vq_t q, int c) { return _mm256_sub_epi8(q, _mm256_set1_epi8((char)c)); }
 ALWAYS_INLINE vq_t load32(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
