@@ -1578,6 +1578,107 @@ ALWAYS_INLINE void exact_rows(const int type, const uint8_t *const *wr, const xq
     _mm256_storeu_ps(res, acc);
 }
 
+/* exact_rows for a pair of x rows (two sequences' decode rows), each weight
+ * block unpacked once for both. Each row's sums are folded to 4 lanes (exact
+ * in int32) and the pair's packed in one vector, so they take the stack one
+ * row's took; pair_totals then gives each row's 8 totals. */
+ALWAYS_INLINE __m256i fold_pair(__m256i a, __m256i b) {
+    const __m128i fa = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+    const __m128i fb = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+    return _mm256_set_m128i(fb, fa);
+}
+/* v[j] = fold_pair(row 0's, row 1's sums) for weight rows j = 0..7: lane j of out[i] is x row i's total. */
+ALWAYS_INLINE void pair_totals(const __m256i v[8], __m256 out[2]) {
+    const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+    const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+    const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+    out[0] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
+    out[1] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x31));
+}
+ALWAYS_INLINE void exact_rows_pair(const int type, const uint8_t *const *wr, const xq_t *xq, const size_t *rows,
+                                   float *res) {
+    const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
+    const int ts = ggml_quant_type_size(type), k = xq->k, unit = exact_k(type) ? 256 : 32, nu = k / unit;
+    const int8_t *x[2];
+    const int16_t *bsums[2];
+    for (int i = 0; i < 2; i++) {
+        x[i] = xq->qs + rows[i] * (size_t)k;
+        bsums[i] = xq->bsums + rows[i] * (size_t)(k / 16);
+    }
+    __m256i pbuf[8][ROWS_UNITS], mbuf[8][ROWS_UNITS], xsum[2][ROWS_UNITS];
+    if (is_k)
+        for (int i = 0; i < 2; i++)
+            for (int u = 0; u < nu; u++)
+                xsum[i][u] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsums[i] + (size_t)u * 16)),
+                                               _mm256_set1_epi16(1));
+    for (int j = 0; j < 8; j++)
+        for (int u = 0; u < nu; u++) {
+            const uint8_t *blk = wr[j] + (size_t)u * ts;
+            const int8_t *x0 = x[0] + (size_t)u * unit, *x1 = x[1] + (size_t)u * unit;
+            if (rows[0] == 0)
+                for (int l = 0; l < ts; l += 64) __builtin_prefetch(blk + STREAM_AHEAD + l, 0, 2);
+            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+            if (is_q6) {
+                const int8_t *sc = (const int8_t *)(blk + 192);
+                for (int c = 0; c < 8; c++) {
+                    const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
+                    p0 = _mm256_add_epi32(p0, dot_scaled(q, x0 + 32 * c, scale));
+                    p1 = _mm256_add_epi32(p1, dot_scaled(q, x1 + 32 * c, scale));
+                }
+                const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+                const __m256i o0 =
+                    _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums[0] + (size_t)u * 16)));
+                const __m256i o1 =
+                    _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums[1] + (size_t)u * 16)));
+                p0 = _mm256_sub_epi32(p0, _mm256_slli_epi32(o0, 5));
+                p1 = _mm256_sub_epi32(p1, _mm256_slli_epi32(o1, 5));
+            } else if (is_k) {
+                uint64_t sc8, mn8;
+                k_scales_mins(blk + 4, &sc8, &mn8);
+                for (int c = 0; c < 8; c++) {
+                    const __m256i q = k_values(type, blk, c), scale = scale_one((int)((sc8 >> (8 * c)) & 0xFF));
+                    p0 = _mm256_add_epi32(p0, dot_scaled(q, x0 + 32 * c, scale));
+                    p1 = _mm256_add_epi32(p1, dot_scaled(q, x1 + 32 * c, scale));
+                }
+                const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
+                mbuf[j][u] = fold_pair(_mm256_mullo_epi32(mins, xsum[0][u]), _mm256_mullo_epi32(mins, xsum[1][u]));
+            } else {
+                w32_t wb;
+                unpack32(type, blk, &wb); /* its d and m unused: block_scales below */
+                p0 = is_signed32(type) ? dot_signed(wb.q, wb.aq, x0) : dot_unsigned(wb.q, x0);
+                p1 = is_signed32(type) ? dot_signed(wb.q, wb.aq, x1) : dot_unsigned(wb.q, x1);
+            }
+            pbuf[j][u] = fold_pair(p0, p1);
+        }
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int u = 0; u < nu; u++) {
+        __m256i pv[8], mv[8];
+        __m256 pt[2], mt[2], dx[2];
+        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u], mv[j] = mbuf[j][u];
+        pair_totals(pv, pt);
+        for (int i = 0; i < 2; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
+        if (is_q6) {
+            float dw[8];
+            for (int j = 0; j < 8; j++) dw[j] = fp16_at(wr[j] + (size_t)u * ts + 208);
+            const __m256 dwv = by_column(dw, 8);
+            for (int i = 0; i < 2; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dwv), dx[i], acc[i]);
+            continue;
+        }
+        __m256 dw, mw;
+        block_scales(8, wr, (size_t)u * ts, &dw, &mw);
+        if (is_k) pair_totals(mv, mt);
+        for (int i = 0; i < 2; i++) {
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dw), dx[i], acc[i]);
+            if (is_k) /* mw holds dmin: the tiles' -dmin */
+                acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(mt[i], _mm256_xor_ps(mw, _mm256_set1_ps(-0.f))), dx[i], acc[i]);
+            else if (has_min32(type))
+                acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq->s[rows[i] * (size_t)nu + u]), acc[i]);
+        }
+    }
+    _mm256_storeu_ps(res, acc[0]);
+    _mm256_storeu_ps(res + 8, acc[1]);
+}
+
 /* The small tile for a type (constant in each function below, so this folds away). */
 ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, const uint8_t *const *wr,
                                  const xq_t *xq, const size_t *rows, float *res) {
@@ -1597,6 +1698,9 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
     }                                                                                                          \
     static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
+    }                                                                                                          \
+    static void exact_##T##_2_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_rows_pair(T, wr, xq, rows, res);                                                                \
     }
 EXACT_TILE_FNS(Q4_0)
 EXACT_TILE_FNS(Q4_1)
@@ -1609,12 +1713,13 @@ EXACT_TILE_FNS(Q6_K)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
-/* [0]: one row by 8 columns, [1]: two rows by 4. */
+/* [0]: one row by 8 columns, [1]: two rows by 4, [2]: two rows by 8, their weight rows streamed
+ * (exact_rows_pair, for the types and lengths rows_serve takes). */
 static const exact_fn *exact_tiles_for(int type) {
-    static const exact_fn t40[] = {exact_Q4_0_1_8, exact_Q4_0_2_4}, t41[] = {exact_Q4_1_1_8, exact_Q4_1_2_4},
-                          t50[] = {exact_Q5_0_1_8, exact_Q5_0_2_4}, t51[] = {exact_Q5_1_1_8, exact_Q5_1_2_4},
-                          t80[] = {exact_Q8_0_1_8, exact_Q8_0_2_4}, t4k[] = {exact_Q4_K_1_8, exact_Q4_K_2_4},
-                          t5k[] = {exact_Q5_K_1_8, exact_Q5_K_2_4}, t6k[] = {exact_Q6_K_1_8, exact_Q6_K_2_4};
+#define TILES3(T) {exact_##T##_1_8, exact_##T##_2_4, exact_##T##_2_8}
+    static const exact_fn t40[] = TILES3(Q4_0), t41[] = TILES3(Q4_1), t50[] = TILES3(Q5_0), t51[] = TILES3(Q5_1),
+                          t80[] = TILES3(Q8_0), t4k[] = TILES3(Q4_K), t5k[] = TILES3(Q5_K), t6k[] = TILES3(Q6_K);
+#undef TILES3
     switch (type) {
     case Q4_0: return t40;
     case Q4_1: return t41;
@@ -1650,7 +1755,7 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
 static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
                                long y_stride, int y_bf16, const float *bias, int accumulate, int t, int nt) {
     const exact_fn *fns = exact_tiles_for(type);
-    const int groups = (n + 7) / 8;
+    const int groups = (n + 7) / 8, stream_rows = rows_serve(type, xq->k);
     const int lo = (int)((long)groups * t / nt), hi = (int)((long)groups * (t + 1) / nt);
     for (int g = lo; g < hi; g++) {
         const int j0 = g * 8;
@@ -1659,7 +1764,15 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
         int i = 0;
         for (; i + 2 <= m; i += 2) {
             const size_t rows[2] = {(size_t)i, (size_t)i + 1};
-            pair_tiles(fns, wr, xq, rows, j0, n, y, y_stride, y_bf16, bias, accumulate);
+            if (stream_rows) {
+                float res[16];
+                const int count = n - j0 < 8 ? n - j0 : 8;
+                fns[2](wr, xq, rows, res);
+                write_row(y, rows[0], y_stride, j0, res, count, y_bf16, bias, accumulate);
+                write_row(y, rows[1], y_stride, j0, res + 8, count, y_bf16, bias, accumulate);
+            } else {
+                pair_tiles(fns, wr, xq, rows, j0, n, y, y_stride, y_bf16, bias, accumulate);
+            }
         }
         if (i < m) {
             const size_t rows[1] = {(size_t)i};
