@@ -1490,184 +1490,124 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
     _mm256_storeu_ps(res, acc);
 }
 
-/* One row of x by 8 weight rows, the 8 rows read one after another instead of
- * side by side. The 1 x 8 tiles below walk their 8 rows block by block: 8
- * short streams at once. A decode step's weights come from memory, and on rows
- * of 1-2 KB (k = 2048: the 1B rung's attention, gate, up and LM head) the
- * hardware prefetcher learns none of those streams before it ends, so most
- * loads waited on DRAM. Here a thread's weights are one sequential stream (its
- * groups of 8 rows are adjacent), also asked for STREAM_AHEAD bytes ahead into
- * L2. Each (weight row, unit)'s integer sums wait in pbuf (mbuf: the K-quants'
- * min terms); then the fp32 terms run unit by unit exactly as in the tiles:
- * the same integers and float operations in the same order, so every output
- * keeps its bits and batch invariance across 1, 2 and 4+ rows of x holds.
- * Serves rows of up to ROWS_UNITS units (the sums stay in L1), and the types
- * whose one-row product waits on memory: Q4_0 / Q4_1 / Q5_0 / Q5_1 unpack
- * enough per byte to be bound by their instructions, where the extra stores
- * cost more than the stream saves (docs/perf/decode-step.md). */
+/* One or two rows of x (MR) by 8 weight rows, the 8 rows read one after
+ * another instead of side by side. The tiles below walk their rows block by
+ * block: 8 (or 4) short streams at once. A decode step's weights come from
+ * memory, and on rows of 1-2 KB (k = 2048: the 1B rung's attention, gate, up
+ * and LM head) the hardware prefetcher learns none of those streams before it
+ * ends, so most loads waited on DRAM. Here a thread's weights are one
+ * sequential stream (its groups of 8 rows are adjacent), also asked for
+ * STREAM_AHEAD bytes ahead into L2, and each block is unpacked once for both
+ * rows of a pair. Each (weight row, unit)'s integer sums wait in pbuf (mbuf:
+ * the K-quants' min terms; a pair's folded to 4 lanes a row, exact in int32,
+ * so they fit where one row's do); then the fp32 terms run unit by unit
+ * exactly as in the tiles: the same integers and float operations in the same
+ * order, so every output keeps its bits and batch invariance across 1, 2 and
+ * 4+ rows of x holds. Serves rows of up to ROWS_UNITS units (the sums stay in
+ * L1), and the types whose one-row product waits on memory: Q4_0 / Q4_1 /
+ * Q5_0 / Q5_1 unpack enough per byte to be bound by their instructions, where
+ * the extra stores cost more than the stream saves (docs/perf/decode-step.md). */
 #define ROWS_UNITS 32
 #define STREAM_AHEAD 8192
 ALWAYS_INLINE int rows_serve(int type, int k) {
     const int unit = exact_k(type) ? 256 : 32;
     return (exact_k(type) || type == Q8_0) && k / unit <= ROWS_UNITS;
 }
-ALWAYS_INLINE void exact_rows(const int type, const uint8_t *const *wr, const xq_t *xq, size_t row, float *res) {
-    const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
-    const int ts = ggml_quant_type_size(type), k = xq->k, unit = exact_k(type) ? 256 : 32, nu = k / unit;
-    const int8_t *x = xq->qs + row * (size_t)k;
-    const int16_t *bsums = xq->bsums + row * (size_t)(k / 16);
-    __m256i pbuf[8][ROWS_UNITS], mbuf[8][ROWS_UNITS], xsum[ROWS_UNITS];
-    if (is_k)
-        for (int u = 0; u < nu; u++) /* lane c: x's sum over sub-block c */
-            xsum[u] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsums + (size_t)u * 16)),
-                                        _mm256_set1_epi16(1));
-    for (int j = 0; j < 8; j++)
-        for (int u = 0; u < nu; u++) {
-            const uint8_t *blk = wr[j] + (size_t)u * ts;
-            const int8_t *xu = x + (size_t)u * unit;
-            if (row == 0) /* only a lone row of x streams the weights; the pairs before it left them in cache */
-                for (int l = 0; l < ts; l += 64) __builtin_prefetch(blk + STREAM_AHEAD + l, 0, 2);
-            __m256i p = _mm256_setzero_si256();
-            if (is_q6) {
-                const int8_t *sc = (const int8_t *)(blk + 192);
-                for (int c = 0; c < 8; c++)
-                    p = _mm256_add_epi32(p, dot_scaled(q6_values(blk, c), xu + 32 * c,
-                                                       scales_pair(sc[2 * c], sc[2 * c + 1])));
-                const __m256i offset = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc)),
-                                                         _mm256_loadu_si256((const __m256i *)(bsums + (size_t)u * 16)));
-                p = _mm256_sub_epi32(p, _mm256_slli_epi32(offset, 5));
-            } else if (is_k) {
-                uint64_t sc8, mn8;
-                k_scales_mins(blk + 4, &sc8, &mn8);
-                for (int c = 0; c < 8; c++)
-                    p = _mm256_add_epi32(p, dot_scaled(k_values(type, blk, c), xu + 32 * c,
-                                                       scale_one((int)((sc8 >> (8 * c)) & 0xFF))));
-                const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
-                mbuf[j][u] = _mm256_mullo_epi32(mins, xsum[u]);
-            } else {
-                w32_t wb;
-                unpack32(type, blk, &wb); /* its d unused: block_scales below */
-                p = is_signed32(type) ? dot_signed(wb.q, wb.aq, xu) : dot_unsigned(wb.q, xu);
-            }
-            pbuf[j][u] = p;
-        }
-    __m256 acc = _mm256_setzero_ps();
-    for (int u = 0; u < nu; u++) {
-        const __m256 dx = _mm256_set1_ps(xq->d[row * (size_t)nu + u]);
-        __m256i pv[8];
-        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u];
-        const __m256 pt = _mm256_cvtepi32_ps(lane_totals(pv));
-        if (is_q6) {
-            float dw[8];
-            for (int j = 0; j < 8; j++) dw[j] = fp16_at(wr[j] + (size_t)u * ts + 208);
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, by_column(dw, 8)), dx, acc);
-            continue;
-        }
-        __m256 dw, mw;
-        block_scales(8, wr, (size_t)u * ts, &dw, &mw);
-        acc = _mm256_fmadd_ps(_mm256_mul_ps(pt, dw), dx, acc);
-        if (is_k) { /* mw holds dmin: the tiles' -dmin */
-            __m256i mv[8];
-            for (int j = 0; j < 8; j++) mv[j] = mbuf[j][u];
-            const __m256 mt = _mm256_cvtepi32_ps(lane_totals(mv));
-            acc = _mm256_fmadd_ps(_mm256_mul_ps(mt, _mm256_xor_ps(mw, _mm256_set1_ps(-0.f))), dx, acc);
-        } else if (has_min32(type)) {
-            acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq->s[row * (size_t)nu + u]), acc);
-        }
+/* One vector of sums for pbuf: one row's as they are, a pair's folded to 4 lanes each. */
+ALWAYS_INLINE __m256i rows_pack(const int MR, const __m256i *p) {
+    if (MR == 1) return p[0];
+    const __m128i f0 = _mm_add_epi32(_mm256_castsi256_si128(p[0]), _mm256_extracti128_si256(p[0], 1));
+    const __m128i f1 = _mm_add_epi32(_mm256_castsi256_si128(p[1]), _mm256_extracti128_si256(p[1], 1));
+    return _mm256_set_m128i(f1, f0);
+}
+/* v[j] = rows_pack of weight row j's sums: lane j of out[i] is x row i's total, as fp32. */
+ALWAYS_INLINE void rows_totals(const int MR, const __m256i v[8], __m256 *out) {
+    if (MR == 1) {
+        out[0] = _mm256_cvtepi32_ps(lane_totals(v));
+        return;
     }
-    _mm256_storeu_ps(res, acc);
-}
-
-/* exact_rows for a pair of x rows (two sequences' decode rows), each weight
- * block unpacked once for both. Each row's sums are folded to 4 lanes (exact
- * in int32) and the pair's packed in one vector, so they take the stack one
- * row's took; pair_totals then gives each row's 8 totals. */
-ALWAYS_INLINE __m256i fold_pair(__m256i a, __m256i b) {
-    const __m128i fa = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
-    const __m128i fb = _mm_add_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
-    return _mm256_set_m128i(fb, fa);
-}
-/* v[j] = fold_pair(row 0's, row 1's sums) for weight rows j = 0..7: lane j of out[i] is x row i's total. */
-ALWAYS_INLINE void pair_totals(const __m256i v[8], __m256 out[2]) {
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
     const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
     out[0] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
     out[1] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x31));
 }
-ALWAYS_INLINE void exact_rows_pair(const int type, const uint8_t *const *wr, const xq_t *xq, const size_t *rows,
-                                   float *res) {
+ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const *wr, const xq_t *xq,
+                              const size_t *rows, float *res) {
     const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
     const int ts = ggml_quant_type_size(type), k = xq->k, unit = exact_k(type) ? 256 : 32, nu = k / unit;
     const int8_t *x[2];
     const int16_t *bsums[2];
-    for (int i = 0; i < 2; i++) {
+    for (int i = 0; i < MR; i++) {
         x[i] = xq->qs + rows[i] * (size_t)k;
         bsums[i] = xq->bsums + rows[i] * (size_t)(k / 16);
     }
     __m256i pbuf[8][ROWS_UNITS], mbuf[8][ROWS_UNITS], xsum[2][ROWS_UNITS];
     if (is_k)
-        for (int i = 0; i < 2; i++)
-            for (int u = 0; u < nu; u++)
+        for (int i = 0; i < MR; i++)
+            for (int u = 0; u < nu; u++) /* lane c: x's sum over sub-block c */
                 xsum[i][u] = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(bsums[i] + (size_t)u * 16)),
                                                _mm256_set1_epi16(1));
     for (int j = 0; j < 8; j++)
         for (int u = 0; u < nu; u++) {
             const uint8_t *blk = wr[j] + (size_t)u * ts;
-            const int8_t *x0 = x[0] + (size_t)u * unit, *x1 = x[1] + (size_t)u * unit;
+            /* Only the first rows of x stream the weights; a lone row after pairs finds them in cache. */
             if (rows[0] == 0)
                 for (int l = 0; l < ts; l += 64) __builtin_prefetch(blk + STREAM_AHEAD + l, 0, 2);
-            __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();
+            __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             if (is_q6) {
                 const int8_t *sc = (const int8_t *)(blk + 192);
                 for (int c = 0; c < 8; c++) {
                     const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
-                    p0 = _mm256_add_epi32(p0, dot_scaled(q, x0 + 32 * c, scale));
-                    p1 = _mm256_add_epi32(p1, dot_scaled(q, x1 + 32 * c, scale));
+                    for (int i = 0; i < MR; i++)
+                        p[i] = _mm256_add_epi32(p[i], dot_scaled(q, x[i] + (size_t)u * unit + 32 * c, scale));
                 }
                 const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
-                const __m256i o0 =
-                    _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums[0] + (size_t)u * 16)));
-                const __m256i o1 =
-                    _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums[1] + (size_t)u * 16)));
-                p0 = _mm256_sub_epi32(p0, _mm256_slli_epi32(o0, 5));
-                p1 = _mm256_sub_epi32(p1, _mm256_slli_epi32(o1, 5));
+                for (int i = 0; i < MR; i++) {
+                    const __m256i offset =
+                        _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i *)(bsums[i] + (size_t)u * 16)));
+                    p[i] = _mm256_sub_epi32(p[i], _mm256_slli_epi32(offset, 5));
+                }
             } else if (is_k) {
                 uint64_t sc8, mn8;
                 k_scales_mins(blk + 4, &sc8, &mn8);
                 for (int c = 0; c < 8; c++) {
                     const __m256i q = k_values(type, blk, c), scale = scale_one((int)((sc8 >> (8 * c)) & 0xFF));
-                    p0 = _mm256_add_epi32(p0, dot_scaled(q, x0 + 32 * c, scale));
-                    p1 = _mm256_add_epi32(p1, dot_scaled(q, x1 + 32 * c, scale));
+                    for (int i = 0; i < MR; i++)
+                        p[i] = _mm256_add_epi32(p[i], dot_scaled(q, x[i] + (size_t)u * unit + 32 * c, scale));
                 }
                 const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
-                mbuf[j][u] = fold_pair(_mm256_mullo_epi32(mins, xsum[0][u]), _mm256_mullo_epi32(mins, xsum[1][u]));
+                __m256i mp[2];
+                for (int i = 0; i < MR; i++) mp[i] = _mm256_mullo_epi32(mins, xsum[i][u]);
+                mbuf[j][u] = rows_pack(MR, mp);
             } else {
                 w32_t wb;
                 unpack32(type, blk, &wb); /* its d and m unused: block_scales below */
-                p0 = is_signed32(type) ? dot_signed(wb.q, wb.aq, x0) : dot_unsigned(wb.q, x0);
-                p1 = is_signed32(type) ? dot_signed(wb.q, wb.aq, x1) : dot_unsigned(wb.q, x1);
+                for (int i = 0; i < MR; i++) {
+                    const int8_t *xu = x[i] + (size_t)u * unit;
+                    p[i] = is_signed32(type) ? dot_signed(wb.q, wb.aq, xu) : dot_unsigned(wb.q, xu);
+                }
             }
-            pbuf[j][u] = fold_pair(p0, p1);
+            pbuf[j][u] = rows_pack(MR, p);
         }
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int u = 0; u < nu; u++) {
         __m256i pv[8], mv[8];
         __m256 pt[2], mt[2], dx[2];
         for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u], mv[j] = mbuf[j][u];
-        pair_totals(pv, pt);
-        for (int i = 0; i < 2; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
+        rows_totals(MR, pv, pt);
+        for (int i = 0; i < MR; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
         if (is_q6) {
             float dw[8];
             for (int j = 0; j < 8; j++) dw[j] = fp16_at(wr[j] + (size_t)u * ts + 208);
             const __m256 dwv = by_column(dw, 8);
-            for (int i = 0; i < 2; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dwv), dx[i], acc[i]);
+            for (int i = 0; i < MR; i++) acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dwv), dx[i], acc[i]);
             continue;
         }
         __m256 dw, mw;
         block_scales(8, wr, (size_t)u * ts, &dw, &mw);
-        if (is_k) pair_totals(mv, mt);
-        for (int i = 0; i < 2; i++) {
+        if (is_k) rows_totals(MR, mv, mt);
+        for (int i = 0; i < MR; i++) {
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dw), dx[i], acc[i]);
             if (is_k) /* mw holds dmin: the tiles' -dmin */
                 acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(mt[i], _mm256_xor_ps(mw, _mm256_set1_ps(-0.f))), dx[i], acc[i]);
@@ -1675,15 +1615,14 @@ ALWAYS_INLINE void exact_rows_pair(const int type, const uint8_t *const *wr, con
                 acc[i] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq->s[rows[i] * (size_t)nu + u]), acc[i]);
         }
     }
-    _mm256_storeu_ps(res, acc[0]);
-    _mm256_storeu_ps(res + 8, acc[1]);
+    for (int i = 0; i < MR; i++) _mm256_storeu_ps(res + 8 * i, acc[i]);
 }
 
 /* The small tile for a type (constant in each function below, so this folds away). */
 ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, const uint8_t *const *wr,
                                  const xq_t *xq, const size_t *rows, float *res) {
     if (MR == 1 && rows_serve(type, xq->k))
-        exact_rows(type, wr, xq, rows[0], res);
+        exact_rows(type, 1, wr, xq, rows, res);
     else if (type == Q6_K)
         exact_tile_q6k(MR, NR, wr, xq, rows, res);
     else if (exact_k(type))
@@ -1700,7 +1639,7 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
         exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
     }                                                                                                          \
     static void exact_##T##_2_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_rows_pair(T, wr, xq, rows, res);                                                                \
+        exact_rows(T, 2, wr, xq, rows, res);                                                                  \
     }
 EXACT_TILE_FNS(Q4_0)
 EXACT_TILE_FNS(Q4_1)
@@ -1714,7 +1653,7 @@ EXACT_TILE_FNS(Q6_K)
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
 /* [0]: one row by 8 columns, [1]: two rows by 4, [2]: two rows by 8, their weight rows streamed
- * (exact_rows_pair, for the types and lengths rows_serve takes). */
+ * (exact_rows, for the types and lengths rows_serve takes). */
 static const exact_fn *exact_tiles_for(int type) {
 #define TILES3(T) {exact_##T##_1_8, exact_##T##_2_4, exact_##T##_2_8}
     static const exact_fn t40[] = TILES3(Q4_0), t41[] = TILES3(Q4_1), t50[] = TILES3(Q5_0), t51[] = TILES3(Q5_1),
