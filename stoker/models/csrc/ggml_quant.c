@@ -1684,8 +1684,9 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
 }
 
 /* Thread t of nt's share for fewer rows than gemm_serves: groups of 8 weight rows,
- * rows of x two at a time (2 x 4 tiles), an odd last one alone (1 x 8). The
- * last group's missing weight rows repeat its last one and are not written.
+ * rows of x two at a time (exact_rows' pairs where rows_serve, else 2 x 4
+ * tiles), an odd last one alone (1 x 8: exact_rows or the tile). The last
+ * group's missing weight rows repeat its last one and are not written.
  * One row alone (a single stream's decode) takes 1 x 8. (It once took the
  * 2 x 4 tile with itself twice, streaming four weight rows instead of eight:
  * 4-5% faster on Zen 4 before the tiles prefetched the rows ahead. With the
