@@ -1510,8 +1510,7 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
 #define ROWS_UNITS 32
 #define STREAM_AHEAD 8192
 ALWAYS_INLINE int rows_serve(int type, int k) {
-    const int unit = exact_k(type) ? 256 : 32;
-    return (exact_k(type) || type == Q8_0) && k / unit <= ROWS_UNITS;
+    return (exact_k(type) || type == Q8_0) && k / block_elems(type) <= ROWS_UNITS;
 }
 /* One vector of sums for pbuf: one row's as they are, a pair's folded to 4 lanes each. */
 ALWAYS_INLINE __m256i rows_pack(const int MR, const __m256i *p) {
@@ -1535,7 +1534,7 @@ ALWAYS_INLINE void rows_totals(const int MR, const __m256i v[8], __m256 *out) {
 ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const *wr, const xq_t *xq,
                               const size_t *rows, float *res) {
     const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
-    const int ts = ggml_quant_type_size(type), k = xq->k, unit = exact_k(type) ? 256 : 32, nu = k / unit;
+    const int ts = ggml_quant_type_size(type), k = xq->k, unit = block_elems(type), nu = k / unit;
     const int8_t *x[2];
     const int16_t *bsums[2];
     for (int i = 0; i < MR; i++) {
@@ -1594,7 +1593,7 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
     for (int u = 0; u < nu; u++) {
         __m256i pv[8], mv[8];
         __m256 pt[2], mt[2], dx[2];
-        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u], mv[j] = mbuf[j][u];
+        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u];
         rows_totals(MR, pv, pt);
         for (int i = 0; i < MR; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
         if (is_q6) {
@@ -1606,7 +1605,10 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
         }
         __m256 dw, mw;
         block_scales(8, wr, (size_t)u * ts, &dw, &mw);
-        if (is_k) rows_totals(MR, mv, mt);
+        if (is_k) {
+            for (int j = 0; j < 8; j++) mv[j] = mbuf[j][u];
+            rows_totals(MR, mv, mt);
+        }
         for (int i = 0; i < MR; i++) {
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dw), dx[i], acc[i]);
             if (is_k) /* mw holds dmin: the tiles' -dmin */
@@ -1621,9 +1623,7 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
 /* The small tile for a type (constant in each function below, so this folds away). */
 ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, const uint8_t *const *wr,
                                  const xq_t *xq, const size_t *rows, float *res) {
-    if (MR == 1 && rows_serve(type, xq->k))
-        exact_rows(type, 1, wr, xq, rows, res);
-    else if (type == Q6_K)
+    if (type == Q6_K)
         exact_tile_q6k(MR, NR, wr, xq, rows, res);
     else if (exact_k(type))
         exact_tile_k(type, MR, NR, wr, xq, rows, res);
@@ -1638,7 +1638,10 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
     static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
     }                                                                                                          \
-    static void exact_##T##_2_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+    static void rows_##T##_1(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
+        exact_rows(T, 1, wr, xq, rows, res);                                                                  \
+    }                                                                                                          \
+    static void rows_##T##_2(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
         exact_rows(T, 2, wr, xq, rows, res);                                                                  \
     }
 EXACT_TILE_FNS(Q4_0)
@@ -1652,13 +1655,13 @@ EXACT_TILE_FNS(Q6_K)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
-/* [0]: one row by 8 columns, [1]: two rows by 4, [2]: two rows by 8, their weight rows streamed
- * (exact_rows, for the types and lengths rows_serve takes). */
+/* [0]: one row by 8 columns, [1]: two rows by 4 (the tiles); [2]: one row, [3]: two rows by 8,
+ * their weight rows streamed (exact_rows, for the types and lengths rows_serve takes). */
 static const exact_fn *exact_tiles_for(int type) {
-#define TILES3(T) {exact_##T##_1_8, exact_##T##_2_4, exact_##T##_2_8}
-    static const exact_fn t40[] = TILES3(Q4_0), t41[] = TILES3(Q4_1), t50[] = TILES3(Q5_0), t51[] = TILES3(Q5_1),
-                          t80[] = TILES3(Q8_0), t4k[] = TILES3(Q4_K), t5k[] = TILES3(Q5_K), t6k[] = TILES3(Q6_K);
-#undef TILES3
+#define KERNELS(T) {exact_##T##_1_8, exact_##T##_2_4, rows_##T##_1, rows_##T##_2}
+    static const exact_fn t40[] = KERNELS(Q4_0), t41[] = KERNELS(Q4_1), t50[] = KERNELS(Q5_0), t51[] = KERNELS(Q5_1),
+                          t80[] = KERNELS(Q8_0), t4k[] = KERNELS(Q4_K), t5k[] = KERNELS(Q5_K), t6k[] = KERNELS(Q6_K);
+#undef KERNELS
     switch (type) {
     case Q4_0: return t40;
     case Q4_1: return t41;
@@ -1707,7 +1710,7 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
             if (stream_rows) {
                 float res[16];
                 const int count = n - j0 < 8 ? n - j0 : 8;
-                fns[2](wr, xq, rows, res);
+                fns[3](wr, xq, rows, res);
                 write_row(y, rows[0], y_stride, j0, res, count, y_bf16, bias, accumulate);
                 write_row(y, rows[1], y_stride, j0, res + 8, count, y_bf16, bias, accumulate);
             } else {
@@ -1717,7 +1720,7 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
         if (i < m) {
             const size_t rows[1] = {(size_t)i};
             float res[8];
-            fns[0](wr, xq, rows, res);
+            fns[stream_rows ? 2 : 0](wr, xq, rows, res);
             write_row(y, rows[0], y_stride, j0, res, n - j0 < 8 ? n - j0 : 8, y_bf16, bias, accumulate);
         }
     }
