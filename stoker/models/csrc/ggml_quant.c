@@ -841,6 +841,19 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
     }
 }
 
+/* The GEMM's requests for weight rows ahead (the unpack's eight rows on, the
+ * tiles' panels ahead), into L2 (hint T1) while an unpacked panel fits in a
+ * quarter of it: asked into L1, they held its few miss buffers, and at 4-8
+ * rows of x the products read their weights 10-45% slower (Q8_0, Q6_K and
+ * Q4_K on Zen 4; docs/perf/decode-step.md, "Attention's prefetch"). Panels of
+ * longer rows (the 8B's down, k = 14336) keep L1: sent to L2, the rows asked
+ * for evicted the panel being swept (Q6_K down 30% slower). */
+#define PANEL_PREFETCH_L2_BYTES (256 * 1024)
+ALWAYS_INLINE void panel_prefetch(const void *p, int nb) {
+    if ((size_t)nb * 32 * GEMM_PANEL <= PANEL_PREFETCH_L2_BYTES) __builtin_prefetch(p, 0, 2);
+    else __builtin_prefetch(p);
+}
+
 /* Bytes of one thread's GEMM scratch (one unpacked panel) for m rows of k elements: none below GEMM_MIN_ROWS. */
 static size_t gemm_scratch_bytes(int k, int m) {
     if (m < GEMM_MIN_ROWS) return 0;
@@ -977,8 +990,8 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
                 blocks[c] = c0 + c < cols ? w + (size_t)(c0 + c) * row_bytes + (size_t)sb * ts : zero_superblock;
                 /* the same super-block of the row eight on (see gemm_unpack_as) */
                 const uint8_t *ahead = w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)sb * ts;
-                for (int l = 0; l < ts; l += 64) __builtin_prefetch(ahead + l);
-                __builtin_prefetch(ahead + ts - 1);
+                for (int l = 0; l < ts; l += 64) panel_prefetch(ahead + l, nb);
+                panel_prefetch(ahead + ts - 1, nb);
             }
             __m128i t[4];
             uint64_t sc8[8], mn8[8];
@@ -1076,7 +1089,7 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
              * next panel's first): rows of a few hundred bytes end before the hardware
              * prefetcher has learned them, and a decode step reads each weight from memory. */
             for (int c = 0; c < 8; c++)
-                __builtin_prefetch(w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)b * row_bytes / (size_t)nb);
+                panel_prefetch(w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)b * row_bytes / (size_t)nb, nb);
             if (type == Q4_0 || type == Q4_1) { /* transposed while packed: see nibble_panel */
                 for (int c = 0; c < 8; c++)
                     blocks[c] = c0 + c < cols ? w + (size_t)(c0 + c) * row_bytes + (size_t)b * ts : zero_block;
@@ -1140,7 +1153,7 @@ typedef struct {
 ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
     if (!pf.ahead) return;
     const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
-    for (size_t l = from; l < to; l++) __builtin_prefetch(pf.ahead + 64 * l);
+    for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
 }
 
 /* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
