@@ -407,7 +407,7 @@ ALWAYS_INLINE void key_rows(const AttnLayer *layer, const void *cache, const int
      * Into L2 (hint T1), as the row kernels ask for weights: asked into L1, the
      * prefetches held L1's few miss buffers, and a 1B decode row read a
      * 2,000-token context at ~6 GB/s a thread, the prefetch instructions
-     * themselves stalling (docs/perf/decode-step.md, "Attention's prefetch").
+     * themselves stalling (docs/perf/decode-step.md, "Prefetch into L2").
      * 64 keys ahead was level with 32, 128 behind. */
     const int ahead = t0 + KV_PREFETCH_KEYS;
     if (ahead < L) {
