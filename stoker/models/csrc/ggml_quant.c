@@ -845,8 +845,8 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
 }
 
 /* The GEMM's requests for weight rows ahead (the unpack's eight rows on, the
- * tiles' panels ahead), into L2 (hint T1) while an unpacked panel fits in a
- * quarter of it: asked into L1, they held its few miss buffers, and at 4-8
+ * tiles' panels ahead), into L2 (hint T1) while an unpacked panel takes at
+ * most 256 KB (a quarter of this Zen 4's L2, half a Zen 3's): asked into L1, they held its few miss buffers, and at 4-8
  * rows of x the products read their weights 10-45% slower (Q8_0, Q6_K and
  * Q4_K on Zen 4; docs/perf/decode-step.md, "Prefetch into L2"). Panels of
  * longer rows (the 8B's down, k = 14336) keep L1: sent to L2, the rows asked
