@@ -404,17 +404,14 @@ ALWAYS_INLINE void key_rows(const AttnLayer *layer, const void *cache, const int
     /* The rows of keys KV_PREFETCH_KEYS ahead: a decode row reads its context
      * once, from memory, in rows spread over blocks where the hardware
      * prefetcher loses the stream, so the loads above would wait on DRAM.
-     * Into L2 (hint T1), as the row kernels ask for weights: asked into L1, the
-     * prefetches held L1's few miss buffers, and a 1B decode row read a
-     * 2,000-token context at ~6 GB/s a thread, the prefetch instructions
-     * themselves stalling (docs/perf/decode-step.md, "Prefetch into L2").
-     * 64 keys ahead was level with 32, 128 behind. */
+     * Into L2 (prefetch_l2): into L1, a 1B decode row read a 2,000-token
+     * context at ~6 GB/s a thread. 64 keys ahead was level with 32, 128 behind. */
     const int ahead = t0 + KV_PREFETCH_KEYS;
     if (ahead < L) {
         int pb = ahead / BS, po = ahead % BS;
         const uint8_t *next = BLOCK_ROW(pb, po);
         for (int i = 0; i < 8 && ahead + i < L; i++) {
-            for (size_t line = 0; line < row_bytes; line += 64) __builtin_prefetch(next + line, 0, 2);
+            for (size_t line = 0; line < row_bytes; line += 64) prefetch_l2(next + line);
             if (++po < BS) next += token_bytes;
             else if (ahead + i + 1 < L) pb++, po = 0, next = BLOCK_ROW(pb, 0);
         }

@@ -52,6 +52,15 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Asks for the line at p into L2 (hint T1), as the kernels here ask for what
+ * they read next from memory (but the GEMM's panels of long rows: see
+ * panel_prefetch). Into L1 (T0) the requests held L1's few miss
+ * buffers and the prefetch instructions themselves stalled: the one-row
+ * products, attention over a long context, the GEMM's and the tiles' weight
+ * rows all ran 10-45% slower on Zen 4 (docs/perf/decode-step.md, "Prefetch
+ * into L2"; T0 and NTA were worse for the row kernels too). */
+ALWAYS_INLINE void prefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
+
 /* Eight floats (and eight int32): GCC/clang vector extensions, lowered to what
  * the ISA has (a ymm register on AVX2/AVX-512, two xmm on SSE2). Every
  * operation is lane by lane, so code on them does exactly the scalar
@@ -549,12 +558,12 @@ ALWAYS_INLINE void unpackk(const int type, const uint8_t *b, wk_t *w) {
  * The tile kernels ask as they go only for one or two rows of x (m <= 2): in
  * their 3- and 4-row tiles the same asking cost an AVX2 Q4_K prefill 20%, so
  * for m > 2 matmul_thread asks for a pair's rows at once before its tiles.
- * Into L2 (hint T1), as the row kernels and the GEMM ask: into L1 the requests
- * held its miss buffers (0.5B Q5_0 gate+up one row 21.6 -> 26.8 GB/s, 8B down
- * Q4_K 27.3 -> 32.9, the 0.5B's Q8_0 LM head at 3 rows 14.5 -> 20.1). */
+ * Into L2 (prefetch_l2; into L1: 0.5B Q5_0 gate+up one row 21.6 rather than
+ * 26.8 GB/s, 8B down Q4_K 27.3 rather than 32.9, the 0.5B's Q8_0 LM head at 3
+ * rows 14.5 rather than 20.1). */
 #define PREFETCH_ROWS 8
 ALWAYS_INLINE void prefetch_ahead(const uint8_t *p, size_t row_bytes, int bytes) {
-    for (int l = 0; l < bytes; l += 64) __builtin_prefetch(p + PREFETCH_ROWS * row_bytes + (size_t)l, 0, 2);
+    for (int l = 0; l < bytes; l += 64) prefetch_l2(p + PREFETCH_ROWS * row_bytes + (size_t)l);
 }
 
 ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint8_t *w, size_t row_bytes,
@@ -845,15 +854,14 @@ ALWAYS_INLINE __m256i stored32(int type, const uint8_t *b) {
 }
 
 /* The GEMM's requests for weight rows ahead (the unpack's eight rows on, the
- * tiles' panels ahead), into L2 (hint T1) while an unpacked panel takes at
- * most 256 KB (a quarter of this Zen 4's L2, half a Zen 3's): asked into L1, they held its few miss buffers, and at 4-8
- * rows of x the products read their weights 10-45% slower (Q8_0, Q6_K and
- * Q4_K on Zen 4; docs/perf/decode-step.md, "Prefetch into L2"). Panels of
- * longer rows (the 8B's down, k = 14336) keep L1: sent to L2, the rows asked
- * for evicted the panel being swept (Q6_K down 30% slower). */
+ * tiles' panels ahead): into L2 (prefetch_l2) while an unpacked panel takes at
+ * most 256 KB (a quarter of this Zen 4's L2, half a Zen 3's); into L1, at 4-8
+ * rows of x the products read their weights 10-45% slower. Panels of longer
+ * rows (the 8B's down, k = 14336) keep L1: sent to L2, the rows asked for
+ * evicted the panel being swept (Q6_K down 30% slower). */
 #define PANEL_PREFETCH_L2_BYTES (256 * 1024)
 ALWAYS_INLINE void panel_prefetch(const void *p, int nb) {
-    if ((size_t)nb * 32 * GEMM_PANEL <= PANEL_PREFETCH_L2_BYTES) __builtin_prefetch(p, 0, 2);
+    if ((size_t)nb * 32 * GEMM_PANEL <= PANEL_PREFETCH_L2_BYTES) prefetch_l2(p);
     else __builtin_prefetch(p);
 }
 
@@ -1568,7 +1576,7 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
             const uint8_t *blk = wr[j] + (size_t)u * ts;
             /* Only the first rows of x stream the weights; a lone row after pairs finds them in cache. */
             if (rows[0] == 0)
-                for (int l = 0; l < ts; l += 64) __builtin_prefetch(blk + STREAM_AHEAD + l, 0, 2);
+                for (int l = 0; l < ts; l += 64) prefetch_l2(blk + STREAM_AHEAD + l);
             __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             if (is_q6) {
                 const int8_t *sc = (const int8_t *)(blk + 192);
