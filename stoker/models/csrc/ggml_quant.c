@@ -1725,7 +1725,7 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
     const int groups = (n + 7) / 8, stream_rows = rows_serve(type, xq->k);
     const int lo = (int)((long)groups * t / nt), hi = (int)((long)groups * (t + 1) / nt);
     for (int g = lo; g < hi; g++) {
-        const int j0 = g * 8;
+        const int j0 = g * 8, count = n - j0 < 8 ? n - j0 : 8; /* the group's columns */
         const uint8_t *wr[8];
         for (int j = 0; j < 8; j++) wr[j] = w + (size_t)(j0 + j < n ? j0 + j : n - 1) * row_bytes;
         int i = 0;
@@ -1733,7 +1733,6 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
             const size_t rows[2] = {(size_t)i, (size_t)i + 1};
             if (stream_rows) {
                 float res[16];
-                const int count = n - j0 < 8 ? n - j0 : 8;
                 fns[3](wr, xq, rows, res);
                 write_row(y, rows[0], y_stride, j0, res, count, y_bf16, bias, accumulate);
                 write_row(y, rows[1], y_stride, j0, res + 8, count, y_bf16, bias, accumulate);
@@ -1745,7 +1744,7 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
             const size_t rows[1] = {(size_t)i};
             float res[8];
             fns[stream_rows ? 2 : 0](wr, xq, rows, res);
-            write_row(y, rows[0], y_stride, j0, res, n - j0 < 8 ? n - j0 : 8, y_bf16, bias, accumulate);
+            write_row(y, rows[0], y_stride, j0, res, count, y_bf16, bias, accumulate);
         }
     }
 }
