@@ -1401,6 +1401,21 @@ ALWAYS_INLINE __m256 by_row(const float *v, const int NR) {
 
 /* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
  * output (q / NR, q % NR), with the GEMM's arithmetic. */
+/* The signed 32-blocks' dots are taken with their stored values (value +
+ * gemm_offset, unsigned, as the GEMM takes them) and the offset times x's
+ * block sum taken back out of the integer totals here, lane q of `totals`
+ * being row rows[q / NR]'s: the same integers as the sign trick's
+ * |w| . sign(x, w) without its two sign operations per 32 values. */
+ALWAYS_INLINE __m256i minus_offset(const int type, __m256i totals, const xq_t *xq, const size_t *rows, int b, int nb,
+                                   const int NR) {
+    const int offset = gemm_offset(type);
+    if (!offset) return totals;
+    const int o0 = offset * (int)xq->isum[rows[0] * (size_t)nb + b];
+    if (NR == 8) return _mm256_sub_epi32(totals, _mm256_set1_epi32(o0));
+    const int o1 = offset * (int)xq->isum[rows[1] * (size_t)nb + b];
+    return _mm256_sub_epi32(totals, _mm256_set_m128i(_mm_set1_epi32(o1), _mm_set1_epi32(o0)));
+}
+
 ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const uint8_t *const *wr, const xq_t *xq,
                               const size_t *rows, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
@@ -1412,13 +1427,9 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
         __m256i p[8];
         /* Each weight block's dots right after its unpack: only the 8 integer sums stay live. */
         for (int j = 0; j < NR; j++) {
-            w32_t wb;
             if (rows[0] == 0) prefetch_ahead(wr[j] + (size_t)b * ts, (size_t)nb * ts, 1);
-            unpack32(type, wr[j] + (size_t)b * ts, &wb); /* its d and m unused: block_scales below */
-            for (int i = 0; i < MR; i++) {
-                const int8_t *xb = x[i] + (size_t)b * 32;
-                p[i * NR + j] = is_signed32(type) ? dot_signed(wb.q, wb.aq, xb) : dot_unsigned(wb.q, xb);
-            }
+            const __m256i q = stored32(type, wr[j] + (size_t)b * ts);
+            for (int i = 0; i < MR; i++) p[i * NR + j] = dot_unsigned(q, x[i] + (size_t)b * 32);
         }
         for (int i = 0; i < MR; i++) {
             dx[i] = xq->d[rows[i] * (size_t)nb + b];
@@ -1426,7 +1437,7 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
         }
         __m256 dw, mw;
         block_scales(NR, wr, (size_t)b * ts, &dw, &mw);
-        const __m256 isum = _mm256_cvtepi32_ps(lane_totals(p));
+        const __m256 isum = _mm256_cvtepi32_ps(minus_offset(type, lane_totals(p), xq, rows, b, nb, NR));
         acc = _mm256_fmadd_ps(_mm256_mul_ps(isum, dw), by_row(dx, NR), acc);
         if (has_min32(type)) acc = _mm256_fmadd_ps(mw, by_row(sx, NR), acc);
     }
@@ -1543,18 +1554,96 @@ ALWAYS_INLINE __m256i rows_pack(const int MR, const __m256i *p) {
     const __m128i f1 = _mm_add_epi32(_mm256_castsi256_si128(p[1]), _mm256_extracti128_si256(p[1], 1));
     return _mm256_set_m128i(f1, f0);
 }
-/* v[j] = rows_pack of weight row j's sums: lane j of out[i] is x row i's total, as fp32. */
-ALWAYS_INLINE void rows_totals(const int MR, const __m256i v[8], __m256 *out) {
+/* v[j] = rows_pack of weight row j's sums: lane j of out[i] is x row i's total. */
+ALWAYS_INLINE void rows_totals(const int MR, const __m256i v[8], __m256i *out) {
     if (MR == 1) {
-        out[0] = _mm256_cvtepi32_ps(lane_totals(v));
+        out[0] = lane_totals(v);
         return;
     }
     const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
     const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
     const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-    out[0] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x20));
-    out[1] = _mm256_cvtepi32_ps(_mm256_permute2x128_si256(a, b, 0x31));
+    out[0] = _mm256_permute2x128_si256(a, b, 0x20);
+    out[1] = _mm256_permute2x128_si256(a, b, 0x31);
 }
+#if QUANT_ISA == 3
+/* exact_rows' integer sums for one K-quant super-block with AVX-512, for
+ * MR rows of x (xu[i]: the unit's 256 values), 64 values a step: vpdpbusd
+ * gives lanes of four products (|lane| <= 4 * 63 * 127 < 2^15, so a lane is
+ * its own low int16) and vpdpwssd adds lane * scale, the scale the low int16
+ * of its dword and the high one zero. The same integers as dot_scaled's,
+ * unpacked with fewer instructions (Q6_K: one vpternlogd joins each 64
+ * values' two parts). The 256-bit kernels read 1B weights at ~39 GB/s from
+ * L3 as from memory, while a plain read made 50-60 GB/s on this Zen 4 when
+ * its memory was quick; from L3 these take Q6_K to ~60 GB/s and Q4_K to
+ * ~45 (docs/perf/decode-step.md, "The one-row kernels' own ceiling"). p[i]
+ * holds P as lanes to add. */
+ALWAYS_INLINE __m256i fold512(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+/* Lanes 0-7 of `all` at a, 8-15 at b (Q4_K: each sub-block's scale over its 32 values). */
+ALWAYS_INLINE __m512i scale_halves(__m512i all, int a, int b) {
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(b, b, b, b, b, b, b, b, a, a, a, a, a, a, a, a), all);
+}
+/* Lanes 4g .. 4g + 3 of the result at base + g (Q6_K: a scale per 16 values). */
+ALWAYS_INLINE __m512i scale_quarters(__m512i all, int base) {
+    const int a = base, b = base + 1, c = base + 2, d = base + 3;
+    return _mm512_permutexvar_epi32(_mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a), all);
+}
+ALWAYS_INLINE void k_unit_sums512(const int type, const int MR, const uint8_t *blk, uint64_t sc8,
+                                  const int8_t *const *xu, __m256i *p) {
+    const __m512i all = _mm512_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc8)), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i by4 = _mm512_set_epi64(0x0004000400040004LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                         0x0004000400040004LL, 0, 0, 0, 0); /* upper half: the high nibbles */
+    const uint8_t *qs = type == Q5_K ? blk + 48 : blk + 16;
+    const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16))); /* Q5_K */
+    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int pair = 0; pair < 4; pair++) { /* sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high) */
+        const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * pair)));
+        __m512i q = _mm512_and_si512(_mm512_srlv_epi16(packed, by4), low4);
+        if (type == Q5_K) { /* sub-block j's fifth bits: bit j of qh's bytes */
+            const __m512i bit = _mm512_mask_blend_epi64(0xF0, _mm512_set1_epi8((char)(1 << (2 * pair))),
+                                                        _mm512_set1_epi8((char)(1 << (2 * pair + 1))));
+            q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(qh, bit), q, _mm512_set1_epi8(0x10));
+        }
+        const __m512i scale = scale_halves(all, 2 * pair, 2 * pair + 1);
+        for (int i = 0; i < MR; i++) {
+            const __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, _mm512_loadu_si512(xu[i] + 64 * pair));
+            acc[i] = _mm512_dpwssd_epi32(acc[i], d, scale);
+        }
+    }
+    for (int i = 0; i < MR; i++) p[i] = fold512(acc[i]);
+}
+/* Q6_K: 64 values a step, their low nibbles from 64 bytes of ql and bits 4-5
+ * from qh shifted per 256-bit half (as q6_chunk), joined by one vpternlogd. */
+ALWAYS_INLINE void q6k_unit_sums512(const int MR, const uint8_t *blk, const int8_t *const *xu, __m256i *p) {
+    const __m512i all = _mm512_cvtepu16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192))));
+    const __m512i bits45 = _mm512_set1_epi8(0x30), low4 = _mm512_set1_epi8(0x0F);
+    const __m512i up_lo = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                           0x0002000200020002LL, 0x0004000400040004LL, 0x0004000400040004LL,
+                                           0x0004000400040004LL, 0x0004000400040004LL); /* chunk 0 << 4, 1 << 2 */
+    const __m512i down_hi = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
+                                             0x0002000200020002LL, 0, 0, 0, 0); /* chunk 2 as is, 3 >> 2 */
+    __m512i acc[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+    for (int half = 0; half < 2; half++) {
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)));
+        const __m512i h01 = _mm512_and_si512(_mm512_sllv_epi16(qh, up_lo), bits45);
+        const __m512i h23 = _mm512_and_si512(_mm512_srlv_epi16(qh, down_hi), bits45);
+        /* bits 0-3 from the first operand, the rest from the second (0xE4: c ? a : b) */
+        const __m512i q01 = _mm512_ternarylogic_epi32(ql, h01, low4, 0xE4);
+        const __m512i q23 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), h23, low4, 0xE4);
+        const __m512i s01 = scale_quarters(all, 8 * half), s23 = scale_quarters(all, 8 * half + 4);
+        for (int i = 0; i < MR; i++) {
+            const int8_t *x = xu[i] + 128 * half;
+            acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q01, _mm512_loadu_si512(x)), s01);
+            acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q23, _mm512_loadu_si512(x + 64)), s23);
+        }
+    }
+    for (int i = 0; i < MR; i++) p[i] = fold512(acc[i]);
+}
+#endif
+
 ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const *wr, const xq_t *xq,
                               const size_t *rows, float *res) {
     const int is_q6 = type == Q6_K, is_k = type == Q4_K || type == Q5_K;
@@ -1580,11 +1669,16 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
             __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             if (is_q6) {
                 const int8_t *sc = (const int8_t *)(blk + 192);
+#if QUANT_ISA == 3
+                const int8_t *xu[2] = {x[0] + (size_t)u * unit, MR > 1 ? x[1] + (size_t)u * unit : NULL};
+                q6k_unit_sums512(MR, blk, xu, p);
+#else
                 for (int c = 0; c < 8; c++) {
                     const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
                     for (int i = 0; i < MR; i++)
                         p[i] = _mm256_add_epi32(p[i], dot_scaled(q, x[i] + (size_t)u * unit + 32 * c, scale));
                 }
+#endif
                 const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
                 for (int i = 0; i < MR; i++) {
                     const __m256i offset =
@@ -1594,31 +1688,33 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
             } else if (is_k) {
                 uint64_t sc8, mn8;
                 k_scales_mins(blk + 4, &sc8, &mn8);
+#if QUANT_ISA == 3
+                const int8_t *xu[2] = {x[0] + (size_t)u * unit, MR > 1 ? x[1] + (size_t)u * unit : NULL};
+                k_unit_sums512(type, MR, blk, sc8, xu, p);
+#else
                 for (int c = 0; c < 8; c++) {
                     const __m256i q = k_values(type, blk, c), scale = scale_one((int)((sc8 >> (8 * c)) & 0xFF));
                     for (int i = 0; i < MR; i++)
                         p[i] = _mm256_add_epi32(p[i], dot_scaled(q, x[i] + (size_t)u * unit + 32 * c, scale));
                 }
+#endif
                 const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
                 __m256i mp[2];
                 for (int i = 0; i < MR; i++) mp[i] = _mm256_mullo_epi32(mins, xsum[i][u]);
                 mbuf[j][u] = rows_pack(MR, mp);
-            } else {
-                w32_t wb;
-                unpack32(type, blk, &wb); /* its d and m unused: block_scales below */
-                for (int i = 0; i < MR; i++) {
-                    const int8_t *xu = x[i] + (size_t)u * unit;
-                    p[i] = is_signed32(type) ? dot_signed(wb.q, wb.aq, xu) : dot_unsigned(wb.q, xu);
-                }
+            } else { /* the offset comes out of the totals below (minus_offset) */
+                const __m256i q = stored32(type, blk);
+                for (int i = 0; i < MR; i++) p[i] = dot_unsigned(q, x[i] + (size_t)u * unit);
             }
             pbuf[j][u] = rows_pack(MR, p);
         }
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int u = 0; u < nu; u++) {
-        __m256i pv[8], mv[8];
+        __m256i pv[8], mv[8], totals[2];
         __m256 pt[2], mt[2], dx[2];
         for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u];
-        rows_totals(MR, pv, pt);
+        rows_totals(MR, pv, totals);
+        for (int i = 0; i < MR; i++) pt[i] = _mm256_cvtepi32_ps(minus_offset(type, totals[i], xq, rows + i, u, nu, 8));
         for (int i = 0; i < MR; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
         if (is_q6) {
             float dw[8];
@@ -1631,7 +1727,8 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
         block_scales(8, wr, (size_t)u * ts, &dw, &mw);
         if (is_k) {
             for (int j = 0; j < 8; j++) mv[j] = mbuf[j][u];
-            rows_totals(MR, mv, mt);
+            rows_totals(MR, mv, totals);
+            for (int i = 0; i < MR; i++) mt[i] = _mm256_cvtepi32_ps(totals[i]);
         }
         for (int i = 0; i < MR; i++) {
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(pt[i], dw), dx[i], acc[i]);
