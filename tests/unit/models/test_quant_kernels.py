@@ -153,6 +153,31 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("units", [32, 56, 57], ids=lambda u: f"{u}units")
+@pytest.mark.parametrize(
+    "qtype",
+    [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0],
+    ids=lambda t: t.name,
+)
+def test_long_rows_one_to_three_rows_match_the_gemm(isa: str, qtype: GGMLQuantizationType, units: int) -> None:
+    """One, two and three rows of x (the streamed row kernels up to 56 blocks a row,
+    the tiles past that) give the GEMM's bits, on rows as long as an 8B's down."""
+    k = units * GGML_QUANT_SIZES[qtype][0]
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    w = torch.from_numpy(random_blocks(qtype, 11, k, seed=3))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        full = mm(x, w, qtype)
+        for rows in (1, 2, 3):
+            assert torch.equal(mm(x[2 : 2 + rows], w, qtype), full[2 : 2 + rows]), rows
+    finally:
+        torch.set_num_threads(threads)
+    xf, wf = x.double().numpy(), quants.dequantize(w.numpy(), qtype).astype(np.float64)
+    bound = 1.001 * activation_bound(xf, wf, GGML_QUANT_SIZES[qtype][0]) + 1e-5 * (np.abs(xf) @ np.abs(wf).T)
+    assert np.all(np.abs(full.double().numpy() - xf @ wf.T) <= bound)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_dequantize_rows_equals_gguf(isa: str, qtype: GGMLQuantizationType) -> None:
     blocks = random_blocks(qtype, 11, k_for(qtype), seed=2)
