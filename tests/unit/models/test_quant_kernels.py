@@ -160,16 +160,17 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
     ids=lambda t: t.name,
 )
 def test_long_rows_one_to_three_rows_match_the_gemm(isa: str, qtype: GGMLQuantizationType, units: int) -> None:
-    """One, two and three rows of x (the streamed row kernels up to 56 blocks a row,
-    the tiles past that) give the GEMM's bits, on rows as long as an 8B's down."""
+    """One to four rows of x (the streamed row kernels up to 56 blocks a row, the
+    tiles past that; four rows of Q6_K) give the GEMM's bits, on rows as long as an
+    8B's down."""
     k = units * GGML_QUANT_SIZES[qtype][0]
-    x = torch.randn(8, k, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(3))
     w = torch.from_numpy(random_blocks(qtype, 11, k, seed=3))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         full = mm(x, w, qtype)
-        for rows in (1, 2, 3):
+        for rows in (1, 2, 3, 4):
             assert torch.equal(mm(x[2 : 2 + rows], w, qtype), full[2 : 2 + rows]), rows
     finally:
         torch.set_num_threads(threads)
