@@ -6,6 +6,7 @@ ladder.md (tables), ladder.json (everything) and ladder.png (the plot)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -200,7 +201,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     width = 0.8 / max(1, len(engines))
     for ax, (key, title) in zip(axes[0], panels):
         for i, engine in enumerate(engines):
-            values = [r["engines"].get(engine, {}).get(key) or 0.0 for r in rungs]
+            # a phase a rung did not run draws no bar (NaN), not a bar of 0
+            values = [r["engines"].get(engine, {}).get(key) or math.nan for r in rungs]
             ax.bar([x + i * width for x in range(len(rungs))], values, width, label=engine)
         if key == "decode_tok_s":
             ax.scatter(
