@@ -814,7 +814,8 @@ typedef __m256 gemm_f;
  * (16 columns, 3 rows a tile) was measured only built for AVX2 on that Zen 4:
  * ahead of the tiles from 8 rows for the K-quants too (Q6_K 1.4x, Q4_K 1.2x
  * at 8); below 8 it was not measured there, so it keeps 8. Scratch is sized
- * by this (gemm_scratch_bytes). */
+ * by this (gemm_scratch_bytes). Four rows of Q6_K, where the streamed row
+ * kernels serve, go to them instead (rows_take_four). */
 #if QUANT_ISA == 3
 #define GEMM_MIN_ROWS 4
 #else
