@@ -1400,8 +1400,6 @@ ALWAYS_INLINE __m256 by_row(const float *v, const int NR) {
     return _mm256_set_m128(_mm_set1_ps(v[1]), _mm_set1_ps(v[0]));
 }
 
-/* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
- * output (q / NR, q % NR), with the GEMM's arithmetic. */
 /* The signed 32-blocks' dots are taken with their stored values (value +
  * gemm_offset, unsigned, as the GEMM takes them) and the offset times x's
  * block sum taken back out of the integer totals here, lane q of `totals`
@@ -1417,6 +1415,8 @@ ALWAYS_INLINE __m256i minus_offset(const int type, __m256i totals, const xq_t *x
     return _mm256_sub_epi32(totals, _mm256_set_m128i(_mm_set1_epi32(o1), _mm_set1_epi32(o0)));
 }
 
+/* MR rows of x (rows[]) by NR weight rows (wr[]), MR * NR == 8: lane q of res is
+ * output (q / NR, q % NR), with the GEMM's arithmetic. */
 ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const uint8_t *const *wr, const xq_t *xq,
                               const size_t *rows, float *res) {
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
@@ -1539,9 +1539,9 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
  * so they fit where one row's do); then the fp32 terms run unit by unit
  * exactly as in the tiles: the same integers and float operations in the same
  * order, so every output keeps its bits and batch invariance across 1, 2 and
- * 4+ rows of x holds. Three rows of x share each unpack too (a third row's
- * sums apart in pbuf3 and mbuf3): as a pair and a lone row, three took
- * 1.6-1.9x a pair's time. Serves rows of up to ROWS_UNITS units (k = 14,336:
+ * 4+ rows of x holds. Three rows of x (and four of Q6_K, rows_take_four)
+ * share each unpack too, rows 2 and 3's sums apart in pbuf3 and mbuf3: as a
+ * pair and a lone row, three took 1.6-1.9x a pair's time. Serves rows of up to ROWS_UNITS units (k = 14,336:
  * an 8B's down, which on the tiles read Q6_K at ~35 GB/s from L3 against ~55
  * here), and the types whose one-row product waits on memory: Q4_0 / Q4_1 /
  * Q5_0 / Q5_1 unpack enough per byte to be bound by their instructions, where
@@ -1606,7 +1606,8 @@ ALWAYS_INLINE void k_unit_sums512(const int type, const int MR, const uint8_t *b
                                          0x0004000400040004LL, 0, 0, 0, 0); /* upper half: the high nibbles */
     const uint8_t *qs = type == Q5_K ? blk + 48 : blk + 16;
     const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 16))); /* Q5_K */
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i acc[4];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_si512();
     for (int pair = 0; pair < 4; pair++) { /* sub-blocks 2 pair (low nibbles) and 2 pair + 1 (high) */
         const __m512i packed = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * pair)));
         __m512i q = _mm512_and_si512(_mm512_srlv_epi16(packed, by4), low4);
@@ -1633,7 +1634,8 @@ ALWAYS_INLINE void q6k_unit_sums512(const int MR, const uint8_t *blk, const int8
                                            0x0004000400040004LL, 0x0004000400040004LL); /* chunk 0 << 4, 1 << 2 */
     const __m512i down_hi = _mm512_set_epi64(0x0002000200020002LL, 0x0002000200020002LL, 0x0002000200020002LL,
                                              0x0002000200020002LL, 0, 0, 0, 0); /* chunk 2 as is, 3 >> 2 */
-    __m512i acc[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512()};
+    __m512i acc[4];
+    for (int i = 0; i < MR; i++) acc[i] = _mm512_setzero_si512();
     for (int half = 0; half < 2; half++) {
         const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
         const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(blk + 128 + 32 * half)));
@@ -1645,8 +1647,9 @@ ALWAYS_INLINE void q6k_unit_sums512(const int MR, const uint8_t *blk, const int8
         const __m512i s01 = scale_quarters(all, 8 * half), s23 = scale_quarters(all, 8 * half + 4);
         for (int i = 0; i < MR; i++) {
             const int8_t *x = xu[i] + 128 * half;
-            acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q01, _mm512_loadu_si512(x)), s01);
-            acc[i] = _mm512_dpwssd_epi32(acc[i], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q23, _mm512_loadu_si512(x + 64)), s23);
+            const __m512i d01 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q01, _mm512_loadu_si512(x));
+            const __m512i d23 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q23, _mm512_loadu_si512(x + 64));
+            acc[i] = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(acc[i], d01, s01), d23, s23);
         }
     }
     for (int i = 0; i < MR; i++) p[i] = fold512(acc[i]);
@@ -1805,8 +1808,8 @@ EXACT_TILE_FNS(Q6_K)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
-/* [0]: one row by 8 columns, [1]: two rows by 4 (the tiles); [2]: one row, [3]: two rows, [4]:
- * three rows by 8, their weight rows streamed (exact_rows, for the types and lengths rows_serve takes). */
+/* [0]: one row by 8 columns, [1]: two rows by 4 (the tiles); [2] .. [5]: one to four rows by 8,
+ * their weight rows streamed (exact_rows, for the types and lengths rows_serve takes). */
 static const exact_fn *exact_tiles_for(int type) {
 #define KERNELS(T) {exact_##T##_1_8, exact_##T##_2_4, rows_##T##_1, rows_##T##_2, rows_##T##_3, rows_##T##_4}
     static const exact_fn t40[] = KERNELS(Q4_0), t41[] = KERNELS(Q4_1), t50[] = KERNELS(Q5_0), t51[] = KERNELS(Q5_1),
@@ -1838,8 +1841,9 @@ static void pair_tiles(const exact_fn *fns, const uint8_t *const *wr, const xq_t
 
 /* Thread t of nt's share for fewer rows than gemm_serves: groups of 8 weight rows,
  * rows of x two at a time (exact_rows' pairs where rows_serve, else 2 x 4
- * tiles), an odd last one alone (1 x 8: exact_rows or the tile). The last
- * group's missing weight rows repeat its last one and are not written.
+ * tiles), an odd last one alone (1 x 8: exact_rows or the tile); where
+ * rows_serve, three rows (four of Q6_K) go through exact_rows together. The
+ * last group's missing weight rows repeat its last one and are not written.
  * One row alone (a single stream's decode) takes 1 x 8. (It once took the
  * 2 x 4 tile with itself twice, streaming four weight rows instead of eight:
  * 4-5% faster on Zen 4 before the tiles prefetched the rows ahead. With the
@@ -1859,7 +1863,8 @@ static void exact_tiles_thread(int type, const uint8_t *w, size_t row_bytes, con
             const size_t rows[4] = {0, 1, 2, 3};
             float res[32];
             fns[m + 1](wr, xq, rows, res);
-            for (int r = 0; r < m; r++) write_row(y, rows[r], y_stride, j0, res + 8 * r, count, y_bf16, bias, accumulate);
+            for (int r = 0; r < m; r++)
+                write_row(y, rows[r], y_stride, j0, res + 8 * r, count, y_bf16, bias, accumulate);
             continue;
         }
         for (; i + 2 <= m; i += 2) {
