@@ -1778,6 +1778,11 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
         exact_tile(type, MR, NR, wr, xq, rows, res);
 }
 
+/* The streamed row kernel for MR rows of x (exact_rows), one function per type and MR. */
+#define ROWS_FN(T, MR)                                                                                         \
+    static void rows_##T##_##MR(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_rows(T, MR, wr, xq, rows, res);                                                                 \
+    }
 #define EXACT_TILE_FNS(T)                                                                                      \
     static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 1, 8, wr, xq, rows, res);                                                            \
@@ -1785,18 +1790,10 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
     static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
     }                                                                                                          \
-    static void rows_##T##_1(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
-        exact_rows(T, 1, wr, xq, rows, res);                                                                  \
-    }                                                                                                          \
-    static void rows_##T##_2(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
-        exact_rows(T, 2, wr, xq, rows, res);                                                                  \
-    }                                                                                                          \
-    static void rows_##T##_3(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
-        exact_rows(T, 3, wr, xq, rows, res);                                                                  \
-    }                                                                                                          \
-    static void rows_##T##_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {      \
-        exact_rows(T, 4, wr, xq, rows, res);                                                                  \
-    }
+    ROWS_FN(T, 1)                                                                                              \
+    ROWS_FN(T, 2)                                                                                              \
+    ROWS_FN(T, 3)                                                                                              \
+    ROWS_FN(T, 4)
 EXACT_TILE_FNS(Q4_0)
 EXACT_TILE_FNS(Q4_1)
 EXACT_TILE_FNS(Q5_0)
