@@ -1778,22 +1778,22 @@ ALWAYS_INLINE void exact_tile_of(const int type, const int MR, const int NR, con
         exact_tile(type, MR, NR, wr, xq, rows, res);
 }
 
-/* The streamed row kernel for MR rows of x (exact_rows), one function per type and MR. */
-#define ROWS_FN(T, MR)                                                                                         \
-    static void rows_##T##_##MR(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
-        exact_rows(T, MR, wr, xq, rows, res);                                                                 \
-    }
+/* The small tiles of a type, and the streamed row kernel for MR rows of x
+ * (exact_rows). Only the types rows_serve takes get row kernels, and only
+ * Q6_K one for four rows (rows_take_four): each instance is compiled for
+ * every ISA at a server's first start. */
 #define EXACT_TILE_FNS(T)                                                                                      \
     static void exact_##T##_1_8(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 1, 8, wr, xq, rows, res);                                                            \
     }                                                                                                          \
     static void exact_##T##_2_4(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
         exact_tile_of(T, 2, 4, wr, xq, rows, res);                                                            \
-    }                                                                                                          \
-    ROWS_FN(T, 1)                                                                                              \
-    ROWS_FN(T, 2)                                                                                              \
-    ROWS_FN(T, 3)                                                                                              \
-    ROWS_FN(T, 4)
+    }
+#define ROWS_FN(T, MR)                                                                                         \
+    static void rows_##T##_##MR(const uint8_t *const *wr, const xq_t *xq, const size_t *rows, float *res) {   \
+        exact_rows(T, MR, wr, xq, rows, res);                                                                 \
+    }
+#define ROWS_FNS(T) ROWS_FN(T, 1) ROWS_FN(T, 2) ROWS_FN(T, 3)
 EXACT_TILE_FNS(Q4_0)
 EXACT_TILE_FNS(Q4_1)
 EXACT_TILE_FNS(Q5_0)
@@ -1802,16 +1802,25 @@ EXACT_TILE_FNS(Q8_0)
 EXACT_TILE_FNS(Q4_K)
 EXACT_TILE_FNS(Q5_K)
 EXACT_TILE_FNS(Q6_K)
+ROWS_FNS(Q8_0)
+ROWS_FNS(Q4_K)
+ROWS_FNS(Q5_K)
+ROWS_FNS(Q6_K)
+ROWS_FN(Q6_K, 4)
 
 typedef void (*exact_fn)(const uint8_t *const *, const xq_t *, const size_t *, float *);
 
 /* [0]: one row by 8 columns, [1]: two rows by 4 (the tiles); [2] .. [5]: one to four rows by 8,
- * their weight rows streamed (exact_rows, for the types and lengths rows_serve takes). */
+ * their weight rows streamed (exact_rows), NULL where rows_serve or rows_take_four never asks. */
 static const exact_fn *exact_tiles_for(int type) {
-#define KERNELS(T) {exact_##T##_1_8, exact_##T##_2_4, rows_##T##_1, rows_##T##_2, rows_##T##_3, rows_##T##_4}
-    static const exact_fn t40[] = KERNELS(Q4_0), t41[] = KERNELS(Q4_1), t50[] = KERNELS(Q5_0), t51[] = KERNELS(Q5_1),
-                          t80[] = KERNELS(Q8_0), t4k[] = KERNELS(Q4_K), t5k[] = KERNELS(Q5_K), t6k[] = KERNELS(Q6_K);
-#undef KERNELS
+#define TILES(T) exact_##T##_1_8, exact_##T##_2_4
+#define ROWS(T) rows_##T##_1, rows_##T##_2, rows_##T##_3
+    static const exact_fn t40[] = {TILES(Q4_0), NULL, NULL, NULL, NULL}, t41[] = {TILES(Q4_1), NULL, NULL, NULL, NULL},
+                          t50[] = {TILES(Q5_0), NULL, NULL, NULL, NULL}, t51[] = {TILES(Q5_1), NULL, NULL, NULL, NULL},
+                          t80[] = {TILES(Q8_0), ROWS(Q8_0), NULL}, t4k[] = {TILES(Q4_K), ROWS(Q4_K), NULL},
+                          t5k[] = {TILES(Q5_K), ROWS(Q5_K), NULL}, t6k[] = {TILES(Q6_K), ROWS(Q6_K), rows_Q6_K_4};
+#undef TILES
+#undef ROWS
     switch (type) {
     case Q4_0: return t40;
     case Q4_1: return t41;
