@@ -1540,9 +1540,9 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
  * exactly as in the tiles: the same integers and float operations in the same
  * order, so every output keeps its bits and batch invariance across 1, 2 and
  * 4+ rows of x holds. Three rows of x (and four of Q6_K, rows_take_four)
- * share each unpack too, rows 2 and 3's sums apart in pbuf3 and mbuf3: as a
- * pair and a lone row, three took 1.6-1.9x a pair's time. Serves rows of up to ROWS_UNITS units (k = 14,336:
- * an 8B's down, which on the tiles read Q6_K at ~35 GB/s from L3 against ~55
+ * share each unpack too, each pair of rows' sums in its own plane of pbuf and
+ * mbuf (rows_store): as a pair and a lone row, three took 1.6-1.9x a pair's
+ * time. Serves rows of up to ROWS_UNITS units (k = 14,336: an 8B's down, which on the tiles read Q6_K at ~35 GB/s from L3 against ~55
  * here), and the types whose one-row product waits on memory: Q4_0 / Q4_1 /
  * Q5_0 / Q5_1 unpack enough per byte to be bound by their instructions, where
  * the extra stores cost more than the stream saves (docs/perf/decode-step.md). */
@@ -1574,6 +1574,22 @@ ALWAYS_INLINE void rows_totals(const int MR, const __m256i v[8], __m256i *out) {
     const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
     out[0] = _mm256_permute2x128_si256(a, b, 0x20);
     out[1] = _mm256_permute2x128_si256(a, b, 0x31);
+}
+/* Rows of x in pairs: pair h holds rows 2h and 2h + 1, or row 2h alone when it is the last. */
+ALWAYS_INLINE int rows_in_pair(const int MR, int h) { return MR - 2 * h < 2 ? MR - 2 * h : 2; }
+/* The sums of one pair of rows of x: [weight row][unit]. */
+typedef __m256i pair_sums_t[8][ROWS_UNITS];
+/* MR rows' sums p[0 .. MR - 1] for (weight row j, unit u) into buf[h][j][u], one rows_pack a pair. */
+ALWAYS_INLINE void rows_store(const int MR, const __m256i *p, pair_sums_t *const buf[2], int j, int u) {
+    for (int h = 0; 2 * h < MR; h++) (*buf[h])[j][u] = rows_pack(rows_in_pair(MR, h), p + 2 * h);
+}
+/* Unit u's totals of the MR rows stored by rows_store: lane j of totals[i] is row i's with weight row j. */
+ALWAYS_INLINE void rows_load_totals(const int MR, pair_sums_t *const buf[2], int u, __m256i *totals) {
+    for (int h = 0; 2 * h < MR; h++) {
+        __m256i v[8];
+        for (int j = 0; j < 8; j++) v[j] = (*buf[h])[j][u];
+        rows_totals(rows_in_pair(MR, h), v, totals + 2 * h);
+    }
 }
 #if QUANT_ISA == 3
 /* exact_rows' integer sums for one K-quant super-block with AVX-512, for
@@ -1666,10 +1682,10 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
         x[i] = xq->qs + rows[i] * (size_t)k;
         bsums[i] = xq->bsums + rows[i] * (size_t)(k / 16);
     }
-    /* rows 0 and 1 in pbuf and mbuf (rows_pack), rows 2 and 3 apart in pbuf3 and mbuf3 */
-    const int MR01 = MR < 3 ? MR : 2, MR23 = MR - MR01;
-    __m256i pbuf[8][ROWS_UNITS], mbuf[8][ROWS_UNITS], xsum[4][ROWS_UNITS];
-    __m256i pbuf3[8][ROWS_UNITS], mbuf3[8][ROWS_UNITS];
+    /* each pair of rows of x its own arrays: as planes of one array, three rows of Q4_K ran 6% slower */
+    pair_sums_t p01, p23, m01, m23;
+    pair_sums_t *const pbuf[2] = {&p01, &p23}, *const mbuf[2] = {&m01, &m23};
+    __m256i xsum[4][ROWS_UNITS];
     if (is_k)
         for (int i = 0; i < MR; i++)
             for (int u = 0; u < nu; u++) /* lane c: x's sum over sub-block c */
@@ -1717,25 +1733,18 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
                 const __m256i mins = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn8));
                 __m256i mp[4];
                 for (int i = 0; i < MR; i++) mp[i] = _mm256_mullo_epi32(mins, xsum[i][u]);
-                mbuf[j][u] = rows_pack(MR01, mp);
-                if (MR23) mbuf3[j][u] = rows_pack(MR23, mp + 2);
+                rows_store(MR, mp, mbuf, j, u);
             } else { /* the offset comes out of the totals below (minus_offset) */
                 const __m256i q = stored32(type, blk);
                 for (int i = 0; i < MR; i++) p[i] = dot_unsigned(q, xu[i]);
             }
-            pbuf[j][u] = rows_pack(MR01, p);
-            if (MR23) pbuf3[j][u] = rows_pack(MR23, p + 2);
+            rows_store(MR, p, pbuf, j, u);
         }
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
     for (int u = 0; u < nu; u++) {
-        __m256i pv[8], mv[8], totals[4];
+        __m256i totals[4];
         __m256 pt[4], mt[4], dx[4];
-        for (int j = 0; j < 8; j++) pv[j] = pbuf[j][u];
-        rows_totals(MR01, pv, totals);
-        if (MR23) {
-            for (int j = 0; j < 8; j++) pv[j] = pbuf3[j][u];
-            rows_totals(MR23, pv, totals + 2);
-        }
+        rows_load_totals(MR, pbuf, u, totals);
         for (int i = 0; i < MR; i++) pt[i] = _mm256_cvtepi32_ps(minus_offset(type, totals[i], xq, rows + i, u, nu, 8));
         for (int i = 0; i < MR; i++) dx[i] = _mm256_set1_ps(xq->d[rows[i] * (size_t)nu + u]);
         if (is_q6) {
@@ -1748,12 +1757,7 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
         __m256 dw, mw;
         block_scales(8, wr, (size_t)u * ts, &dw, &mw);
         if (is_k) {
-            for (int j = 0; j < 8; j++) mv[j] = mbuf[j][u];
-            rows_totals(MR01, mv, totals);
-            if (MR23) {
-                for (int j = 0; j < 8; j++) mv[j] = mbuf3[j][u];
-                rows_totals(MR23, mv, totals + 2);
-            }
+            rows_load_totals(MR, mbuf, u, totals);
             for (int i = 0; i < MR; i++) mt[i] = _mm256_cvtepi32_ps(totals[i]);
         }
         for (int i = 0; i < MR; i++) {

@@ -159,7 +159,7 @@ def test_batch_invariance(isa: str, qtype: GGMLQuantizationType, dtype: torch.dt
     [GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0],
     ids=lambda t: t.name,
 )
-def test_long_rows_one_to_three_rows_match_the_gemm(isa: str, qtype: GGMLQuantizationType, units: int) -> None:
+def test_long_rows_one_to_four_rows_match_the_gemm(isa: str, qtype: GGMLQuantizationType, units: int) -> None:
     """One to four rows of x (the streamed row kernels up to 56 blocks a row, the
     tiles past that; four rows of Q6_K) give the GEMM's bits, on rows as long as an
     8B's down."""
