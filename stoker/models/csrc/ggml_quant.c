@@ -898,15 +898,22 @@ ALWAYS_INLINE void block_scales(const int NR, const uint8_t *const *wr, size_t o
     }
 }
 
-/* Eight Q4_0 / Q4_1 blocks' values (16 packed bytes at blocks[c] + qs_at:
- * element e < 16 the low nibble of byte e, e >= 16 the high nibble of byte
- * e - 16) into the panel's eight dword rows at dst, as gemm_unpack lays out
+/* Eight 32-blocks' values (16 packed bytes at blocks[c] + qs_at: element e < 16
+ * the low nibble of byte e, e >= 16 the high nibble of byte e - 16; Q5_0 / Q5_1
+ * also bit e of the u32 at blocks[c] + qh_at as the value's 0x10, qh_at < 0 for
+ * none) into the panel's eight dword rows at dst, as gemm_unpack lays out
  * stored32's bytes: dword t of the unpacked block is the low nibbles of packed
  * dword t for t < 4 and their high nibbles for t >= 4, so transposing the 16
  * packed bytes by dwords and splitting nibbles afterwards gives the same
  * panel with a third of the shuffles (8 instead of 8 inserts and 24: the
- * port they share with vpdpbusd, in a decode step that unpacks every weight). */
-ALWAYS_INLINE void nibble_panel(const uint8_t *const blocks[8], int qs_at, uint8_t *dst) {
+ * port they share with vpdpbusd, in a decode step that unpacks every weight).
+ * Row t holds elements 4t .. 4t + 3 of each column, so its fifth bits are bits
+ * 4t .. 4t + 3 of each column's u32: byte t / 2 of it, spread to the column's
+ * four bytes by one shuffle for rows 2i and 2i + 1. Unpacked one column at a
+ * time (stored32, then the 24-shuffle transpose) a Q5_0 panel cost as much as
+ * its 16-row product's arithmetic (the 0.5B rung's gate+up: 1.07 ms at 16
+ * rows against 0.68 for Q8_0 of the same shape). */
+ALWAYS_INLINE void nibble_panel(const uint8_t *const blocks[8], int qs_at, int qh_at, uint8_t *dst) {
     __m256i y[4]; /* columns c and c + 4 */
     for (int c = 0; c < 4; c++)
         y[c] = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(blocks[c + 4] + qs_at)),
@@ -917,11 +924,37 @@ ALWAYS_INLINE void nibble_panel(const uint8_t *const blocks[8], int qs_at, uint8
     const __m256i packed[4] = {_mm256_unpacklo_epi64(a0, a2), _mm256_unpackhi_epi64(a0, a2),
                                _mm256_unpacklo_epi64(a1, a3), _mm256_unpackhi_epi64(a1, a3)};
     const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256i rows[8];
     for (int t = 0; t < 4; t++) {
-        _mm256_storeu_si256((__m256i *)(dst + (size_t)t * 4 * GEMM_PANEL), _mm256_and_si256(packed[t], low));
-        _mm256_storeu_si256((__m256i *)(dst + (size_t)(t + 4) * 4 * GEMM_PANEL),
-                            _mm256_and_si256(_mm256_srli_epi16(packed[t], 4), low));
+        rows[t] = _mm256_and_si256(packed[t], low);
+        rows[t + 4] = _mm256_and_si256(_mm256_srli_epi16(packed[t], 4), low);
     }
+    if (qh_at >= 0) {
+        uint32_t h[8];
+        for (int c = 0; c < 8; c++) memcpy(&h[c], blocks[c] + qh_at, sizeof h[c]);
+        /* dword c of qh: column c's u32, in the panel's column order (c0 .. c0 + 7) */
+        const __m256i qh = _mm256_setr_epi32((int)h[0], (int)h[1], (int)h[2], (int)h[3], (int)h[4], (int)h[5],
+                                             (int)h[6], (int)h[7]);
+        const __m256i low_bits = _mm256_set1_epi32(0x08040201), high_bits = _mm256_set1_epi32((int)0x80402010);
+        const __m256i columns = _mm256_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4,
+                                                 4, 8, 8, 8, 8, 12, 12, 12, 12);
+        for (int i = 0; i < 4; i++) {
+            /* byte i of each column's u32 in all four of its bytes */
+            const __m256i spread = _mm256_shuffle_epi8(qh, _mm256_add_epi8(columns, _mm256_set1_epi8((char)i)));
+            for (int odd = 0; odd < 2; odd++) {
+                const int t = 2 * i + odd;
+                const __m256i bit = odd ? high_bits : low_bits;
+#if QUANT_ISA == 3
+                rows[t] = _mm256_mask_add_epi8(rows[t], _mm256_test_epi8_mask(spread, bit), rows[t],
+                                               _mm256_set1_epi8(0x10));
+#else
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                rows[t] = _mm256_or_si256(rows[t], _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+#endif
+            }
+        }
+    }
+    for (int t = 0; t < 8; t++) _mm256_storeu_si256((__m256i *)(dst + (size_t)t * 4 * GEMM_PANEL), rows[t]);
 }
 
 /* v[c] dword t -> v[t] dword c: eight columns' 32 bytes into the panel's eight dword rows. */
@@ -1086,7 +1119,7 @@ ALWAYS_INLINE void gemm_unpack_k(const int type, const uint8_t *w, size_t row_by
  * (the K-quants' super-blocks in gemm_unpack_k). */
 ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_bytes, int cols, int nb,
                                   uint8_t *scratch) {
-    static const uint8_t zero_block[20] = {0}; /* columns past cols: d = m = 0 (and Q4_0/Q4_1 values 0) */
+    static const uint8_t zero_block[24] = {0}; /* columns past cols: d = m = 0 (and the 4- and 5-bit types' values 0) */
     if (exact_k(type)) {
         gemm_unpack_k(type, w, row_bytes, cols, nb, scratch);
         return;
@@ -1102,14 +1135,16 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
              * prefetcher has learned them, and a decode step reads each weight from memory. */
             for (int c = 0; c < 8; c++)
                 panel_prefetch(w + (size_t)(c0 + 8 + c) * row_bytes + (size_t)b * row_bytes / (size_t)nb, nb);
-            if (type == Q4_0 || type == Q4_1) { /* transposed while packed: see nibble_panel */
+            if (type != Q8_0) { /* transposed while packed: see nibble_panel */
                 for (int c = 0; c < 8; c++)
                     blocks[c] = c0 + c < cols ? w + (size_t)(c0 + c) * row_bytes + (size_t)b * ts : zero_block;
                 __m256 dv, mv;
                 block_scales(8, blocks, 0, &dv, &mv);
                 _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
                 _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
-                nibble_panel(blocks, type == Q4_1 ? 4 : 2, scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4);
+                const int qs_at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
+                const int qh_at = type == Q5_0 ? 2 : type == Q5_1 ? 4 : -1;
+                nibble_panel(blocks, qs_at, qh_at, scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4);
                 continue;
             }
             for (int c = 0; c < 8; c++) {
