@@ -46,6 +46,18 @@ def cache_sharing_kernels(cache: str | os.PathLike[str]) -> str:
     return os.fspath(cache)
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A run of much of the suite loads every ISA build of the C kernels (tests force
+    each path), one after another where each is first needed: ~67 s of compiling on
+    2 cores whenever ggml_quant.c changed or the cache is new. Compiled here instead,
+    one per core at a time, before the first test."""
+    if len(session.items) < 500 or os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+        return
+    from stoker.models.quant.kernels import prebuild_every_isa
+
+    prebuild_every_isa(workers=os.cpu_count() or 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

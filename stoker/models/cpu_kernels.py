@@ -60,13 +60,12 @@ def _cpu_signature() -> str:
     return platform.machine() + " ".join(sorted(cpu_flags()))
 
 
-@cache
-def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -> ctypes.CDLL | None:
-    """csrc/{name}.c compiled for this CPU (cached by source, flags and CPU) and loaded.
-    `flags` replaces the default flags (and -march=native) where given; `variant`
-    names the build, so several builds of one source can be loaded side by side."""
-    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
-        return None
+def compiled(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -> Path | None:
+    """The cached library of csrc/{name}.c for these flags and this CPU (keyed by
+    source, flags and CPU), compiled now if it is not there yet; None without a
+    compiler or when the build fails. `flags` replaces the default flags (and
+    -march=native) where given; `variant` names the build, so several builds of one
+    source can be loaded side by side. Safe to call from several threads at once."""
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     path = _CSRC / f"{name}.c"
     # The headers and included sources count too: a changed one must not load a library built without it.
@@ -90,7 +89,16 @@ def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -
                 log.warning("building the C kernel %s failed, using pure torch:\n%s", name, result.stderr[-2000:])
                 return None
             os.replace(built, target)  # atomic, so concurrent builders never see half a file
-    return ctypes.CDLL(str(target))
+    return target
+
+
+@cache
+def _build(name: str, flags: tuple[str, ...] | None = None, variant: str = "") -> ctypes.CDLL | None:
+    """csrc/{name}.c compiled for this CPU (see compiled) and loaded."""
+    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+        return None
+    target = compiled(name, flags, variant)
+    return None if target is None else ctypes.CDLL(str(target))
 
 
 @cache
