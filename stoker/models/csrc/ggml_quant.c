@@ -1141,8 +1141,8 @@ ALWAYS_INLINE void gemm_unpack_as(const int type, const uint8_t *w, size_t row_b
                 block_scales(8, blocks, 0, &dv, &mv);
                 _mm256_storeu_ps(d + b * GEMM_PANEL + c0, dv);
                 _mm256_storeu_ps(mn + b * GEMM_PANEL + c0, has_min ? mv : _mm256_setzero_ps());
-                const int qs_at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : type == Q5_0 ? 6 : 8;
-                const int qh_at = type == Q5_0 ? 2 : type == Q5_1 ? 4 : -1;
+                /* each of these blocks ends with its 16 packed bytes, Q5_0 / Q5_1's u32 of fifth bits just before */
+                const int qs_at = ts - 16, qh_at = type == Q5_0 || type == Q5_1 ? qs_at - 4 : -1;
                 nibble_panel(blocks, qs_at, qh_at, scratch + (size_t)b * 32 * GEMM_PANEL + (size_t)c0 * 4);
                 continue;
             }
@@ -1574,10 +1574,11 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
  * exactly as in the tiles: the same integers and float operations in the same
  * order, so every output keeps its bits and batch invariance across 1, 2 and
  * 4+ rows of x holds. Three rows of x (and four of Q6_K, rows_take_four)
- * share each unpack too, each pair of rows' sums in its own plane of pbuf and
- * mbuf (rows_store): as a pair and a lone row, three took 1.6-1.9x a pair's
- * time. Serves rows of up to ROWS_UNITS units (k = 14,336: an 8B's down, which on the tiles read Q6_K at ~35 GB/s from L3 against ~55
- * here), and the types whose one-row product waits on memory: Q4_0 / Q4_1 /
+ * share each unpack too, each pair of rows' sums in arrays of its own
+ * (rows_store): as a pair and a lone row, three took 1.6-1.9x a pair's time.
+ * Serves rows of up to ROWS_UNITS units (k = 14,336: an 8B's down, which on
+ * the tiles read Q6_K at ~35 GB/s from L3 against ~55 here), and the types
+ * whose one-row product waits on memory: Q4_0 / Q4_1 /
  * Q5_0 / Q5_1 unpack enough per byte to be bound by their instructions, where
  * the extra stores cost more than the stream saves (docs/perf/decode-step.md). */
 #define ROWS_UNITS 56
