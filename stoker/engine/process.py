@@ -21,7 +21,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -232,28 +231,6 @@ def _kv_transfer_port(core: Core) -> int | None:
 
 EngineArgs = tuple[EngineConfig, str, str, str, int, int]
 """run_engine's arguments: config, core_spec, input_addr, output_addr, parent_pid, log_level."""
-
-
-def run_engine_when_asked(core_spec: str, orders: Connection) -> None:
-    """Entry point of a prestarted engine process (stoker.engine.prestart):
-    import the core's module (torch and the model code, most of an engine's
-    start) while the front end imports its own, then run the engine with the
-    EngineArgs the front end sends, or return if it closes the pipe first."""
-    # Ctrl-C reaches the whole process group: the front end decides when this
-    # process ends. SIGTERM stays default until run_engine, so that
-    # multiprocessing's exit handler can end one nobody asked for.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        load_core_factory(core_spec)
-    except Exception:  # run_engine loads it again and reports why, through the front end
-        pass
-    try:
-        args: EngineArgs = orders.recv()
-    except EOFError:
-        return
-    finally:
-        orders.close()
-    run_engine(*args)
 
 
 def run_engine(

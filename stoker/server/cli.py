@@ -20,6 +20,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from stoker.config import EngineConfig
+from stoker.engine import prestart
 from stoker.errors import StartupRefused
 from stoker.server.config import (
     EXTENSION_SKIP,
@@ -151,7 +152,17 @@ def describe_validation_error(exc: ValidationError) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        return _run(args)
+    finally:
+        prestart.discard()  # a start refused before the fleet loaded
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
         engine_config, server_config = resolve_configs(args)
+        # The engine imports torch while this process checks the rest and imports the front
+        # end (stoker.engine.prestart): one now, as most servers run one generating model.
+        prestart.prestart(server_config.engine_core, 1)
         extras = resolve_extension_settings(args)
         from stoker.server.fleet import plan_fleet
 
@@ -166,17 +177,15 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:
         print(f"stoker serve: {exc}", file=sys.stderr)
         return 2
-    from stoker.engine import prestart
     from stoker.models.readahead import start_readahead
 
-    # The engines import torch while this process imports the front end (stoker.engine.prestart),
-    # and the kernel reads their weights meanwhile (stoker.models.readahead).
-    prestart.prestart(server_config.engine_core, sum(spec.kind == "generate" for spec in specs))
+    # A fleet with several generating models gets the others' engines prestarted now (one
+    # left unused, by a fleet of rerank models alone, ends when the fleet is up), and the
+    # kernel reads their weights meanwhile (stoker.models.readahead).
+    generating = sum(spec.kind == "generate" for spec in specs)
+    prestart.prestart(server_config.engine_core, max(generating - 1, 0))
     start_readahead([spec.path for spec in specs])
-    try:
-        return serve(engine_config, server_config, extras)
-    finally:
-        prestart.discard()  # a start refused before the fleet loaded
+    return serve(engine_config, server_config, extras)
 
 
 def check_tls(config: ServerConfig) -> None:
