@@ -28,7 +28,7 @@ from stoker.engine.pooling import PoolingEngine
 from stoker.engine.prestart import discard as discard_prestarted
 from stoker.errors import APIError
 from stoker.models.identity import tokenizer_folder
-from stoker.models.tokenizer import preload_hf_tokenizer
+from stoker.models.tokenizer import preload_backend, preload_hf_tokenizer
 from stoker.server import console_data, openapi
 from stoker.server.bounds import MAX_JSON_DEPTH, offload
 from stoker.server.config import ServerConfig, parse_peers
@@ -279,16 +279,21 @@ async def load(state: ServerState, on_fatal: Callable[[str], None]) -> None:
 
 
 def _prepare_front_end(state: ServerState) -> Any:
-    """What the front end needs besides the engine: transformers (the engine's
-    tokenizer arrives pickled, and the routes need its transformers half for chat
-    templates: importing transformers takes 0.6-2 s) and the embedding model, if
-    any (returned)."""
+    """What the front end needs besides the engine: the tokenizers of the models
+    the engines will send theirs without (stoker.models.tokenizer), transformers
+    for their chat templates (its import takes 0.6-2 s), and the embedding
+    model, if any (returned)."""
+    paths = [v.spec.path for v in state.fleet.initial if v.spec.kind == "generate"]
+    # The backends first: each engine's tokenizer is unpickled with its own the moment that engine is ready.
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):  # a missing or bad file: its engine's start says why
+            preload_backend(Path(tokenizer_folder(path)))
     import transformers
 
     _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
-    for version in (v for v in state.fleet.initial if v.spec.kind == "generate"):
-        with contextlib.suppress(OSError, ValueError):  # a missing or bad file: its engine's start says why
-            preload_hf_tokenizer(Path(tokenizer_folder(version.spec.path)))
+    for path in paths:
+        with contextlib.suppress(OSError, ValueError):
+            preload_hf_tokenizer(Path(tokenizer_folder(path)))
     if not state.config.embedding_model:
         return None
     return _load_embedder(state)

@@ -26,7 +26,13 @@ from stoker.config import default_model_path
 from stoker.models import tokenizer as tokenizer_module
 from stoker.models.identity import gguf_tokenizer_folder
 from stoker.models.loader import load_tokenizer
-from stoker.models.tokenizer import Tokenizer, backend_serves, load_hf_tokenizer, preload_hf_tokenizer
+from stoker.models.tokenizer import (
+    Tokenizer,
+    backend_serves,
+    load_hf_tokenizer,
+    preload_backend,
+    preload_hf_tokenizer,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -103,10 +109,14 @@ def test_the_tokenizers_backend_encodes_and_decodes_as_transformers_does() -> No
         rng.shuffle(ids)
         for skip in (True, False):
             assert light.decode(ids, skip_special_tokens=skip) == full.decode(ids, skip_special_tokens=skip)
-    # The transformers half loads on first use, here and in a process that unpickles it.
+    # The transformers half loads on first use, here and in a process that unpickles it;
+    # that process loads the backend from the folder too: the pickle carries neither.
     assert light.chat_template == full.chat_template
-    copy = pickle.loads(pickle.dumps(light))
+    sent = pickle.dumps(light)
+    assert len(sent) < 10_000, "the backend's JSON went into the pickle"
+    copy = pickle.loads(sent)
     assert copy._hf is None and copy.encode(texts[0]) == full.encode(texts[0])
+    assert copy.decode(copy.encode(texts[1])) == light.decode(light.encode(texts[1]))
     assert type(copy.hf) is type(full.hf)
 
 
@@ -142,7 +152,7 @@ def test_the_front_end_imports_transformers_but_not_torch(embedding_model: str |
         f"version = SimpleNamespace(spec=SimpleNamespace(kind='generate', path={str(default_model_path())!r}))\n"
         "fleet = SimpleNamespace(initial=[version])\n"
         "embedder = _prepare_front_end(SimpleNamespace(config=config, embeddings_disabled=None, fleet=fleet))\n"
-        "assert len(tokenizer._preloaded) == 1\n"
+        "assert len(tokenizer._preloaded) == len(tokenizer._preloaded_backends) == 1\n"
         f"assert (embedder is None) == {embedding_model is None}\n"
         "assert embedder is None or embedder.model.forward([[101, 7592, 102]]).shape == (1, 384)"
     )
@@ -150,16 +160,25 @@ def test_the_front_end_imports_transformers_but_not_torch(embedding_model: str |
     assert "torch" not in modules
 
 
-def test_a_preloaded_chat_tokenizer_goes_to_the_first_tokenizer_of_its_folder(tmp_path: Path) -> None:
+def test_a_preloaded_tokenizer_goes_to_the_first_tokenizer_of_its_folder(tmp_path: Path) -> None:
+    """The front end preloads both halves while its engine loads; the engine's
+    Tokenizer, unpickled when the engine is ready, takes them instead of parsing
+    the folder's files again."""
     path = default_model_path()
     folder = gguf_tokenizer_folder(path)
-    sent = pickle.loads(pickle.dumps(load_tokenizer(path)))  # as the engine sends it: no transformers half
+    engines = load_tokenizer(path)
+    preload_backend(folder)
+    preload_backend(tmp_path)  # no tokenizer there: nothing loaded, nothing raised
+    backend = tokenizer_module._preloaded_backends[folder.resolve()]
+    sent = pickle.loads(pickle.dumps(engines))  # as the engine sends it: neither half
+    assert sent._backend is backend and tokenizer_module._preloaded_backends == {}
     assert sent._hf is None
     preload_hf_tokenizer(folder)
-    preload_hf_tokenizer(tmp_path)  # no tokenizer there: nothing loaded, nothing raised
+    preload_hf_tokenizer(tmp_path)
     preloaded = tokenizer_module._preloaded[folder.resolve()]
     assert sent.hf is preloaded and tokenizer_module._preloaded == {}
-    again = pickle.loads(pickle.dumps(load_tokenizer(path)))
-    assert again.hf is not preloaded  # its own, to set a chat template on
+    again = pickle.loads(pickle.dumps(engines))
+    assert again._backend is not backend and again.hf is not preloaded  # its own, to set a chat template on
     text = "<|im_start|>user\nhi \u00e9t\u00e9<|im_end|>"
+    assert again.encode(text) == sent.encode(text) == engines.encode(text)
     assert again.hf.encode(text) == preloaded.encode(text) and again.chat_template == preloaded.chat_template
