@@ -33,6 +33,7 @@ from gguf import GGMLQuantizationType
 from stoker.config import ModelConfig
 from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
 from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
+from stoker.models.readahead import populate_in_background
 from stoker.models.registry import gguf_architecture
 from stoker.models.tokenizer import Tokenizer, settle_generic_class, tokenizer_from_folder
 
@@ -250,6 +251,8 @@ def _gguf_weights(
     from gguf.quants import dequantize
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
+    if keep:  # the raw blocks are served from the mapping: its pages are mapped in while the rest loads
+        populate_in_background(raw)
     # Every quantized tensor views this one tensor's storage, so parts that lie side by side in
     # the file can be joined as a view of it (quant/weights.py) rather than copied.
     mapping = from_numpy_readonly(raw)

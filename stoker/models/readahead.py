@@ -12,13 +12,20 @@ that something else (or the file's own first layers) still needs.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 MEMORY_SHARE = 0.5
 """Share of MemAvailable the files read ahead may take together."""
+MADV_POPULATE_READ = 22
+"""Linux 5.14's madvise advice that faults a mapping's pages in, read-only, as one call."""
 
 
 def weight_files(path: str) -> list[Path]:
@@ -76,3 +83,25 @@ def _advise(files: list[Path]) -> None:
             pass
         finally:
             os.close(fd)
+
+
+def populate_in_background(mapping: np.memmap) -> threading.Thread | None:
+    """Map a file mapping's pages into this process in a daemon thread, while
+    the engine goes on loading (its tokenizer's parse takes ~0.1 s): the warm-up
+    pass otherwise faults them in one page at a time on the path to /ready
+    (~0.05 s for a 0.4 GB file). The call runs without the GIL (ctypes). None
+    where the file would take more than MEMORY_SHARE of the memory available
+    (pages the run may need more would be pushed out); a kernel without the
+    advice ignores it, and the pages fault in as before."""
+    if mapping.nbytes > memory_available() * MEMORY_SHARE:
+        return None
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):  # no C library with madvise: nothing to ask
+        return None
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    args = (mapping.ctypes.data, mapping.nbytes, MADV_POPULATE_READ)
+    thread = threading.Thread(target=madvise, args=args, name="stoker-populate", daemon=True)
+    thread.start()
+    return thread

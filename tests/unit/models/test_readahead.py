@@ -10,6 +10,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stoker.models import readahead
@@ -82,3 +83,27 @@ def test_nothing_is_read_ahead_that_would_not_fit_or_is_not_there(
     assert readahead.start_readahead([str(tmp_path / "missing.gguf")]) is None
     (tmp_path / "no-weights").mkdir()
     assert readahead.start_readahead([str(tmp_path / "no-weights")]) is None
+
+
+def rss_file_bytes() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in os.uname().release.split(".")[:2] if x.isdigit()) < (5, 14),
+    reason="MADV_POPULATE_READ arrived in Linux 5.14",
+)
+def test_a_mapping_is_populated_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's weight mapping is mapped into the process while the rest loads:
+    its pages count in the process's resident memory without being touched."""
+    path = tmp_path / "weights.gguf"
+    path.write_bytes(os.urandom(32 << 20))
+    mapping = np.memmap(path, dtype=np.uint8, mode="r")
+    before = rss_file_bytes()
+    thread = readahead.populate_in_background(mapping)
+    assert thread is not None
+    thread.join(timeout=30)
+    assert rss_file_bytes() - before >= 30 << 20
+    monkeypatch.setattr(readahead, "memory_available", lambda: 32 << 20)  # twice its share
+    assert readahead.populate_in_background(mapping) is None
