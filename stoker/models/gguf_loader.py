@@ -251,8 +251,8 @@ def _gguf_weights(
     from gguf.quants import dequantize
 
     raw = np.memmap(path, dtype=np.uint8, mode="r")
-    if keep:  # the raw blocks are served from the mapping: its pages are mapped in while the rest loads
-        populate_in_background(raw)
+    if keep:  # the raw blocks are served from the mapping: their pages are mapped in while the rest loads
+        populate_in_background(raw, _read_every_step(meta))
     # Every quantized tensor views this one tensor's storage, so parts that lie side by side in
     # the file can be joined as a view of it (quant/weights.py) rather than copied.
     mapping = from_numpy_readonly(raw)
@@ -283,6 +283,19 @@ def _gguf_weights(
             w = unpermute_qk_rows(w, heads)
         weights[t["hf"]] = w.to(dtype=dtype).contiguous()
     return weights
+
+
+def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
+    """(offset, bytes) of the tensors a forward pass reads whole: all but an
+    untied embedding, of which a step reads only its tokens' rows (mapped in
+    whole, its pages would count in the engine's resident memory for nothing)."""
+    names = {t["hf"] for t in meta["tensors"]}
+    untied = "lm_head.weight" in names
+    return [
+        (int(t["offset"]), int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize)
+        for t in meta["tensors"]
+        if t["hf"] is not None and not (untied and t["hf"] == "model.embed_tokens.weight")
+    ]
 
 
 def gguf_tokenizer(path: str) -> Tokenizer:

@@ -13,6 +13,7 @@ that something else (or the file's own first layers) still needs.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import threading
 from pathlib import Path
@@ -85,15 +86,15 @@ def _advise(files: list[Path]) -> None:
             os.close(fd)
 
 
-def populate_in_background(mapping: np.memmap) -> threading.Thread | None:
-    """Map a file mapping's pages into this process in a daemon thread, while
-    the engine goes on loading (its tokenizer's parse takes ~0.1 s): the warm-up
-    pass otherwise faults them in one page at a time on the path to /ready
-    (~0.05 s for a 0.4 GB file). The call runs without the GIL (ctypes). None
-    where the file would take more than MEMORY_SHARE of the memory available
-    (pages the run may need more would be pushed out); a kernel without the
-    advice ignores it, and the pages fault in as before."""
-    if mapping.nbytes > memory_available() * MEMORY_SHARE:
+def populate_in_background(mapping: np.memmap, ranges: list[tuple[int, int]]) -> threading.Thread | None:
+    """Map the (offset, bytes) ranges of a file mapping into this process in a
+    daemon thread, while the engine goes on loading (its tokenizer's parse
+    takes ~0.1 s): the warm-up pass otherwise faults them in one page at a time
+    on the path to /ready (~0.05 s for a 0.4 GB file). The calls run without
+    the GIL (ctypes). None where the ranges would take more than MEMORY_SHARE
+    of the memory available (pages the run may need more would be pushed out);
+    a kernel without the advice ignores it, and the pages fault in as before."""
+    if sum(size for _, size in ranges) > memory_available() * MEMORY_SHARE:
         return None
     try:
         madvise = ctypes.CDLL(None, use_errno=True).madvise
@@ -101,7 +102,20 @@ def populate_in_background(mapping: np.memmap) -> threading.Thread | None:
         return None
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    args = (mapping.ctypes.data, mapping.nbytes, MADV_POPULATE_READ)
-    thread = threading.Thread(target=madvise, args=args, name="stoker-populate", daemon=True)
+    base = mapping.ctypes.data
+    # madvise takes page-aligned starts; neighbouring tensors' ranges are joined into one call.
+    spans: list[list[int]] = []
+    for offset, size in sorted(ranges):
+        start, end = offset - offset % mmap.PAGESIZE, min(offset + size, mapping.nbytes)
+        if spans and start <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], end)
+        elif end > start:
+            spans.append([start, end])
+
+    def populate() -> None:
+        for start, end in spans:
+            madvise(base + start, end - start, MADV_POPULATE_READ)
+
+    thread = threading.Thread(target=populate, name="stoker-populate", daemon=True)
     thread.start()
     return thread

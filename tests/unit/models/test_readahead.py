@@ -95,15 +95,19 @@ def rss_file_bytes() -> int:
     reason="MADV_POPULATE_READ arrived in Linux 5.14",
 )
 def test_a_mapping_is_populated_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The engine's weight mapping is mapped into the process while the rest loads:
-    its pages count in the process's resident memory without being touched."""
+    """The engine's weight ranges are mapped into the process while the rest loads:
+    their pages count in the process's resident memory without being touched, and
+    a range left out (an untied embedding) does not."""
     path = tmp_path / "weights.gguf"
-    path.write_bytes(os.urandom(32 << 20))
+    path.write_bytes(os.urandom(48 << 20))
     mapping = np.memmap(path, dtype=np.uint8, mode="r")
     before = rss_file_bytes()
-    thread = readahead.populate_in_background(mapping)
+    # Two neighbouring ranges (one call), one apart from them; the 16 MiB between left out.
+    ranges = [(100, (8 << 20) - 100), (8 << 20, 8 << 20), (32 << 20, 16 << 20)]
+    thread = readahead.populate_in_background(mapping, ranges)
     assert thread is not None
     thread.join(timeout=30)
-    assert rss_file_bytes() - before >= 30 << 20
-    monkeypatch.setattr(readahead, "memory_available", lambda: 32 << 20)  # twice its share
-    assert readahead.populate_in_background(mapping) is None
+    grown = rss_file_bytes() - before
+    assert (32 << 20) - 2 * PAGE <= grown < 40 << 20
+    monkeypatch.setattr(readahead, "memory_available", lambda: 32 << 20)  # below twice the ranges' 32 MiB
+    assert readahead.populate_in_background(mapping, ranges) is None
