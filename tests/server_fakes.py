@@ -10,6 +10,7 @@ control behaviour (priority order, 504 at a deadline) can be tested in seconds.
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import time
 from dataclasses import dataclass, field
@@ -276,6 +277,20 @@ class SlowLoadingEngineCore(FakeEngineCore):
     def __init__(self, config: EngineConfig) -> None:
         time.sleep(float(os.environ.get("STOKER_FAKE_LOAD_S", "5")))
         super().__init__(config)
+
+
+class CollectorCheckingEngineCore(FakeEngineCore):
+    """Refuses every request after the warm-up's unless the engine loaded it with
+    the garbage collector off and switched it back on once ready (stoker.engine.process)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        super().__init__(config)
+        self.collected_while_loading = gc.isenabled()
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if request.request_id != "__warmup__" and (self.collected_while_loading or not gc.isenabled()):
+            raise ValueError(f"collector on while loading: {self.collected_while_loading}, now: {gc.isenabled()}")
+        super().add_request(request)
 
 
 class FailingEngineCore:

@@ -17,6 +17,7 @@ in the front end first (~0.1 s on two cores).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import signal
 from dataclasses import dataclass
@@ -79,6 +80,7 @@ def run_engine_when_asked(core_spec: str, orders: Connection) -> None:
     # process ends. SIGTERM stays default until run_engine, so that
     # multiprocessing's exit handler can end one nobody asked for.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    gc.disable()  # until the engine is ready (stoker.engine.process.freeze_loaded_objects)
     from stoker.engine.process import load_core_factory, run_engine
 
     try:

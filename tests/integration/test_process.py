@@ -127,6 +127,20 @@ async def test_a_prestarted_process_serves_the_first_start_and_a_restart_spawns_
         await c.shutdown()
 
 
+@pytest.mark.parametrize("prestarted", [True, False])
+async def test_the_engine_loads_without_the_collector_and_serves_with_it(prestarted: bool) -> None:
+    core = "server_fakes:CollectorCheckingEngineCore"
+    if prestarted:
+        prestart.prestart(core, 1)
+    c = AsyncEngineClient(EngineConfig(max_model_len=256), core_spec=core, startup_timeout=60)
+    await c.start()
+    try:
+        assert await collect(c, request("collected")) == {0: "abcde"}
+    finally:
+        await c.shutdown()
+        prestart.discard()
+
+
 async def test_a_prestarted_process_that_died_waiting_is_passed_over() -> None:
     prestart.prestart(FAKE, 1)
     [waiting] = prestart.waiting_pids()

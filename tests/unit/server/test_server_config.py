@@ -155,3 +155,23 @@ def test_models_and_fallbacks_from_flags_yaml_and_env(tmp_path, monkeypatch: pyt
     monkeypatch.setenv("STOKER_MODELS", "a=/x.gguf b=/y.gguf")
     _, server = resolve_configs(parse([]))
     assert server.models == ["a=/x.gguf", "b=/y.gguf"]
+
+
+def test_the_collector_is_on_once_the_server_runs_and_after_a_refused_start(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`stoker serve` builds its app with the garbage collector off (its imports make
+    objects to walk, not garbage), and switches it back on before it answers anyone."""
+    import gc
+
+    import uvicorn
+
+    from stoker.server.cli import run
+
+    seen: list[bool] = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(gc.isenabled()))
+    monkeypatch.setenv("STOKER_DB", str(tmp_path / "keys.db"))
+    served = parse(["--engine-core", "server_fakes:FakeEngineCore", "--no-embedding-model", "--port", "0"])
+    assert run(served) == 0 and seen == [True] and gc.isenabled()
+    refused = parse(["--engine-core", "server_fakes:FakeEngineCore", "--kv-peers", "127.0.0.1:1"])
+    assert run(refused) == 2 and gc.isenabled()
