@@ -286,15 +286,23 @@ def _gguf_weights(
 
 
 def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
-    """(offset, bytes) of the tensors a forward pass reads whole: all but an
-    untied embedding, of which a step reads only its tokens' rows (mapped in
-    whole, its pages would count in the engine's resident memory for nothing)."""
+    """(offset, bytes) of the tensors a forward pass reads from the mapping whole.
+    Not an untied embedding, of which a step reads only its tokens' rows, nor q
+    and k where their rows are reordered into a copy (whose mapped pages are
+    given back): mapped in, either's pages would count in the engine's resident
+    memory for nothing."""
     names = {t["hf"] for t in meta["tensors"]}
     untied = "lm_head.weight" in names
+
+    def copied_or_looked_up(name: str) -> bool:
+        if untied and name == "model.embed_tokens.weight":
+            return True
+        return bool(meta["permute_qk"]) and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
+
     return [
         (int(t["offset"]), int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize)
         for t in meta["tensors"]
-        if t["hf"] is not None and not (untied and t["hf"] == "model.embed_tokens.weight")
+        if t["hf"] is not None and not copied_or_looked_up(t["hf"])
     ]
 
 

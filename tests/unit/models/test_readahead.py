@@ -111,3 +111,23 @@ def test_a_mapping_is_populated_in_the_background(tmp_path: Path, monkeypatch: p
     assert (32 << 20) - 2 * PAGE <= grown < 40 << 20
     monkeypatch.setattr(readahead, "memory_available", lambda: 32 << 20)  # below twice the ranges' 32 MiB
     assert readahead.populate_in_background(mapping, ranges) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_engine_populates_what_every_step_reads_from_the_mapping(tmp_path: Path, arch: str) -> None:
+    """Everything but what the loader copies (llama's q and k, their rows reordered)
+    or reads a few rows of (an untied embedding; this one is tied, so it counts)."""
+    from gguf import GGMLQuantizationType
+    from quant_models import write_quant_gguf
+
+    from stoker.models.gguf_loader import _gguf_meta, _read_every_step
+
+    path = write_quant_gguf(tmp_path / f"{arch}.gguf", arch, {}, GGMLQuantizationType.Q4_K)
+    meta = _gguf_meta(str(path))
+    populated = set(_read_every_step(meta))
+    for t in meta["tensors"]:
+        if t["hf"] is None:
+            continue
+        span = (int(t["offset"]), int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize)
+        copied = arch == "llama" and (".q_proj." in t["hf"] or ".k_proj." in t["hf"])
+        assert (span in populated) != copied, t["hf"]
