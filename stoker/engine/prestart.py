@@ -118,8 +118,12 @@ def _send(waiting: _Waiting, args: EngineArgs) -> bool:
 
 
 def _end(waiting: _Waiting) -> None:
-    waiting.orders.close()  # a waiting child sees EOF and returns
-    waiting.process.join(timeout=0.5)
-    if waiting.process.is_alive():  # still importing: nothing of it is needed
+    # Ended at once, not given its pipe's EOF to notice: it is most likely still importing
+    # (a start refused while its settings are checked), and nothing of it is needed. Its
+    # SIGTERM is the default until run_engine, which it never reached.
+    waiting.orders.close()
+    waiting.process.terminate()
+    waiting.process.join(timeout=5)
+    if waiting.process.is_alive():
         waiting.process.kill()
         waiting.process.join(timeout=5)
