@@ -283,17 +283,21 @@ def _prepare_front_end(state: ServerState) -> Any:
     the engines will send theirs without (stoker.models.tokenizer), transformers
     for their chat templates (its import takes 0.6-2 s), and the embedding
     model, if any (returned)."""
-    paths = [v.spec.path for v in state.fleet.initial if v.spec.kind == "generate"]
+    # A missing or bad file is passed over here: its engine's start says why.
+    folders: list[Path] = []
+    for version in (v for v in state.fleet.initial if v.spec.kind == "generate"):
+        with contextlib.suppress(OSError, ValueError):  # a GGUF's folder is named by hashing its header
+            folders.append(Path(tokenizer_folder(version.spec.path)))
     # The backends first: each engine's tokenizer is unpickled with its own the moment that engine is ready.
-    for path in paths:
-        with contextlib.suppress(OSError, ValueError):  # a missing or bad file: its engine's start says why
-            preload_backend(Path(tokenizer_folder(path)))
+    for folder in folders:
+        with contextlib.suppress(OSError, ValueError):
+            preload_backend(folder)
     import transformers
 
     _ = transformers.PreTrainedTokenizerFast  # transformers imports its submodules on first use
-    for path in paths:
+    for folder in folders:
         with contextlib.suppress(OSError, ValueError):
-            preload_hf_tokenizer(Path(tokenizer_folder(path)))
+            preload_hf_tokenizer(folder)
     if not state.config.embedding_model:
         return None
     return _load_embedder(state)

@@ -114,17 +114,17 @@ def _resolve(forced: str) -> str:
 ISA_SOURCES = ("ggml_quant", "decoder_layer", "paged_attention")
 
 
+def _isa_build(source: str, isa: _Isa) -> tuple[str, tuple[str, ...], str]:
+    """The (source, flags, variant) that name source's build for one ISA path in the cache."""
+    return source, _BASE_FLAGS + isa.cflags, isa.name
+
+
 def prebuild_every_isa(workers: int) -> None:
     """Every ISA_SOURCES build for every path this CPU can run, compiled into the
     cache `workers` at a time. What loads them later finds them built; a run that
     loads them all (the test suite forces each path) otherwise compiles them one
     after another, ~67 s on 2 cores of a Zen 4 when ggml_quant.c changed."""
-    jobs = [
-        (source, _BASE_FLAGS + isa.cflags, isa.name)
-        for source in ISA_SOURCES
-        for isa in _isas()
-        if isa.name in _available()
-    ]
+    jobs = [_isa_build(source, isa) for source in ISA_SOURCES for isa in _isas() if isa.name in _available()]
     with ThreadPoolExecutor(max_workers=workers) as pool:
         list(pool.map(lambda job: compiled(*job), jobs))
 
@@ -133,7 +133,7 @@ def build_for_isa(source: str, name: str) -> ctypes.CDLL | None:
     """csrc/{source}.c (ggml_quant.c or a file that includes it) built for the ISA
     path `name` with this module's flags; None where it cannot be built."""
     isa = next(isa for isa in _isas() if isa.name == name)
-    lib = _build(source, _BASE_FLAGS + isa.cflags, name)
+    lib = _build(*_isa_build(source, isa))
     if lib is None:
         return None
     if lib.ggml_quant_isa() != isa.code:
