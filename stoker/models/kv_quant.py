@@ -60,7 +60,10 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     # An all-zero row keeps scale 0 and quantizes to zeros; inv stays finite.
-    inv = torch.where(amax > 0, qmax / amax, torch.zeros_like(amax))
+    # A true division, as the C kernels' qmax / amax: torch computes a number
+    # over a tensor as qmax * (1 / amax), an ulp off in a quarter of rows,
+    # enough to round a value near a half the other way.
+    inv = torch.where(amax > 0, torch.full_like(amax, qmax) / amax, torch.zeros_like(amax))
     scaled = xf * inv
     if dtype == torch.int8:
         q = scaled.round_().clamp_(-qmax, qmax).to(torch.int8)

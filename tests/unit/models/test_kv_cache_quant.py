@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -358,6 +359,25 @@ def test_a_bad_kv_cache_dtype_names_the_choices() -> None:
     assert EngineConfig.model_validate({"kv_cache_dtype": "bf16"}).kv_cache_dtype == "bf16"
 
 
+def _row_rounding_apart_under_a_reciprocal(width: int) -> torch.Tensor:
+    """A row whose int8 value rounds one way with the scale's inverse 127 / amax
+    divided and the other with it taken as 127 * (1 / amax), as torch computes
+    a number over a tensor: the C kernels divide, and so must kv_quant."""
+    for amax in np.linspace(1.0, 4.0, 4001, dtype=np.float32):
+        divided = np.float32(127) / amax
+        reciprocal = np.float32(127) * (np.float32(1) / amax)
+        if divided == reciprocal:
+            continue
+        value = np.float32(100.5) / divided
+        for _ in range(64):
+            if np.rint(value * divided) != np.rint(value * reciprocal):
+                row = torch.zeros(width)
+                row[0], row[1] = float(amax), float(value)
+                return row
+            value = np.nextafter(value, np.float32(np.inf), dtype=np.float32)
+    raise AssertionError("no amax in [1, 4] whose inverse differs under a reciprocal")
+
+
 @pytest.mark.skipif(quant_kernels._library("portable") is None, reason="no C compiler")
 @pytest.mark.parametrize("isa", quant_kernels.available_isas())
 @pytest.mark.parametrize(
@@ -378,6 +398,7 @@ def test_fused_decoder_stores_and_reads_rows_as_torch_does(dtype: torch.dtype, i
     x[4, :8] = torch.tensor([448.0, -3.25e-3, 1e-9, -0.0, 7e4, 65520.0, 65519.0, 2.0**-20])
     x[5, :4] = torch.tensor([1.0, 1.0625 / 448, 1.1875 / 448, 2.0**-10 / 448])  # e4m3 ties to even
     x[6] = torch.randn(80, generator=g) * 2.0**-17  # fp16 subnormals
+    x[7] = _row_rounding_apart_under_a_reciprocal(80)
     got = fused_decoder.kv_round_trip(x, dtype, isa)
     assert got is not None
     stored, values = got

@@ -96,7 +96,7 @@ def test_prefill_rows_are_decode_rows(
         pytest.skip("no C compiler")
     context, n, block_size = 70, 37, 16
     k_cache, v_cache, (table,) = _cache(kv_dtype, [context], (kv_heads, head_dim), block_size, seed=3)
-    q = torch.randn(n, heads, head_dim).to(q_dtype)
+    q = torch.randn(n, heads, head_dim, generator=torch.Generator().manual_seed(4)).to(q_dtype)
     scale = head_dim**-0.5
     prefill = torch.empty_like(q)
     block_ids = torch.tensor(table, dtype=torch.int64)
