@@ -6,6 +6,15 @@ from __future__ import annotations
 import os
 import sys
 
+# Under pytest-xdist (`make test` runs two workers) each worker, and every server
+# or engine it starts, computes on one thread: two workers of two threads each on
+# two cores made an in-process test on the default model 7x slower (OpenMP's
+# threads spin waiting for one another), where one thread each keeps both cores
+# busy and overlaps one worker's waits (servers starting, timeouts, polls) with
+# the other's arithmetic. Set before torch is imported: it reads it once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 if TESTS_DIR not in sys.path:
     sys.path.insert(0, TESTS_DIR)
@@ -53,9 +62,59 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     one per core at a time, before the first test."""
     if len(session.items) < 500 or os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
         return
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # built by the controller (pytest_configure), before any worker started
     from stoker.models.quant.kernels import prebuild_every_isa
 
     prebuild_every_isa(workers=os.cpu_count() or 1)
+
+
+# Files whose session fixtures are costly, kept on one xdist worker so that the
+# fixture is made once: transformers' float32 default model (~20 s to load on one
+# thread) and the real server the e2e tests share.
+_SHARED_FIXTURE_GROUPS = {
+    "transformers-default-model": (
+        "tests/integration/test_fidelity.py",
+        "tests/integration/test_default_model_load.py",
+        "tests/integration/test_lora_default_model.py",
+    ),
+    "real-server": (
+        "tests/e2e/test_openai_client.py",
+        "tests/e2e/test_structured_output.py",
+        "tests/e2e/test_anthropic_client.py",
+        "tests/unit/control/test_control_server.py",
+        "tests/unit/security/test_security_bounds.py",
+        "tests/unit/bench/test_bench_stoker_server.py",
+    ),
+}
+_GROUP_OF_FILE = {path: group for group, paths in _SHARED_FIXTURE_GROUPS.items() for path in paths}
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadfile` (as `make test` runs), with the files of each
+    _SHARED_FIXTURE_GROUPS group sent to one worker as if they were one file.
+    (xdist's own `loadgroup` cannot do it under pytest 9: it renames nodeids
+    through an attribute pytest no longer reads.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesAndSharedFixtures(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _GROUP_OF_FILE.get(path, path)
+
+    return FilesAndSharedFixtures(config, log)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller of an xdist run collects nothing itself: it prebuilds the
+    kernels (see pytest_collection_finish) before its workers start, once."""
+    controller = getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
+    if controller and os.environ.get("STOKER_DISABLE_C_KERNELS") != "1":
+        from stoker.models.quant.kernels import prebuild_every_isa
+
+        prebuild_every_isa(workers=os.cpu_count() or 1)
 
 
 def free_port() -> int:
