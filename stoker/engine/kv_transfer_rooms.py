@@ -122,6 +122,12 @@ class Rooms:
             room = self._rooms.get(room_id)
             return None if room is None else len(room.blocks)
 
+    def is_claimed(self, room_id: int) -> bool:
+        """Whether a pull has the room (its PULL has arrived)."""
+        with self._cond:
+            room = self._rooms.get(room_id)
+            return room is not None and room.claimed
+
     @property
     def num_parked(self) -> int:
         with self._cond:

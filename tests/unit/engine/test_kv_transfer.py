@@ -469,6 +469,14 @@ def test_a_decode_request_aborted_while_it_waits_frees_both_sides(prefill: Worke
     decode.step()
     assert decode.kv_peers is not None and decode.kv_peers.loading
     assert decode.kv.pool.num_free < decode.kv.num_blocks  # blocks held for the pull
+    # Its PULL must have reached the prefill worker: a decode request aborted before
+    # that leaves an unclaimed room, which ends only when it expires (kv_transfer_timeout).
+    rooms = prefill.core.kv_rooms
+    assert rooms is not None
+    deadline = time.monotonic() + 5
+    while not rooms.is_claimed(room):
+        assert time.monotonic() < deadline, "the decode worker's pull never reached the prefill worker"
+        time.sleep(0.01)
     decode.abort_requests(["d"])
     deadline = time.monotonic() + 5
     while decode.kv.pool.num_free < decode.kv.num_blocks:
