@@ -12,7 +12,8 @@ import sys
 # threads spin waiting for one another), where one thread each keeps both cores
 # busy and overlaps one worker's waits (servers starting, timeouts, polls) with
 # the other's arithmetic. Set before torch is imported: it reads it once.
-if os.environ.get("PYTEST_XDIST_WORKER"):
+IN_XDIST_WORKER = bool(os.environ.get("PYTEST_XDIST_WORKER"))
+if IN_XDIST_WORKER:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -60,10 +61,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     each path), one after another where each is first needed: ~67 s of compiling on
     2 cores whenever ggml_quant.c changed or the cache is new. Compiled here instead,
     one per core at a time, before the first test."""
-    if len(session.items) < 500 or os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
+    if len(session.items) >= 500 and not IN_XDIST_WORKER:  # an xdist controller built them (pytest_configure)
+        _prebuild_kernels()
+
+
+def _prebuild_kernels() -> None:
+    if os.environ.get("STOKER_DISABLE_C_KERNELS") == "1":
         return
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        return  # built by the controller (pytest_configure), before any worker started
     from stoker.models.quant.kernels import prebuild_every_isa
 
     prebuild_every_isa(workers=os.cpu_count() or 1)
@@ -110,11 +114,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | 
 def pytest_configure(config: pytest.Config) -> None:
     """The controller of an xdist run collects nothing itself: it prebuilds the
     kernels (see pytest_collection_finish) before its workers start, once."""
-    controller = getattr(config.option, "numprocesses", None) and not os.environ.get("PYTEST_XDIST_WORKER")
-    if controller and os.environ.get("STOKER_DISABLE_C_KERNELS") != "1":
-        from stoker.models.quant.kernels import prebuild_every_isa
-
-        prebuild_every_isa(workers=os.cpu_count() or 1)
+    if getattr(config.option, "numprocesses", None) and not IN_XDIST_WORKER:
+        _prebuild_kernels()
 
 
 def free_port() -> int:

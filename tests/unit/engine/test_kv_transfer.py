@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import pytest
+from conftest import poll_until
 from tiny_loras import ATTENTION, make_peft_adapter
 from tiny_models import make_tiny_hf_model
 
@@ -473,10 +474,8 @@ def test_a_decode_request_aborted_while_it_waits_frees_both_sides(prefill: Worke
     # that leaves an unclaimed room, which ends only when it expires (kv_transfer_timeout).
     rooms = prefill.core.kv_rooms
     assert rooms is not None
-    deadline = time.monotonic() + 5
-    while not rooms.is_claimed(room):
-        assert time.monotonic() < deadline, "the decode worker's pull never reached the prefill worker"
-        time.sleep(0.01)
+    claimed = poll_until(lambda: rooms.is_claimed(room), bool, timeout=5, interval=0.01)
+    assert claimed, "the decode worker's pull never reached the prefill worker"
     decode.abort_requests(["d"])
     deadline = time.monotonic() + 5
     while decode.kv.pool.num_free < decode.kv.num_blocks:
