@@ -47,6 +47,7 @@ class _Linear(ctypes.Structure):
         ("bias", _p),
         ("in_features", _i),
         ("out_features", _i),
+        ("packed", _i * MAX_PARTS),
     ]
 
 
@@ -163,14 +164,21 @@ def _linear_table(w: LinearWeight) -> _Linear | str:
         return "its bias is not contiguous float32"
     table = _Linear(num_parts=len(w.parts), in_features=w.in_features, out_features=w.out_features, bias=_ptr(w.bias))
     for i, part in enumerate(w.parts):
-        if part.dense is not None or part.tensor.qtype not in served:
-            return f"{part.tensor.qtype.name} is not served by the int8 kernels here"
-        if not part.tensor.data.is_contiguous():
-            return "weight blocks are not contiguous"
-        table.types[i] = int(part.tensor.qtype)
-        table.weights[i] = part.tensor.data.data_ptr()
+        if part.dense is not None or part.qtype not in served:
+            return f"{part.qtype.name} is not served by the int8 kernels here"
+        if part.packed is not None:
+            if k is None or not k.packs(part.qtype):
+                return f"{part.qtype.name} weights packed for the GEMM are not multiplied by the {k and k.quant_isa()} path"
+            table.weights[i] = part.packed.data_ptr()
+            table.packed[i] = 1
+        else:
+            assert part.tensor is not None
+            if not part.tensor.data.is_contiguous():
+                return "weight blocks are not contiguous"
+            table.weights[i] = part.tensor.data.data_ptr()
+        table.types[i] = int(part.qtype)
         table.starts[i] = part.start
-        table.rows[i] = part.tensor.rows
+        table.rows[i] = part.rows
     return table
 
 

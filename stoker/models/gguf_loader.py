@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType
 
 from stoker.config import ModelConfig
 from stoker.models.identity import gguf_cache_dir, gguf_model_name, gguf_tokenizer_folder
-from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, served_types
+from stoker.models.quant.weights import GGMLTensor, WeightLike, from_numpy_readonly, packs, served_types
 from stoker.models.readahead import populate_in_background
 from stoker.models.registry import gguf_architecture
 from stoker.models.tokenizer import Tokenizer, settle_generic_class, tokenizer_from_folder
@@ -288,21 +288,25 @@ def _gguf_weights(
 def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
     """(offset, bytes) of the tensors a forward pass reads from the mapping whole.
     Not an untied embedding, of which a step reads only its tokens' rows, nor q
-    and k where their rows are reordered into a copy (whose mapped pages are
-    given back): mapped in, either's pages would count in the engine's resident
-    memory for nothing."""
+    and k where their rows are reordered into a copy, nor the linear layers'
+    weights repacked into a copy at load (both copies give their mapped pages
+    back): mapped in, their pages would count in the engine's resident memory
+    for nothing."""
     names = {t["hf"] for t in meta["tensors"]}
     untied = "lm_head.weight" in names
 
-    def copied_or_looked_up(name: str) -> bool:
+    def copied_or_looked_up(t: dict[str, Any]) -> bool:
+        name = t["hf"]
         if untied and name == "model.embed_tokens.weight":
             return True
+        if packs(GGMLQuantizationType(t["type"])):
+            return True  # repacked into a copy (quant/weights.py; a tied LM head too), its mapped pages given back
         return bool(meta["permute_qk"]) and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
 
     return [
         (int(t["offset"]), int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize)
         for t in meta["tensors"]
-        if t["hf"] is not None and not copied_or_looked_up(t["hf"])
+        if t["hf"] is not None and not copied_or_looked_up(t)
     ]
 
 

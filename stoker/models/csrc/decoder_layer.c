@@ -64,6 +64,7 @@ typedef struct {
     int rows[MAX_PARTS];
     const float *bias; /* [out_features] or NULL */
     int in_features, out_features;
+    int packed[MAX_PARTS]; /* 1: weights[p] is laid out by ggml_quant_pack */
 } Linear;
 
 /* An adapter's share of one linear: its modules' A stacked by rows, and per
@@ -186,7 +187,7 @@ static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, lo
         const int type = L->types[p], be = block_elems(type);
         const xq_t xq = xq_for(b, be, L->in_features);
         const size_t row_bytes = (size_t)(L->in_features / be) * ggml_quant_type_size(type);
-        quant_matmul_thread(type, L->weights[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
+        quant_matmul_thread(type, L->weights[p], L->packed[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
                             L->bias ? L->bias + L->starts[p] : NULL, accumulate,
                             b->gemm_scratch + b->gemm_scratch_size * (size_t)t, t, nt);
     }

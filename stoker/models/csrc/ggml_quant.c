@@ -1942,15 +1942,21 @@ static size_t gemm_scratch_bytes(int k, int m) {
     return 0;
 }
 #endif
+#include "packed_panels.h"
 
 /* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
  * (with xq->isum filled where exact_serves): the exact kernels where this build
  * has them for the type (the GEMM from gemm_serves' rows, with one unpacked
- * panel of scratch per thread, gemm_scratch_bytes(k, m)), else the tile kernels. */
-static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t *xq, int m, int n, void *y,
-                                long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t,
-                                int nt) {
+ * panel of scratch per thread, gemm_scratch_bytes(k, m)), else the tile kernels;
+ * or, packed (w laid out by ggml_quant_pack), the tiles that read the panels in place. */
+static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t row_bytes, const xq_t *xq, int m, int n,
+                                void *y, long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch,
+                                int t, int nt) {
 #if EXACT_KERNELS
+    if (packed) {
+        packed_thread(w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
+        return;
+    }
     if (exact_serves(type)) {
         if (gemm_serves(m) && !rows_take_four(type, xq->k, m))
             gemm_thread(type, w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
@@ -1959,27 +1965,26 @@ static void quant_matmul_thread(int type, const uint8_t *w, size_t row_bytes, co
         return;
     }
 #endif
-    (void)scratch;
+    (void)scratch, (void)packed;
     matmul_thread(tiles_for(type), w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
 }
 
 /* 1 if this build computes `type` with the exact kernels (GEMM and small tiles). */
 int ggml_quant_exact_kernels(int type) { return exact_serves(type); }
 
-/* y[m, n] (row stride y_stride elements, x's dtype) = x[m, k] @ W^T, W [n, row_bytes] in ggml blocks.
- * Returns 0, 1 when scratch memory could not be allocated, 2 for an unsupported type or shape. */
-int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int n, void *y,
-                      long y_stride, int num_threads) {
+/* y = x @ W^T for W in ggml blocks or packed: ggml_quant_matmul's body. */
+static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int packed, int n, void *y,
+                       long y_stride, int num_threads) {
     const tile_fn *tiles = tiles_for(type);
     const int be = block_elems(type);
-    if (tiles == NULL || k <= 0 || k % be || m < 0 || n < 0) return 2;
+    if (tiles == NULL || k <= 0 || k % be || m < 0 || n < 0 || (packed && !packed_serves(type))) return 2;
     if (m == 0 || n == 0) return 0;
     const size_t row_bytes = (size_t)(k / be) * ggml_quant_type_size(type);
     const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
     xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
                malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
                exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
-    const size_t scratch_bytes = exact ? gemm_scratch_bytes(k, m) : 0;
+    const size_t scratch_bytes = exact && !packed ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? malloc(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
     if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {
@@ -1996,7 +2001,7 @@ int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const u
 #else
         const int nt = 1, t = 0;
 #endif
-        quant_matmul_thread(type, w, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0,
+        quant_matmul_thread(type, w, packed, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0,
                             scratch ? scratch + scratch_bytes * (size_t)t : NULL, t, nt);
     }
 done:
@@ -2007,6 +2012,45 @@ done:
     free(xq.isum);
     free(scratch);
     return rc;
+}
+
+/* y[m, n] (row stride y_stride elements, x's dtype) = x[m, k] @ W^T, W [n, row_bytes] in ggml blocks.
+ * Returns 0, 1 when scratch memory could not be allocated, 2 for an unsupported type or shape. */
+int ggml_quant_matmul(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int n, void *y,
+                      long y_stride, int num_threads) {
+    return matmul_call(type, x, x_bf16, m, k, w, 0, n, y, y_stride, num_threads);
+}
+
+/* The same with W as ggml_quant_pack laid it out: the same result, bit for bit. */
+int ggml_quant_matmul_packed(int type, const void *x, int x_bf16, int m, int k, const uint8_t *packed, int n, void *y,
+                             long y_stride, int num_threads) {
+    return matmul_call(type, x, x_bf16, m, k, packed, 1, n, y, y_stride, num_threads);
+}
+
+/* 1 if this build multiplies `type` from weights that ggml_quant_pack laid out. */
+int ggml_quant_packed_serves(int type) { return packed_serves(type); }
+
+/* Bytes of an n x k weight of `type` packed (the same layout in every build), 0 where
+ * no such weight is packed (the type, or a k that is no whole super-block). */
+size_t ggml_quant_packed_bytes(int type, int n, int k) {
+    if (!packable(type) || n <= 0 || k <= 0 || k % 256) return 0;
+    return (size_t)((n + PACKED_PANEL - 1) / PACKED_PANEL) * packed_panel_bytes(k);
+}
+
+/* W (n rows of ggml blocks) into dst (ggml_quant_packed_bytes), or back with
+ * unpack: dst then receives the blocks from the packed w. Returns 2 where this
+ * build packs no such weight. */
+int ggml_quant_pack(int type, const uint8_t *w, int n, int k, uint8_t *dst, int unpack, int num_threads) {
+    if (!ggml_quant_packed_bytes(type, n, k)) return 2;
+    const size_t row_bytes = (size_t)(k / 256) * 144;
+    const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL, threads = num_threads > 0 ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int p = 0; p < panels; p++) {
+        if (unpack) unpack_panel_q4_k(w + (size_t)p * packed_panel_bytes(k), k, p, n, dst, row_bytes);
+        else pack_panel_q4_k(w, row_bytes, n, k, p, dst + (size_t)p * packed_panel_bytes(k));
+    }
+    (void)threads;
+    return 0;
 }
 
 /* ---- dequantization, in gguf-py's operation order so results match it bit for bit */

@@ -152,6 +152,16 @@ def declare_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.ggml_quant_exact_kernels.argtypes = [i]
     lib.ggml_quant_dequantize_rows.restype = i
     lib.ggml_quant_dequantize_rows.argtypes = [i, p, i, p, i, p, i, i]
+    if not hasattr(lib, "ggml_quant_pack"):  # a build from before the packed weights (benchmarks' baselines)
+        return lib
+    lib.ggml_quant_matmul_packed.restype = i
+    lib.ggml_quant_matmul_packed.argtypes = [i, p, i, i, i, p, i, p, ctypes.c_long, i]
+    lib.ggml_quant_packed_serves.restype = i
+    lib.ggml_quant_packed_serves.argtypes = [i]
+    lib.ggml_quant_packed_bytes.restype = ctypes.c_size_t
+    lib.ggml_quant_packed_bytes.argtypes = [i, i, i]
+    lib.ggml_quant_pack.restype = i
+    lib.ggml_quant_pack.argtypes = [i, p, i, i, p, i, i]
     return lib
 
 
@@ -196,22 +206,91 @@ def ggml_matmul(
     stride(1) == 1, e.g. a column slice of a wider tensor). None when the kernel
     cannot serve the call (no compiler, kernels disabled, unsupported type,
     dtype or device) so the caller falls back; ValueError for malformed input."""
-    if qtype not in SUPPORTED_TYPES or not x.is_cpu or not weight.is_cpu:
+    if qtype not in SUPPORTED_TYPES or not weight.is_cpu or not _served(x):
         return None
-    if x.dtype is not torch.float32 and x.dtype is not torch.bfloat16:
-        return None
+    k = _row_elems(weight, qtype)
+    return _matmul(x, weight, qtype, k, weight.shape[0], out, packed=False)
+
+
+def _served(x: torch.Tensor) -> bool:
+    """Whether a matmul of this x can run here at all (else the caller falls back)."""
+    return x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and _lib() is not None
+
+
+def packs(qtype: GGMLQuantizationType) -> bool:
+    """Whether the path in use multiplies `qtype` from weights repacked into its
+    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K on the SIMD paths."""
     lib = _lib()
-    if lib is None:
+    return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_packed_serves(int(qtype)))
+
+
+def ggml_pack(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor | None:
+    """W's blocks repacked into panel order (a new uint8 tensor, 1-D), or None where
+    this type or shape is not packed. Every build packs the same layout; only the
+    SIMD builds multiply it (ggml_matmul_packed)."""
+    lib = _library(_any_isa())
+    if lib is None or qtype not in SUPPORTED_TYPES:
         return None
+    k = _row_elems(weight, qtype)
+    size = int(lib.ggml_quant_packed_bytes(int(qtype), weight.shape[0], k))
+    if size == 0:
+        return None
+    packed = torch.empty(size, dtype=torch.uint8)
+    lib.ggml_quant_pack(
+        int(qtype), weight.data_ptr(), weight.shape[0], k, packed.data_ptr(), 0, torch.get_num_threads()
+    )
+    return packed
+
+
+def ggml_unpack(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:
+    """The [n, row_bytes] blocks that ggml_pack packed (a copy), bit for bit."""
+    lib = _library(_any_isa())
+    if lib is None or packed.numel() != lib.ggml_quant_packed_bytes(int(qtype), n, k):
+        raise ValueError(f"not a packed {qtype.name} weight of {n} x {k}")
+    block_elems, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = torch.empty(n, k // block_elems * type_size, dtype=torch.uint8)
+    lib.ggml_quant_pack(int(qtype), packed.data_ptr(), n, k, blocks.data_ptr(), 1, torch.get_num_threads())
+    return blocks
+
+
+def ggml_matmul_packed(
+    x: torch.Tensor, packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """ggml_matmul for a weight of n rows packed by ggml_pack: the same result bit
+    for bit. None where the path in use does not multiply packed weights."""
+    if qtype not in SUPPORTED_TYPES or not packs(qtype) or not _served(x):
+        return None
+    k = x.shape[-1] if x.dim() == 2 else -1
+    if k <= 0 or packed.numel() != _library(_any_isa()).ggml_quant_packed_bytes(int(qtype), n, k):  # type: ignore[union-attr]
+        raise ValueError(f"x must be [m, k] for a packed {qtype.name} weight of {n} rows, got {tuple(x.shape)}")
+    return _matmul(x, packed, qtype, k, n, out, packed=True)
+
+
+@cache
+def _any_isa() -> str:
+    """The path whose build packs and unpacks (the layout is the same in every build)."""
+    return _available()[0]
+
+
+def _matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    qtype: GGMLQuantizationType,
+    k: int,
+    n: int,
+    out: torch.Tensor | None,
+    packed: bool,
+) -> torch.Tensor | None:
+    lib = _lib()
+    assert lib is not None  # _served
     block_elems = GGML_QUANT_SIZES[qtype][0]
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [m, k], got {tuple(x.shape)}")
     if x.shape[1] % block_elems:
         raise ValueError(f"k={x.shape[1]} is not a multiple of {qtype.name}'s {block_elems}-element block")
-    k = _row_elems(weight, qtype)
     if x.shape[1] != k:
         raise ValueError(f"x must be [m, {k}] for this weight, got {tuple(x.shape)}")
-    m, n = x.shape[0], weight.shape[0]
+    m = x.shape[0]
     x = x.contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=x.dtype)
@@ -219,7 +298,8 @@ def ggml_matmul(
         raise ValueError(f"out must be a CPU [{m}, {n}] {x.dtype} tensor with stride(1) == 1")
     elif m > 1 and out.stride(0) < n:
         raise ValueError("out rows must not overlap (stride(0) >= n)")
-    rc = lib.ggml_quant_matmul(
+    call = lib.ggml_quant_matmul_packed if packed else lib.ggml_quant_matmul
+    rc = call(
         int(qtype),
         x.data_ptr(),
         int(x.dtype == torch.bfloat16),

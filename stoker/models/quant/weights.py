@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -125,13 +126,49 @@ def from_numpy_readonly(array: np.ndarray) -> torch.Tensor:
 
 
 class _Part:
-    """One GGMLTensor of a fused weight, and its dense stand-in once the kernels refuse it."""
+    """One run of a fused weight's rows: its blocks, or where the kernels multiply
+    its type from them the same repacked once into their GEMM's panel order
+    (kernels.ggml_pack; the blocks' memory given back), and its dense stand-in
+    once the kernels refuse it."""
 
     def __init__(self, tensor: GGMLTensor, start: int) -> None:
-        self.tensor = tensor
+        self.qtype, self.rows, self.cols = tensor.qtype, tensor.rows, tensor.cols
         self.start = start
         self.stop = start + tensor.rows
         self.dense: Linear | None = None
+        self.packed = _packed(tensor)
+        self.tensor: GGMLTensor | None = tensor if self.packed is None else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() if self.packed is not None else self.blocks().nbytes
+
+    def blocks(self) -> GGMLTensor:
+        """The weight as GGML blocks (unpacked into a copy where it is packed)."""
+        if self.tensor is not None:
+            return self.tensor
+        k = kernels()
+        assert k is not None and self.packed is not None
+        return GGMLTensor(k.ggml_unpack(self.packed, self.qtype, self.rows, self.cols), self.qtype, self.cols)
+
+
+def packs(qtype: GGMLQuantizationType) -> bool:
+    """Whether a linear layer's `qtype` weights are repacked at load (_Part): where
+    the path in use multiplies them so, unless STOKER_DISABLE_PACKED_GGML=1."""
+    k = kernels()
+    return k is not None and os.environ.get("STOKER_DISABLE_PACKED_GGML") != "1" and bool(k.packs(qtype))
+
+
+def _packed(tensor: GGMLTensor) -> torch.Tensor | None:
+    """tensor's blocks in panel order where packs(its type) and its shape allows
+    (its mapped pages given back), else None."""
+    k = kernels()
+    if k is None or not packs(tensor.qtype):
+        return None
+    packed = k.ggml_pack(tensor.data.contiguous(), tensor.qtype)
+    if packed is not None and tensor.file_mapped:
+        release_mapped_pages(tensor.data)
+    return packed  # type: ignore[no-any-return]
 
 
 class GGMLLinear:
@@ -161,11 +198,11 @@ class GGMLLinear:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.tensor.nbytes for p in self.parts)
+        return sum(p.nbytes for p in self.parts)
 
     @property
     def qtypes(self) -> list[GGMLQuantizationType]:
-        return [p.tensor.qtype for p in self.parts]
+        return [p.qtype for p in self.parts]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -184,11 +221,15 @@ class GGMLLinear:
         if part.dense is None:
             k = kernels()
             if k is not None:
-                got = k.ggml_matmul(x, part.tensor.data, part.tensor.qtype, out=out)
+                if part.packed is not None:
+                    got = k.ggml_matmul_packed(x, part.packed, part.qtype, part.rows, out=out)
+                else:
+                    assert part.tensor is not None
+                    got = k.ggml_matmul(x, part.tensor.data, part.qtype, out=out)
                 if got is not None:
                     return got  # type: ignore[no-any-return]
-            _log_fallback(part.tensor.qtype, x.dtype)
-            part.dense = Linear(part.tensor.dequantize(x.dtype))
+            _log_fallback(part.qtype, x.dtype)
+            part.dense = Linear(part.blocks().dequantize(x.dtype))
         y = part.dense(x)
         if out is not None:
             out.copy_(y)
@@ -196,7 +237,7 @@ class GGMLLinear:
         return y
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.tensor.dequantize(torch.float32) for p in self.parts])
+        return torch.cat([p.blocks().dequantize(torch.float32) for p in self.parts])
 
 
 def _join_same_type(parts: Sequence[GGMLTensor]) -> list[GGMLTensor]:

@@ -113,21 +113,30 @@ def test_a_mapping_is_populated_in_the_background(tmp_path: Path, monkeypatch: p
     assert readahead.populate_in_background(mapping, ranges) is None
 
 
+@pytest.mark.parametrize("packing", [True, False], ids=["packing", "blocks"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_engine_populates_what_every_step_reads_from_the_mapping(tmp_path: Path, arch: str) -> None:
-    """Everything but what the loader copies (llama's q and k, their rows reordered)
-    or reads a few rows of (an untied embedding; this one is tied, so it counts)."""
+def test_the_engine_populates_what_every_step_reads_from_the_mapping(
+    tmp_path: Path, arch: str, packing: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Everything but what the loader copies (llama's q and k, their rows reordered;
+    the weights repacked for the GEMM where the kernels pack their type) or reads a
+    few rows of (an untied embedding; this one is tied, so it counts)."""
     from gguf import GGMLQuantizationType
     from quant_models import write_quant_gguf
 
     from stoker.models.gguf_loader import _gguf_meta, _read_every_step
+    from stoker.models.quant.weights import packs
 
+    if not packing:
+        monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
     path = write_quant_gguf(tmp_path / f"{arch}.gguf", arch, {}, GGMLQuantizationType.Q4_K)
     meta = _gguf_meta(str(path))
     populated = set(_read_every_step(meta))
+    assert populated
     for t in meta["tensors"]:
         if t["hf"] is None:
             continue
         span = (int(t["offset"]), int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize)
         copied = arch == "llama" and (".q_proj." in t["hf"] or ".k_proj." in t["hf"])
+        copied = copied or packs(GGMLQuantizationType(t["type"]))
         assert (span in populated) != copied, t["hf"]

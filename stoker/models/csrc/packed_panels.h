@@ -1,0 +1,249 @@
+/* Q4_K weights repacked once, at load, into the GEMM's panel order (included by
+ * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
+ * multiply).
+ *
+ * Why: the GEMM unpacks every panel of GEMM_PANEL weight rows into VNNI order
+ * on each call. A decode step of 16 sequences reads every weight once, so that
+ * unpack is paid per step and shared by only 16 rows: on the 1B rung's 16-row
+ * step it was ~26% of the time (docs/perf/decode-step.md), where the tiles
+ * themselves run at the prompt GEMM's rate. Stored in panel order, the tile
+ * reads the weights directly, whatever the row count, and the small row counts
+ * (one row per decoding sequence) read the same bytes.
+ *
+ * Layout: the weight's rows in panels of P = PACKED_PANEL (32) columns, the last
+ * one padded with zero columns; per panel, per 256-value super-block sb, PACKED_SB
+ * bytes (the same in every build: a 256-bit build's GEMM takes a panel as two
+ * of its 16 columns):
+ *     d     fp16 [P]            the super-block scale, as stored
+ *     dmin  fp16 [P]
+ *     sc    u8   [8][P]         sub-block j's 6-bit scale of each column
+ *     mn    u8   [4][P][2]      the 6-bit mins of sub-blocks 2i and 2i + 1
+ *     qs    u8   [4][8][P][4]   pair i, dword t: each column's stored dword 8i + t
+ * A stored Q4_K byte 32i + e holds sub-block 2i's value e in its low nibble and
+ * sub-block 2i + 1's in its high one, so qs is the stored bytes transposed by
+ * dwords (4 values of each nibble, the panel's columns side by side) and the
+ * tile splits the nibbles as it loads them. 148 bytes a column and super-block
+ * against the file's 144: the scales decoded to bytes and no 6-bit packing.
+ *
+ * Every output is the same integers P and M and the same fp32 operations as
+ * gemm_tile_k's (and so the small tiles'): bit for bit the unpacked kernels'
+ * result, whatever the row count. */
+
+#define PACKED_PANEL 32
+#define PACKED_SB ((size_t)PACKED_PANEL * 148)
+#define PACKED_D 0
+#define PACKED_DMIN ((size_t)PACKED_PANEL * 2)
+#define PACKED_SC ((size_t)PACKED_PANEL * 4)
+#define PACKED_MN ((size_t)PACKED_PANEL * 12)
+#define PACKED_QS ((size_t)PACKED_PANEL * 20)
+
+ALWAYS_INLINE int packable(int type) { return type == Q4_K; }
+
+/* Bytes of one panel of k-wide rows. */
+ALWAYS_INLINE size_t packed_panel_bytes(int k) { return (size_t)(k / 256) * PACKED_SB; }
+
+/* Panel p of W (n rows of row_bytes) into dst: one thread's share of the packing. */
+static void pack_panel_q4_k(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
+    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
+    memset(dst, 0, packed_panel_bytes(k));
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = row + (size_t)sb * 144;
+            uint8_t *out = dst + (size_t)sb * PACKED_SB;
+            memcpy(out + PACKED_D + 2 * c, blk, 2);
+            memcpy(out + PACKED_DMIN + 2 * c, blk + 2, 2);
+            uint64_t sc8, mn8;
+            k_scales_mins(blk + 4, &sc8, &mn8);
+            for (int j = 0; j < 8; j++) {
+                out[PACKED_SC + (size_t)j * P + c] = (uint8_t)(sc8 >> (8 * j));
+                out[PACKED_MN + ((size_t)(j / 2) * P + c) * 2 + (j & 1)] = (uint8_t)(mn8 >> (8 * j));
+            }
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 8; t++)
+                    memcpy(out + PACKED_QS + (((size_t)i * 8 + t) * P + c) * 4, blk + 16 + 32 * i + 4 * t, 4);
+        }
+    }
+}
+
+/* The inverse, for dequantizing a packed weight: rows j0 .. j0 + cols - 1 of W
+ * from panel p (the 12-byte scale encoding rebuilt from the bytes). */
+static void unpack_panel_q4_k(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
+    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int sb = 0; sb < nsb; sb++) {
+            uint8_t *blk = row + (size_t)sb * 144;
+            const uint8_t *in = src + (size_t)sb * PACKED_SB;
+            memcpy(blk, in + PACKED_D + 2 * c, 2);
+            memcpy(blk + 2, in + PACKED_DMIN + 2 * c, 2);
+            uint8_t sc[8], mn[8];
+            for (int j = 0; j < 8; j++) {
+                sc[j] = in[PACKED_SC + (size_t)j * P + c];
+                mn[j] = in[PACKED_MN + ((size_t)(j / 2) * P + c) * 2 + (j & 1)];
+            }
+            uint8_t *s = blk + 4; /* scale_min_k4's encoding */
+            for (int j = 0; j < 4; j++) {
+                s[j] = (uint8_t)((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+                s[j + 4] = (uint8_t)((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+                s[j + 8] = (uint8_t)((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
+            }
+            for (int i = 0; i < 4; i++)
+                for (int t = 0; t < 8; t++)
+                    memcpy(blk + 16 + 32 * i + 4 * t, in + PACKED_QS + (((size_t)i * 8 + t) * P + c) * 4, 4);
+        }
+    }
+}
+
+#if EXACT_KERNELS
+ALWAYS_INLINE int packed_serves(int type) { return packable(type); }
+
+#if QUANT_ISA == 3
+#define PV_SC(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define PV_MN(p) _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(p)))
+#define PV_D(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define PV_LOW4(v) _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
+#define PV_HIGH4(v) _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
+#define PV_NEG(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))
+#else
+#define PV_SC(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define PV_MN(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
+#define PV_D(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define PV_LOW4(v) _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
+#define PV_HIGH4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
+#define PV_NEG(v) _mm256_xor_ps(v, _mm256_set1_ps(-0.f))
+#endif
+
+/* s[r] += the dots of x's rows with sub-block 2i + high (pair: pair i's 8 dword rows, at the tile's first column). */
+ALWAYS_INLINE void packed_dots(const int MR, const int high, const int8_t *const *x, int b, const uint8_t *pair,
+                               gemm_i s[GEMM_MR][2]) {
+    for (int t = 0; t < 8; t++) {
+        const gemm_i raw0 = GV_LOAD_I(pair + (size_t)t * 4 * PACKED_PANEL);
+        const gemm_i raw1 = GV_LOAD_I(pair + (size_t)t * 4 * PACKED_PANEL + 4 * GEMM_LANES);
+        const gemm_i w0 = high ? PV_HIGH4(raw0) : PV_LOW4(raw0), w1 = high ? PV_HIGH4(raw1) : PV_LOW4(raw1);
+        for (int r = 0; r < MR; r++) {
+            int32_t four;
+            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+            const gemm_i xb = GV_SET1_I(four);
+            s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
+            s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
+        }
+    }
+}
+
+/* MR rows of x (at[]) by GEMM_PANEL columns of a packed panel from column c0:
+ * gemm_tile_k's Q4_K arithmetic, the weights read where they lie. */
+ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    const int k = xq->k, P = PACKED_PANEL;
+    const int8_t *x[GEMM_MR];
+    for (int r = 0; r < MR; r++) {
+        x[r] = xq->qs + at[r] * (size_t)k;
+        out[r][0] = out[r][1] = GV_ZERO_F();
+    }
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *in = panel + (size_t)sb * PACKED_SB;
+        gemm_i p[GEMM_MR][2], s[GEMM_MR][2];
+        for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = s[r][0] = s[r][1] = GV_ZERO_I();
+        for (int j = 0; j < 8; j++) {
+            const int b = sb * 8 + j;
+            prefetch_share(pf, b, nsb * 8);
+            packed_dots(MR, j & 1, x, b, in + PACKED_QS + (size_t)(j / 2) * 8 * 4 * P + (size_t)c0 * 4, s);
+            const uint8_t *sc = in + PACKED_SC + (size_t)j * P + c0;
+            gemm_scale_into(MR, PV_SC(sc), PV_SC(sc + GEMM_LANES), s, p);
+        }
+        const uint8_t *d = in + PACKED_D + 2 * (size_t)c0, *dmin = in + PACKED_DMIN + 2 * (size_t)c0;
+        const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
+        const gemm_f m0 = PV_NEG(PV_D(dmin)), m1 = PV_NEG(PV_D(dmin + 2 * GEMM_LANES));
+        gemm_i mnv[4][2];
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *mi = in + PACKED_MN + ((size_t)i * P + c0) * 2;
+            mnv[i][0] = PV_MN(mi);
+            mnv[i][1] = PV_MN(mi + 2 * GEMM_LANES);
+        }
+        for (int r = 0; r < MR; r++) {
+            const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
+            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
+            /* M, two sub-blocks a vpdpwssd, as gemm_tile_k */
+            gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
+            for (int i = 0; i < 4; i++) {
+                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
+                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+                mm0 = GV_DPWSSD(mm0, mnv[i][0], xs);
+                mm1 = GV_DPWSSD(mm1, mnv[i][1], xs);
+            }
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, out[r][1]);
+        }
+    }
+}
+
+typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel, int c0,
+                               panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
+#define PACKED_TILE_FN(MR)                                                                                           \
+    static void packed_tile_##MR(const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel, int c0,          \
+                                 panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {                                         \
+        packed_tile_q4_k(MR, xq, at, nsb, panel, c0, pf, out);                                                       \
+    }
+PACKED_TILE_FN(1)
+PACKED_TILE_FN(2)
+PACKED_TILE_FN(3)
+#if GEMM_MR == 6
+PACKED_TILE_FN(4)
+PACKED_TILE_FN(5)
+PACKED_TILE_FN(6)
+static const packed_tile_fn packed_tiles[GEMM_MR] = {packed_tile_1, packed_tile_2, packed_tile_3,
+                                                     packed_tile_4, packed_tile_5, packed_tile_6};
+#else
+static const packed_tile_fn packed_tiles[GEMM_MR] = {packed_tile_1, packed_tile_2, packed_tile_3};
+#endif
+#undef PACKED_TILE_FN
+
+/* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
+ * and W packed (n rows): a contiguous range of packed panels, each swept by all m
+ * rows GEMM_MR at a time (a 256-bit build: each half of it), the tiles asking
+ * for the panel PANELS_AHEAD on as they go. The same y writes as gemm_thread,
+ * without its unpack and scratch. */
+static void packed_thread(const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride, int y_bf16,
+                          const float *bias, int accumulate, int t, int nt) {
+    const int nsb = xq->k / 256, halves = PACKED_PANEL / GEMM_PANEL;
+    const size_t panel_bytes = packed_panel_bytes(xq->k);
+    const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
+    const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
+    const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
+    for (int p = lo; p < hi; p++) {
+        const uint8_t *panel = packed + (size_t)p * panel_bytes;
+        const size_t ahead_lines = p + PANELS_AHEAD < hi ? panel_bytes / 64 : 0;
+        int tile = 0;
+        for (int h = 0; h < halves; h++) {
+            const int j0 = p * PACKED_PANEL + h * GEMM_PANEL;
+            if (j0 >= n) break;
+            const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
+            for (int i0 = 0; i0 < m; i0 += GEMM_MR, tile++) {
+                const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
+                size_t at[GEMM_MR];
+                for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
+                const size_t from = ahead_lines * (size_t)tile / (size_t)tiles;
+                const size_t to = ahead_lines * (size_t)(tile + 1) / (size_t)tiles;
+                const panel_ahead_t pf = {ahead_lines ? panel + PANELS_AHEAD * panel_bytes + 64 * from : NULL,
+                                          to - from};
+                gemm_f out[GEMM_MR][2];
+                packed_tiles[mr - 1](xq, at, nsb, panel, h * GEMM_PANEL, pf, out);
+                for (int r = 0; r < mr; r++) {
+                    float vals[GEMM_PANEL];
+                    GV_STORE_F(vals, out[r][0]);
+                    GV_STORE_F(vals + GEMM_LANES, out[r][1]);
+                    write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
+                }
+            }
+        }
+    }
+}
+#else
+ALWAYS_INLINE int packed_serves(int type) {
+    (void)type;
+    return 0;
+}
+#endif

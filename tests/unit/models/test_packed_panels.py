@@ -1,0 +1,148 @@
+"""Q4_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
+every row count, and the blocks back from the packing bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from stoker.models.quant import kernels
+from stoker.models.quant.blocks import random_blocks
+from stoker.models.quant.kernels import available_isas, ggml_matmul, ggml_matmul_packed, ggml_pack, ggml_unpack
+from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
+
+T = GGMLQuantizationType
+pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
+
+# 148 bytes a column and super-block, panels of 32 columns
+PANEL, SUPERBLOCK_BYTES = 32, 148
+
+
+@pytest.fixture(params=available_isas())
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("STOKER_QUANT_ISA", request.param)
+    monkeypatch.delenv("STOKER_DISABLE_C_KERNELS", raising=False)
+    monkeypatch.delenv("STOKER_DISABLE_PACKED_GGML", raising=False)
+    return str(request.param)
+
+
+def q4_k(n: int, k: int, seed: int) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(T.Q4_K, n, k, seed))
+
+
+@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512), (64, 2048)])
+def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int) -> None:
+    """Every path packs the same layout (a padded last panel included) and unpacks it exactly."""
+    w = q4_k(n, k, seed=n)
+    packed = ggml_pack(w, T.Q4_K)
+    assert packed is not None
+    assert packed.numel() == -(-n // PANEL) * (k // 256) * PANEL * SUPERBLOCK_BYTES
+    assert torch.equal(ggml_unpack(packed, T.Q4_K, n, k), w)
+
+
+def test_only_q4_k_is_packed_and_only_simd_paths_multiply_it(isa: str) -> None:
+    w = torch.from_numpy(random_blocks(T.Q6_K, 4, 256, seed=1))
+    assert ggml_pack(w, T.Q6_K) is None
+    assert not packs(T.Q6_K) and not packs(T.Q8_0)
+    assert packs(T.Q4_K) == (isa != "portable")
+    packed = ggml_pack(q4_k(8, 256, seed=1), T.Q4_K)
+    assert packed is not None
+    y = ggml_matmul_packed(torch.randn(2, 256), packed, T.Q4_K, 8)
+    assert (y is None) == (isa == "portable")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512)])
+def test_packed_product_is_the_blocks_product_at_every_row_count(isa: str, n: int, k: int, dtype: torch.dtype) -> None:
+    """The tiles that read the panels compute the GEMM's (and so the small tiles')
+    integers and float operations: the same bits from one row to a prompt, on one
+    thread or two, into a column slice of a wider output too."""
+    if isa == "portable":
+        pytest.skip("the portable path multiplies the blocks only")
+    w = q4_k(n, k, seed=k)
+    packed = ggml_pack(w, T.Q4_K)
+    assert packed is not None
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (*range(1, 18), 23, 64, 70):
+                want = ggml_matmul(x[:rows], w, T.Q4_K)
+                assert want is not None
+                got = ggml_matmul_packed(x[:rows], packed, T.Q4_K, n)
+                assert got is not None and torch.equal(got, want), (num_threads, rows)
+        wide = torch.full((5, n + 9), 7.0, dtype=dtype)
+        ggml_matmul_packed(x[:5], packed, T.Q4_K, n, out=wide[:, 4 : 4 + n])
+        assert torch.equal(wide[:, 4 : 4 + n], ggml_matmul(x[:5], w, T.Q4_K))
+        assert bool((wide[:, :4] == 7).all() and (wide[:, 4 + n :] == 7).all())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_packed_bad_inputs_raise_value_error(isa: str) -> None:
+    packed = ggml_pack(q4_k(40, 512, seed=2), T.Q4_K)
+    assert packed is not None
+    with pytest.raises(ValueError, match="packed Q4_K"):
+        ggml_unpack(packed, T.Q4_K, 40, 256)
+    if isa != "portable":
+        with pytest.raises(ValueError, match="packed Q4_K weight of 70 rows"):  # 3 panels, not 2
+            ggml_matmul_packed(torch.randn(2, 512), packed, T.Q4_K, 70)
+        with pytest.raises(ValueError, match="packed Q4_K"):
+            ggml_matmul_packed(torch.randn(2, 256), packed, T.Q4_K, 40)
+
+
+def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
+    isa: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GGMLLinear packs a Q4_K run where the path multiplies it so (a Q6_K part
+    beside it stays blocks); its output, dequantized weight and fallbacks are
+    the blocks' own: bit for bit where the kernels serve, dense from the unpacked
+    blocks where they do not (the path switched to portable after loading)."""
+    parts = [GGMLTensor(q4_k(50, 512, seed=s), T.Q4_K, 512) for s in (3, 4)]
+    parts.append(GGMLTensor(torch.from_numpy(random_blocks(T.Q6_K, 16, 512, seed=5)), T.Q6_K, 512))
+    bias = torch.randn(116)
+    x = torch.randn(6, 512)
+    packed = GGMLLinear(parts, bias)
+    assert [p.packed is not None for p in packed.parts] == [isa != "portable", False]
+    monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
+    blocks = GGMLLinear(parts, bias)
+    assert all(p.packed is None for p in blocks.parts)
+    assert torch.equal(packed.dequantize(), blocks.dequantize())
+    for rows in (1, 3, 6):
+        assert torch.equal(packed(x[:rows]), blocks(x[:rows]))
+    monkeypatch.setenv("STOKER_QUANT_ISA", "portable")
+    want = x @ torch.cat([p.dequantize() for p in parts]).T + bias
+    # x rounded to int8 per 256 in the Q6_K part's kernels: ~0.7% of the product's norm
+    assert float((packed(x) - want).norm() / want.norm()) < 0.015
+    assert (packed.parts[0].dense is not None) == (isa != "portable")
+
+
+def test_packing_gives_back_the_mapped_pages(isa: str, tmp_path: object) -> None:
+    """A file-mapped Q4_K weight, once packed, leaves none of its pages mapped (the copy replaces them)."""
+    if isa == "portable":
+        pytest.skip("nothing is packed on the portable path")
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "w.bin"
+    blocks = random_blocks(T.Q4_K, 2048, 2048, seed=6)  # 4.5 MiB
+    blocks.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r", shape=blocks.shape)
+    from stoker.models.quant.weights import from_numpy_readonly
+
+    tensor = GGMLTensor(from_numpy_readonly(mapped), T.Q4_K, 2048, file_mapped=True)
+    before = _rss_file()
+    linear = GGMLLinear([tensor])
+    assert linear.parts[0].packed is not None
+    assert _rss_file() - before < blocks.nbytes // 4
+    x = torch.randn(2, 2048)
+    want = ggml_matmul(x, torch.from_numpy(blocks), T.Q4_K)
+    assert want is not None and torch.equal(linear(x), want)
+
+
+def _rss_file() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
