@@ -1,4 +1,4 @@
-"""Q4_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+"""Q4_K and Q6_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
 on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
 every row count, and the blocks back from the packing bit for bit."""
 
@@ -12,13 +12,14 @@ from gguf import GGMLQuantizationType
 from stoker.models.quant import kernels
 from stoker.models.quant.blocks import random_blocks
 from stoker.models.quant.kernels import available_isas, ggml_matmul, ggml_matmul_packed, ggml_pack, ggml_unpack
-from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
+from stoker.models.quant.weights import PACK_Q6_K_MIN_ROWS, GGMLLinear, GGMLTensor, packs
 
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
-# 148 bytes a column and super-block, panels of 32 columns
-PANEL, SUPERBLOCK_BYTES = 32, 148
+# panels of 32 columns; bytes a column and super-block
+PANEL, SUPERBLOCK_BYTES = 32, {T.Q4_K: 148, T.Q6_K: 210}
+PACKED = sorted(SUPERBLOCK_BYTES)
 
 
 @pytest.fixture(params=available_isas())
@@ -29,41 +30,50 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
-def q4_k(n: int, k: int, seed: int) -> torch.Tensor:
-    return torch.from_numpy(random_blocks(T.Q4_K, n, k, seed))
+def q4_k(n: int, k: int, seed: int, qtype: GGMLQuantizationType = T.Q4_K) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(qtype, n, k, seed))
 
 
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
 @pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512), (64, 2048)])
-def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int) -> None:
+def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQuantizationType) -> None:
     """Every path packs the same layout (a padded last panel included) and unpacks it exactly."""
-    w = q4_k(n, k, seed=n)
-    packed = ggml_pack(w, T.Q4_K)
+    w = q4_k(n, k, seed=n, qtype=qtype)
+    packed = ggml_pack(w, qtype)
     assert packed is not None
-    assert packed.numel() == -(-n // PANEL) * (k // 256) * PANEL * SUPERBLOCK_BYTES
-    assert torch.equal(ggml_unpack(packed, T.Q4_K, n, k), w)
+    assert packed.numel() == -(-n // PANEL) * (k // 256) * PANEL * SUPERBLOCK_BYTES[qtype]
+    assert torch.equal(ggml_unpack(packed, qtype, n, k), w)
 
 
-def test_only_q4_k_is_packed_and_only_simd_paths_multiply_it(isa: str) -> None:
-    w = torch.from_numpy(random_blocks(T.Q6_K, 4, 256, seed=1))
-    assert ggml_pack(w, T.Q6_K) is None
-    assert not packs(T.Q6_K) and not packs(T.Q8_0)
-    assert packs(T.Q4_K) == (isa != "portable")
+def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Q4_K always, Q6_K in a vocabulary-tall product (an LM head) only; the SIMD paths multiply them."""
+    w = torch.from_numpy(random_blocks(T.Q8_0, 4, 256, seed=1))
+    assert ggml_pack(w, T.Q8_0) is None
+    simd = isa != "portable"
+    assert not packs(T.Q8_0, 1 << 20) and not packs(T.Q5_0, 1 << 20)
+    assert packs(T.Q4_K, 8) == simd
+    assert not packs(T.Q6_K, PACK_Q6_K_MIN_ROWS - 1) and packs(T.Q6_K, PACK_Q6_K_MIN_ROWS) == simd
     packed = ggml_pack(q4_k(8, 256, seed=1), T.Q4_K)
     assert packed is not None
     y = ggml_matmul_packed(torch.randn(2, 256), packed, T.Q4_K, 8)
-    assert (y is None) == (isa == "portable")
+    assert (y is None) == (not simd)
+    monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
+    assert not packs(T.Q4_K, 8)
 
 
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512)])
-def test_packed_product_is_the_blocks_product_at_every_row_count(isa: str, n: int, k: int, dtype: torch.dtype) -> None:
+def test_packed_product_is_the_blocks_product_at_every_row_count(
+    isa: str, n: int, k: int, dtype: torch.dtype, qtype: GGMLQuantizationType
+) -> None:
     """The tiles that read the panels compute the GEMM's (and so the small tiles')
     integers and float operations: the same bits from one row to a prompt, on one
     thread or two, into a column slice of a wider output too."""
     if isa == "portable":
         pytest.skip("the portable path multiplies the blocks only")
-    w = q4_k(n, k, seed=k)
-    packed = ggml_pack(w, T.Q4_K)
+    w = q4_k(n, k, seed=k, qtype=qtype)
+    packed = ggml_pack(w, qtype)
     assert packed is not None
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     threads = torch.get_num_threads()
@@ -71,13 +81,13 @@ def test_packed_product_is_the_blocks_product_at_every_row_count(isa: str, n: in
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
             for rows in (*range(1, 18), 23, 64, 70):
-                want = ggml_matmul(x[:rows], w, T.Q4_K)
+                want = ggml_matmul(x[:rows], w, qtype)
                 assert want is not None
-                got = ggml_matmul_packed(x[:rows], packed, T.Q4_K, n)
+                got = ggml_matmul_packed(x[:rows], packed, qtype, n)
                 assert got is not None and torch.equal(got, want), (num_threads, rows)
         wide = torch.full((5, n + 9), 7.0, dtype=dtype)
-        ggml_matmul_packed(x[:5], packed, T.Q4_K, n, out=wide[:, 4 : 4 + n])
-        assert torch.equal(wide[:, 4 : 4 + n], ggml_matmul(x[:5], w, T.Q4_K))
+        ggml_matmul_packed(x[:5], packed, qtype, n, out=wide[:, 4 : 4 + n])
+        assert torch.equal(wide[:, 4 : 4 + n], ggml_matmul(x[:5], w, qtype))
         assert bool((wide[:, :4] == 7).all() and (wide[:, 4 + n :] == 7).all())
     finally:
         torch.set_num_threads(threads)
@@ -119,6 +129,18 @@ def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
     # x rounded to int8 per 256 in the Q6_K part's kernels: ~0.7% of the product's norm
     assert float((packed(x) - want).norm() / want.norm()) < 0.015
     assert (packed.parts[0].dense is not None) == (isa != "portable")
+
+
+def test_a_vocabulary_tall_q6_k_head_is_packed(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An LM head's Q6_K (PACK_Q6_K_MIN_ROWS rows or more) is packed and answers as its blocks do."""
+    head = GGMLTensor(q4_k(PACK_Q6_K_MIN_ROWS + 5, 256, seed=7, qtype=T.Q6_K), T.Q6_K, 256)
+    packed = GGMLLinear([head])
+    assert (packed.parts[0].packed is not None) == (isa != "portable")
+    monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
+    blocks = GGMLLinear([head])
+    x = torch.randn(5, 256)
+    for rows in (1, 2, 5):
+        assert torch.equal(packed(x[:rows]), blocks(x[:rows]))
 
 
 def test_packing_gives_back_the_mapped_pages(isa: str, tmp_path: object) -> None:
