@@ -1202,20 +1202,24 @@ ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
     for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
 }
 
+/* s[r] += the dots of x's rows (values 4t .. 4t + 3 of block b) with the two column vectors w0, w1. */
+ALWAYS_INLINE void gemm_dot_rows(const int MR, const int8_t *const *x, int b, int t, gemm_i w0, gemm_i w1,
+                                 gemm_i s[GEMM_MR][2]) {
+    for (int r = 0; r < MR; r++) {
+        int32_t four;
+        memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
+        const gemm_i xb = GV_SET1_I(four);
+        s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
+        s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
+    }
+}
+
 /* s[r] += the dots of x's rows with the panel's values t0*4 .. t1*4 - 1 of block b. */
 ALWAYS_INLINE void gemm_dots(const int MR, const int8_t *const *x, int b, const uint8_t *q, int t0, int t1,
                              gemm_i s[GEMM_MR][2]) {
-    for (int t = t0; t < t1; t++) {
-        const gemm_i w0 = GV_LOAD_I(q + t * 4 * GEMM_PANEL);
-        const gemm_i w1 = GV_LOAD_I(q + t * 4 * GEMM_PANEL + 4 * GEMM_LANES);
-        for (int r = 0; r < MR; r++) {
-            int32_t four;
-            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-            const gemm_i xb = GV_SET1_I(four);
-            s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
-            s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
-        }
-    }
+    for (int t = t0; t < t1; t++)
+        gemm_dot_rows(MR, x, b, t, GV_LOAD_I(q + t * 4 * GEMM_PANEL), GV_LOAD_I(q + t * 4 * GEMM_PANEL + 4 * GEMM_LANES),
+                      s);
 }
 
 /* MR (<= GEMM_MR) rows of x (at[]) by the unpacked panel: out[r][0] its first GEMM_LANES columns, out[r][1] the rest. */

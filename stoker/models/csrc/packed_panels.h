@@ -184,14 +184,27 @@ ALWAYS_INLINE void packed_dots(const int MR, const int high, const int8_t *const
     for (int t = 0; t < 8; t++) {
         const gemm_i raw0 = GV_LOAD_I(pair + (size_t)t * 4 * PACKED_PANEL);
         const gemm_i raw1 = GV_LOAD_I(pair + (size_t)t * 4 * PACKED_PANEL + 4 * GEMM_LANES);
-        const gemm_i w0 = high ? PV_HIGH4(raw0) : PV_LOW4(raw0), w1 = high ? PV_HIGH4(raw1) : PV_LOW4(raw1);
-        for (int r = 0; r < MR; r++) {
-            int32_t four;
-            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-            const gemm_i xb = GV_SET1_I(four);
-            s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
-            s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
-        }
+        gemm_dot_rows(MR, x, b, t, high ? PV_HIGH4(raw0) : PV_LOW4(raw0), high ? PV_HIGH4(raw1) : PV_LOW4(raw1), s);
+    }
+}
+
+/* A tile's rows of x, its outputs zeroed. */
+ALWAYS_INLINE void packed_tile_start(const int MR, const xq_t *xq, const size_t *at, const int8_t *x[GEMM_MR],
+                                     gemm_f out[GEMM_MR][2]) {
+    for (int r = 0; r < MR; r++) {
+        x[r] = xq->qs + at[r] * (size_t)xq->k;
+        out[r][0] = out[r][1] = GV_ZERO_F();
+    }
+}
+
+/* out[r] += float(P) * d_w * d_x: super-block sb's term (d: the fp16 d of the tile's columns). */
+ALWAYS_INLINE void packed_d_term(const int MR, const xq_t *xq, const size_t *at, int nsb, int sb, const uint8_t *d,
+                                 gemm_i p[GEMM_MR][2], gemm_f out[GEMM_MR][2]) {
+    const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
+    for (int r = 0; r < MR; r++) {
+        const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
+        out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
+        out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
     }
 }
 
@@ -201,10 +214,7 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
                                     int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, P = PACKED_PANEL;
     const int8_t *x[GEMM_MR];
-    for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)k;
-        out[r][0] = out[r][1] = GV_ZERO_F();
-    }
+    packed_tile_start(MR, xq, at, x, out);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q4_K;
         gemm_i p[GEMM_MR][2], s[GEMM_MR][2];
@@ -216,8 +226,8 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
             const uint8_t *sc = in + PACKED_SC + (size_t)j * P + c0;
             gemm_scale_into(MR, PV_SC(sc), PV_SC(sc + GEMM_LANES), s, p);
         }
-        const uint8_t *d = in + PACKED_D + 2 * (size_t)c0, *dmin = in + PACKED_DMIN + 2 * (size_t)c0;
-        const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
+        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
+        const uint8_t *dmin = in + PACKED_DMIN + 2 * (size_t)c0;
         const gemm_f m0 = PV_NEG(PV_D(dmin)), m1 = PV_NEG(PV_D(dmin + 2 * GEMM_LANES));
         gemm_i mnv[4][2];
         for (int i = 0; i < 4; i++) {
@@ -228,7 +238,7 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
         for (int r = 0; r < MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            /* M, two sub-blocks a vpdpwssd, as gemm_tile_k */
+            /* M, two sub-blocks a vpdpwssd, as gemm_tile_k (its term after P's, as there) */
             gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
             for (int i = 0; i < 4; i++) {
                 const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
@@ -236,8 +246,6 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
                 mm0 = GV_DPWSSD(mm0, mnv[i][0], xs);
                 mm1 = GV_DPWSSD(mm1, mnv[i][1], xs);
             }
-            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
-            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
             out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, out[r][0]);
             out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, out[r][1]);
         }
@@ -256,16 +264,9 @@ ALWAYS_INLINE gemm_i packed_q6_values(const int c, gemm_i ql, gemm_i qh) {
 ALWAYS_INLINE void packed_dots_q6(const int MR, const int c, const int8_t *const *x, int b, const uint8_t *ql,
                                   const uint8_t *qh, int t0, int t1, gemm_i s[GEMM_MR][2]) {
     for (int t = t0; t < t1; t++) {
-        const size_t row = (size_t)t * 4 * PACKED_PANEL;
-        const gemm_i w0 = packed_q6_values(c, GV_LOAD_I(ql + row), GV_LOAD_I(qh + row));
-        const gemm_i w1 = packed_q6_values(c, GV_LOAD_I(ql + row + 4 * GEMM_LANES), GV_LOAD_I(qh + row + 4 * GEMM_LANES));
-        for (int r = 0; r < MR; r++) {
-            int32_t four;
-            memcpy(&four, x[r] + (size_t)b * 32 + 4 * t, sizeof four);
-            const gemm_i xb = GV_SET1_I(four);
-            s[r][0] = GV_DPBUSD(s[r][0], w0, xb);
-            s[r][1] = GV_DPBUSD(s[r][1], w1, xb);
-        }
+        const size_t row = (size_t)t * 4 * PACKED_PANEL, second = row + 4 * GEMM_LANES;
+        gemm_dot_rows(MR, x, b, t, packed_q6_values(c, GV_LOAD_I(ql + row), GV_LOAD_I(qh + row)),
+                      packed_q6_values(c, GV_LOAD_I(ql + second), GV_LOAD_I(qh + second)), s);
     }
 }
 
@@ -275,10 +276,7 @@ ALWAYS_INLINE void packed_tile_q6_k_wide(const int MR, const xq_t *xq, const siz
                                          const uint8_t *panel, int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, P = PACKED_PANEL;
     const int8_t *x[GEMM_MR];
-    for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)k;
-        out[r][0] = out[r][1] = GV_ZERO_F();
-    }
+    packed_tile_start(MR, xq, at, x, out);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
         gemm_i p[GEMM_MR][2], s[GEMM_MR][2];
@@ -301,13 +299,7 @@ ALWAYS_INLINE void packed_tile_q6_k_wide(const int MR, const xq_t *xq, const siz
                 gemm_scale_into(MR, PV_SC_SIGNED(sc), PV_SC_SIGNED(sc + GEMM_LANES), s, p);
             }
         }
-        const uint8_t *d = in + PACKED_D + 2 * (size_t)c0;
-        const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
-        for (int r = 0; r < MR; r++) {
-            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
-            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
-        }
+        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
     }
 }
 
@@ -320,17 +312,14 @@ ALWAYS_INLINE void packed_tile_q6_k_wide(const int MR, const xq_t *xq, const siz
 ALWAYS_INLINE void packed_tile_q6_k_few(const int MR, const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel,
                                         int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int k = xq->k, P = PACKED_PANEL;
-    const int8_t *x[2];
-    for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)k;
-        out[r][0] = out[r][1] = GV_ZERO_F();
-    }
+    const int8_t *x[GEMM_MR];
+    packed_tile_start(MR, xq, at, x, out);
     const gemm_i low4 = PV_SET1_8(0x0F), bits45 = PV_SET1_8(0x30);
     for (int sb = 0; sb < nsb; sb++) {
         const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
         const int16_t *bs[2];
         for (int r = 0; r < MR; r++) bs[r] = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
-        gemm_i p[2][2];
+        gemm_i p[GEMM_MR][2];
         for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
         for (int half = 0; half < 2; half++) {
             const uint8_t *ql0 = in + PACKED6_QL + (size_t)(half * 2 * 8) * 4 * P + (size_t)c0 * 4;
@@ -370,13 +359,7 @@ ALWAYS_INLINE void packed_tile_q6_k_few(const int MR, const xq_t *xq, const size
                 }
             }
         }
-        const uint8_t *d = in + PACKED_D + 2 * (size_t)c0;
-        const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
-        for (int r = 0; r < MR; r++) {
-            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
-            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
-        }
+        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
     }
 }
 

@@ -1,0 +1,60 @@
+"""One product of a ladder rung's shape from the GGUF blocks and from the same
+weights repacked into the GEMM's panel order (kernels.ggml_pack), alternating,
+weights from memory: each call cycles through copies totalling at least 96 MB
+(three times a 32 MB L3), so none finds its weight cached. Median of REPEATS.
+
+    THREADS=1,2 M=1,2,3,4,8,16,64,512 python docs/perf/decode-step/packed_vs_blocks.py
+
+SHAPES=q4 (the 1B rung's Q4_K gate+up, o and down) or q6 (its Q6_K LM head, down and v).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from stoker.models.quant.blocks import random_blocks
+from stoker.models.quant.kernels import ggml_matmul, ggml_matmul_packed, ggml_pack, quant_isa
+
+SHAPES = {
+    "q4": [("gate+up", 16384, 2048, T.Q4_K), ("o", 2048, 2048, T.Q4_K), ("down", 2048, 8192, T.Q4_K)],
+    "q6": [("lm_head", 128256, 2048, T.Q6_K), ("down", 2048, 8192, T.Q6_K), ("v", 512, 2048, T.Q6_K)],
+}
+COLD_BYTES = 96e6
+
+
+def main() -> None:
+    threads = [int(t) for t in os.environ.get("THREADS", "2").split(",")]
+    rows = [int(m) for m in os.environ.get("M", "1,2,3,4,8,16,64,512").split(",")]
+    repeats = int(os.environ.get("REPEATS", "7"))
+    print(f"path {quant_isa()}; ms per product, median of {repeats}")
+    print("| weight | type | n x k | threads | rows | blocks | packed | blocks ÷ packed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, n, k, qtype in SHAPES[os.environ.get("SHAPES", "q4")]:
+        first = torch.from_numpy(random_blocks(qtype, n, k, seed=1))
+        copies = int(COLD_BYTES // first.numel()) + 1
+        blocks = [first] + [first.clone() for _ in range(copies - 1)]
+        packed = [ggml_pack(b, qtype) for b in blocks]
+        for nt in threads:
+            torch.set_num_threads(nt)
+            for m in rows:
+                x = torch.randn(m, k)
+                times: dict[str, list[float]] = {"blocks": [], "packed": []}
+                for r in range(repeats):
+                    i = r % copies
+                    t = time.perf_counter()
+                    ggml_matmul(x, blocks[i], qtype)
+                    times["blocks"].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    ggml_matmul_packed(x, packed[i], qtype, n)  # type: ignore[arg-type]
+                    times["packed"].append(time.perf_counter() - t)
+                a, b = (float(np.median(times[v])) * 1e3 for v in ("blocks", "packed"))
+                print(f"| {name} | {qtype.name} | {n} x {k} | {nt} | {m} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
