@@ -299,7 +299,7 @@ def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
         name = t["hf"]
         if untied and name == "model.embed_tokens.weight":
             return True
-        if packs(GGMLQuantizationType(t["type"]), int(t["shape"][0])):
+        if packs(GGMLQuantizationType(t["type"])):
             return True  # repacked into a copy (quant/weights.py; a tied LM head too), its mapped pages given back
         return bool(meta["permute_qk"]) and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
 

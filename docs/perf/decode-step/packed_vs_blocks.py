@@ -5,7 +5,8 @@ weights from memory: each call cycles through copies totalling at least 96 MB
 
     THREADS=1,2 M=1,2,3,4,8,16,64,512 python docs/perf/decode-step/packed_vs_blocks.py
 
-SHAPES=q4 (the 1B rung's Q4_K gate+up, o and down) or q6 (its Q6_K LM head, down and v).
+The 1B rung's Q4_K gate+up, o and down. (Q6_K is not packed; its figures in
+docs/perf/decode-step.md came from this script at 389c35c (SHAPES=q6), when it was.)
 """
 
 from __future__ import annotations
@@ -20,10 +21,7 @@ from gguf import GGMLQuantizationType as T
 from stoker.models.quant.blocks import random_blocks
 from stoker.models.quant.kernels import ggml_matmul, ggml_matmul_packed, ggml_pack, quant_isa
 
-SHAPES = {
-    "q4": [("gate+up", 16384, 2048, T.Q4_K), ("o", 2048, 2048, T.Q4_K), ("down", 2048, 8192, T.Q4_K)],
-    "q6": [("lm_head", 128256, 2048, T.Q6_K), ("down", 2048, 8192, T.Q6_K), ("v", 512, 2048, T.Q6_K)],
-}
+SHAPES = [("gate+up", 16384, 2048, T.Q4_K), ("o", 2048, 2048, T.Q4_K), ("down", 2048, 8192, T.Q4_K)]
 COLD_BYTES = 96e6
 
 
@@ -34,7 +32,7 @@ def main() -> None:
     print(f"path {quant_isa()}; ms per product, median of {repeats}")
     print("| weight | type | n x k | threads | rows | blocks | packed | blocks ÷ packed |")
     print("|---|---|---|---|---|---|---|---|")
-    for name, n, k, qtype in SHAPES[os.environ.get("SHAPES", "q4")]:
+    for name, n, k, qtype in SHAPES:
         first = torch.from_numpy(random_blocks(qtype, n, k, seed=1))
         copies = int(COLD_BYTES // first.numel()) + 1
         blocks = [first] + [first.clone() for _ in range(copies - 1)]
@@ -53,7 +51,9 @@ def main() -> None:
                     ggml_matmul_packed(x, packed[i], qtype, n)  # type: ignore[arg-type]
                     times["packed"].append(time.perf_counter() - t)
                 a, b = (float(np.median(times[v])) * 1e3 for v in ("blocks", "packed"))
-                print(f"| {name} | {qtype.name} | {n} x {k} | {nt} | {m} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True)
+                print(
+                    f"| {name} | {qtype.name} | {n} x {k} | {nt} | {m} | {a:.2f} | {b:.2f} | {a / b:.2f}x |", flush=True
+                )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-/* Q4_K and Q6_K weights repacked once, at load, into the GEMM's panel order (included by
+/* Q4_K weights repacked once, at load, into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -13,7 +13,7 @@
  * Layout: the weight's rows in panels of P = PACKED_PANEL (32) columns, the last
  * one padded with zero columns; per panel, per 256-value super-block sb, a
  * stretch of bytes (the same in every build: a 256-bit build's GEMM takes a
- * panel as two of its 16 columns). Q4_K, PACKED_SB_Q4_K:
+ * panel as two of its 16 columns), PACKED_SB_Q4_K:
  *     d     fp16 [P]            the super-block scale, as stored
  *     dmin  fp16 [P]
  *     sc    u8   [8][P]         sub-block j's 6-bit scale of each column
@@ -24,14 +24,11 @@
  * dwords (4 values of each nibble, the panel's columns side by side) and the
  * tile splits the nibbles as it loads them. 148 bytes a column and super-block
  * against the file's 144: the scales decoded to bytes and no 6-bit packing.
- * Q6_K, PACKED_SB_Q6_K (210 bytes a column, as stored):
- *     d     fp16 [P]
- *     sc    i8   [16][P]        the scale of each 16 values
- *     ql    u8   [2][2][8][P][4] half h, piece: the stored ql bytes 64h + 32 piece
- *                                 + 4t .. + 3, dword t of each column
- *     qh    u8   [2][8][P][4]   half h: the stored qh bytes 32h + 4t .. + 3
- * Value 32c + e of half h (chunk c, 0..3) is ql piece c & 1's nibble c >> 1 with
- * bits 2c, 2c + 1 of qh as its bits 4 and 5, all at byte e of the same dword row.
+ *
+ * Q6_K is not packed: its tile takes the 6-bit values apart from two planes
+ * per load, and one or two rows read a layer's Q6_K (v, down) and the 1B's LM
+ * head 12-18% slower from panels than the streamed row kernels read the blocks
+ * (docs/perf/decode-step.md, "Weights repacked at load").
  *
  * Every output is the same integers and the same fp32 operations as
  * gemm_tile_k's (and so the small tiles'): bit for bit the unpacked kernels'
@@ -44,17 +41,11 @@
 #define PACKED_SC ((size_t)PACKED_PANEL * 4)
 #define PACKED_MN ((size_t)PACKED_PANEL * 12)
 #define PACKED_QS ((size_t)PACKED_PANEL * 20)
-#define PACKED_SB_Q6_K ((size_t)PACKED_PANEL * 210)
-#define PACKED6_SC ((size_t)PACKED_PANEL * 2)
-#define PACKED6_QL ((size_t)PACKED_PANEL * 18)
-#define PACKED6_QH ((size_t)PACKED_PANEL * 146)
 
-ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q6_K; }
+ALWAYS_INLINE int packable(int type) { return type == Q4_K; }
 
 /* Bytes of one panel of k-wide rows. */
-ALWAYS_INLINE size_t packed_panel_bytes(int type, int k) {
-    return (size_t)(k / 256) * (type == Q6_K ? PACKED_SB_Q6_K : PACKED_SB_Q4_K);
-}
+ALWAYS_INLINE size_t packed_panel_bytes(int k) { return (size_t)(k / 256) * PACKED_SB_Q4_K; }
 
 /* Byte `at` of row c's stored super-block as dword rows of a packed panel: the
  * `dwords` dwords from blk + at to dst's dword rows 0 .. dwords - 1 (stride P dwords), column c. */
@@ -68,7 +59,7 @@ ALWAYS_INLINE void gather_dwords(const uint8_t *src, int dwords, uint8_t *blk, i
 /* Panel p of W (n rows of row_bytes) into dst: one thread's share of the packing. */
 static void pack_panel_q4_k(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
     const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
-    memset(dst, 0, packed_panel_bytes(Q4_K, k));
+    memset(dst, 0, packed_panel_bytes(k));
     for (int c = 0; c < P && j0 + c < n; c++) {
         const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
         for (int sb = 0; sb < nsb; sb++) {
@@ -114,39 +105,6 @@ static void unpack_panel_q4_k(const uint8_t *src, int k, int p, int n, uint8_t *
     }
 }
 
-/* pack_panel_q4_k for Q6_K. */
-static void pack_panel_q6_k(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
-    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
-    memset(dst, 0, packed_panel_bytes(Q6_K, k));
-    for (int c = 0; c < P && j0 + c < n; c++) {
-        const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
-        for (int sb = 0; sb < nsb; sb++) {
-            const uint8_t *blk = row + (size_t)sb * 210;
-            uint8_t *out = dst + (size_t)sb * PACKED_SB_Q6_K;
-            memcpy(out + PACKED_D + 2 * c, blk + 208, 2);
-            for (int g = 0; g < 16; g++) out[PACKED6_SC + (size_t)g * P + c] = blk[192 + g];
-            scatter_dwords(blk, 32, out + PACKED6_QL, c);
-            scatter_dwords(blk + 128, 16, out + PACKED6_QH, c);
-        }
-    }
-}
-
-/* unpack_panel_q4_k for Q6_K. */
-static void unpack_panel_q6_k(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
-    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
-    for (int c = 0; c < P && j0 + c < n; c++) {
-        uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
-        for (int sb = 0; sb < nsb; sb++) {
-            uint8_t *blk = row + (size_t)sb * 210;
-            const uint8_t *in = src + (size_t)sb * PACKED_SB_Q6_K;
-            memcpy(blk + 208, in + PACKED_D + 2 * c, 2);
-            for (int g = 0; g < 16; g++) blk[192 + g] = in[PACKED6_SC + (size_t)g * P + c];
-            gather_dwords(in + PACKED6_QL, 32, blk, c);
-            gather_dwords(in + PACKED6_QH, 16, blk + 128, c);
-        }
-    }
-}
-
 #if EXACT_KERNELS
 ALWAYS_INLINE int packed_serves(int type) { return packable(type); }
 
@@ -157,12 +115,6 @@ ALWAYS_INLINE int packed_serves(int type) { return packable(type); }
 #define PV_LOW4(v) _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
 #define PV_HIGH4(v) _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
 #define PV_NEG(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))
-#define PV_SC_SIGNED(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
-#define PV_AND(a, b) _mm512_and_si512(a, b)
-#define PV_OR(a, b) _mm512_or_si512(a, b)
-#define PV_SET1_8(v) _mm512_set1_epi8((char)(v))
-#define PV_SLLI16(v, n) _mm512_slli_epi16(v, n)
-#define PV_SRLI16(v, n) _mm512_srli_epi16(v, n)
 #else
 #define PV_SC(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define PV_MN(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
@@ -170,12 +122,6 @@ ALWAYS_INLINE int packed_serves(int type) { return packable(type); }
 #define PV_LOW4(v) _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
 #define PV_HIGH4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
 #define PV_NEG(v) _mm256_xor_ps(v, _mm256_set1_ps(-0.f))
-#define PV_SC_SIGNED(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
-#define PV_AND(a, b) _mm256_and_si256(a, b)
-#define PV_OR(a, b) _mm256_or_si256(a, b)
-#define PV_SET1_8(v) _mm256_set1_epi8((char)(v))
-#define PV_SLLI16(v, n) _mm256_slli_epi16(v, n)
-#define PV_SRLI16(v, n) _mm256_srli_epi16(v, n)
 #endif
 
 /* s[r] += the dots of x's rows with sub-block 2i + high (pair: pair i's 8 dword rows, at the tile's first column). */
@@ -252,124 +198,6 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
     }
 }
 
-/* Q6_K chunk c (0..3) of a half: its 6-bit values from the ql piece's nibble and qh's bits 2c, 2c + 1. */
-ALWAYS_INLINE gemm_i packed_q6_values(const int c, gemm_i ql, gemm_i qh) {
-    const gemm_i low = PV_AND(c >> 1 ? PV_SRLI16(ql, 4) : ql, PV_SET1_8(0x0F));
-    const gemm_i top = c == 0 ? PV_SLLI16(qh, 4) : c == 1 ? PV_SLLI16(qh, 2) : c == 2 ? qh : PV_SRLI16(qh, 2);
-    return PV_OR(low, PV_AND(top, PV_SET1_8(0x30)));
-}
-
-/* s[r] += the dots of x's rows with values 4 * t0 .. 4 * t1 - 1 of chunk c (ql, qh: its
- * piece's and half's dword rows at the tile's first column) of 32-block b. */
-ALWAYS_INLINE void packed_dots_q6(const int MR, const int c, const int8_t *const *x, int b, const uint8_t *ql,
-                                  const uint8_t *qh, int t0, int t1, gemm_i s[GEMM_MR][2]) {
-    for (int t = t0; t < t1; t++) {
-        const size_t row = (size_t)t * 4 * PACKED_PANEL, second = row + 4 * GEMM_LANES;
-        gemm_dot_rows(MR, x, b, t, packed_q6_values(c, GV_LOAD_I(ql + row), GV_LOAD_I(qh + row)),
-                      packed_q6_values(c, GV_LOAD_I(ql + second), GV_LOAD_I(qh + second)), s);
-    }
-}
-
-/* packed_tile_q4_k for Q6_K (three rows or more): gemm_tile_k's Q6_K arithmetic (each 16 values' dot
- * from -32 times x's sum over them, times its scale, P in integers, then fp32). */
-ALWAYS_INLINE void packed_tile_q6_k_wide(const int MR, const xq_t *xq, const size_t *at, int nsb,
-                                         const uint8_t *panel, int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
-    const int k = xq->k, P = PACKED_PANEL;
-    const int8_t *x[GEMM_MR];
-    packed_tile_start(MR, xq, at, x, out);
-    for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
-        gemm_i p[GEMM_MR][2], s[GEMM_MR][2];
-        for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
-        int32_t offset32[GEMM_MR][16];
-        for (int r = 0; r < MR; r++) {
-            const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
-            for (int g = 0; g < 16; g++) offset32[r][g] = -32 * (int32_t)bs[g];
-        }
-        for (int j = 0; j < 8; j++) {
-            const int b = sb * 8 + j, half = j / 4, c = j % 4;
-            prefetch_share(pf, b, nsb * 8);
-            const uint8_t *ql = in + PACKED6_QL + (size_t)((half * 2 + (c & 1)) * 8) * 4 * P + (size_t)c0 * 4;
-            const uint8_t *qh = in + PACKED6_QH + (size_t)(half * 8) * 4 * P + (size_t)c0 * 4;
-            for (int upper = 0; upper < 2; upper++) {
-                const int g = 2 * j + upper;
-                for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(offset32[r][g]);
-                packed_dots_q6(MR, c, x, b, ql, qh, 4 * upper, 4 * upper + 4, s);
-                const uint8_t *sc = in + PACKED6_SC + (size_t)g * P + c0;
-                gemm_scale_into(MR, PV_SC_SIGNED(sc), PV_SC_SIGNED(sc + GEMM_LANES), s, p);
-            }
-        }
-        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
-    }
-}
-
-/* packed_tile_q6_k_wide for one or two rows of x, where the tile is bound by taking the
- * values apart rather than by its dots: the four chunks of a half share their qh
- * dword rows and each pair of them a ql piece, so per dword row t the half's
- * loads and shifts are done once for all four (about half the operations), each
- * chunk summing into its own accumulators. The same integers: a chunk's P terms
- * are exact, in whatever order they are added. */
-ALWAYS_INLINE void packed_tile_q6_k_few(const int MR, const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel,
-                                        int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
-    const int k = xq->k, P = PACKED_PANEL;
-    const int8_t *x[GEMM_MR];
-    packed_tile_start(MR, xq, at, x, out);
-    const gemm_i low4 = PV_SET1_8(0x0F), bits45 = PV_SET1_8(0x30);
-    for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
-        const int16_t *bs[2];
-        for (int r = 0; r < MR; r++) bs[r] = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
-        gemm_i p[GEMM_MR][2];
-        for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
-        for (int half = 0; half < 2; half++) {
-            const uint8_t *ql0 = in + PACKED6_QL + (size_t)(half * 2 * 8) * 4 * P + (size_t)c0 * 4;
-            const uint8_t *ql1 = ql0 + (size_t)8 * 4 * P;
-            const uint8_t *qh = in + PACKED6_QH + (size_t)(half * 8) * 4 * P + (size_t)c0 * 4;
-            for (int c = 0; c < 4; c++) prefetch_share(pf, sb * 8 + half * 4 + c, nsb * 8);
-            for (int upper = 0; upper < 2; upper++) {
-                gemm_i acc[4][2][2]; /* [chunk][row][vector] */
-                for (int c = 0; c < 4; c++)
-                    for (int r = 0; r < MR; r++)
-                        acc[c][r][0] = acc[c][r][1] = GV_SET1_I(-32 * (int32_t)bs[r][2 * (half * 4 + c) + upper]);
-                for (int t = 4 * upper; t < 4 * upper + 4; t++) {
-                    const size_t row = (size_t)t * 4 * P;
-                    for (int v = 0; v < 2; v++) {
-                        const size_t at_v = row + (size_t)v * 4 * GEMM_LANES;
-                        const gemm_i h = GV_LOAD_I(qh + at_v), a = GV_LOAD_I(ql0 + at_v), b = GV_LOAD_I(ql1 + at_v);
-                        gemm_i w[4];
-                        w[0] = PV_OR(PV_AND(a, low4), PV_AND(PV_SLLI16(h, 4), bits45));
-                        w[1] = PV_OR(PV_AND(b, low4), PV_AND(PV_SLLI16(h, 2), bits45));
-                        w[2] = PV_OR(PV_AND(PV_SRLI16(a, 4), low4), PV_AND(h, bits45));
-                        w[3] = PV_OR(PV_AND(PV_SRLI16(b, 4), low4), PV_AND(PV_SRLI16(h, 2), bits45));
-                        for (int c = 0; c < 4; c++)
-                            for (int r = 0; r < MR; r++) {
-                                int32_t four;
-                                memcpy(&four, x[r] + (size_t)(sb * 8 + half * 4 + c) * 32 + 4 * t, sizeof four);
-                                acc[c][r][v] = GV_DPBUSD(acc[c][r][v], w[c], GV_SET1_I(four));
-                            }
-                    }
-                }
-                for (int c = 0; c < 4; c++) {
-                    const uint8_t *sc = in + PACKED6_SC + (size_t)(2 * (half * 4 + c) + upper) * P + c0;
-                    const gemm_i sc0 = PV_SC_SIGNED(sc), sc1 = PV_SC_SIGNED(sc + GEMM_LANES);
-                    for (int r = 0; r < MR; r++) {
-                        p[r][0] = GV_ADD_I(p[r][0], GV_MULLO_I(acc[c][r][0], sc0));
-                        p[r][1] = GV_ADD_I(p[r][1], GV_MULLO_I(acc[c][r][1], sc1));
-                    }
-                }
-            }
-        }
-        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
-    }
-}
-
-/* The Q6_K tile for MR rows: packed_tile_q6_k_few's for one or two. */
-ALWAYS_INLINE void packed_tile_q6_k(const int MR, const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel,
-                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
-    if (MR <= 2) packed_tile_q6_k_few(MR <= 2 ? MR : 2, xq, at, nsb, panel, c0, pf, out);
-    else packed_tile_q6_k_wide(MR, xq, at, nsb, panel, c0, pf, out);
-}
-
 typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel, int c0,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define PACKED_TILE_FN(T, MR)                                                                                        \
@@ -388,9 +216,8 @@ typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int nsb, const 
     PACKED_TILE_FN(T, 1) PACKED_TILE_FN(T, 2) PACKED_TILE_FN(T, 3) static const packed_tile_fn                     \
         packed_tiles_##T[GEMM_MR] = {packed_tile_##T##_1, packed_tile_##T##_2, packed_tile_##T##_3};
 #endif
-/* The tiles of 1 .. GEMM_MR rows, per type. */
+/* The tiles of 1 .. GEMM_MR rows. */
 PACKED_TILES(q4_k)
-PACKED_TILES(q6_k)
 #undef PACKED_TILES
 #undef PACKED_TILE_FN
 
@@ -399,11 +226,10 @@ PACKED_TILES(q6_k)
  * rows GEMM_MR at a time (a 256-bit build: each half of it), the tiles asking
  * for the panel PANELS_AHEAD on as they go. The same y writes as gemm_thread,
  * without its unpack and scratch. */
-static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride,
-                          int y_bf16, const float *bias, int accumulate, int t, int nt) {
+static void packed_thread(const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride, int y_bf16,
+                          const float *bias, int accumulate, int t, int nt) {
     const int nsb = xq->k / 256, halves = PACKED_PANEL / GEMM_PANEL;
-    const size_t panel_bytes = packed_panel_bytes(type, xq->k);
-    const packed_tile_fn *tiles_of = type == Q6_K ? packed_tiles_q6_k : packed_tiles_q4_k;
+    const size_t panel_bytes = packed_panel_bytes(xq->k);
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
@@ -424,7 +250,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                 const panel_ahead_t pf = {ahead_lines ? panel + PANELS_AHEAD * panel_bytes + 64 * from : NULL,
                                           to - from};
                 gemm_f out[GEMM_MR][2];
-                tiles_of[mr - 1](xq, at, nsb, panel, h * GEMM_PANEL, pf, out);
+                packed_tiles_q4_k[mr - 1](xq, at, nsb, panel, h * GEMM_PANEL, pf, out);
                 for (int r = 0; r < mr; r++) {
                     float vals[GEMM_PANEL];
                     GV_STORE_F(vals, out[r][0]);

@@ -152,27 +152,18 @@ class _Part:
         return GGMLTensor(k.ggml_unpack(self.packed, self.qtype, self.rows, self.cols), self.qtype, self.cols)
 
 
-# Q6_K rows repacked only in a product this tall (a vocabulary's LM head): there one row
-# reads its panels as fast as its blocks (0.98x) and 4-16 rows 1.25-1.6x faster, where a
-# layer's Q6_K (v, down) read 14-40% slower at one row (docs/perf/decode-step.md).
-PACK_Q6_K_MIN_ROWS = 32768
-
-
-def packs(qtype: GGMLQuantizationType, rows: int) -> bool:
-    """Whether a linear layer's weight of `rows` rows of `qtype` is repacked at load
-    (_Part): Q4_K, and Q6_K from PACK_Q6_K_MIN_ROWS rows, where the path in use
-    multiplies them so, unless STOKER_DISABLE_PACKED_GGML=1."""
+def packs(qtype: GGMLQuantizationType) -> bool:
+    """Whether a linear layer's `qtype` weights are repacked at load (_Part): where
+    the path in use multiplies them so (Q4_K), unless STOKER_DISABLE_PACKED_GGML=1."""
     k = kernels()
-    if k is None or os.environ.get("STOKER_DISABLE_PACKED_GGML") == "1" or not k.packs(qtype):
-        return False
-    return qtype != GGMLQuantizationType.Q6_K or rows >= PACK_Q6_K_MIN_ROWS
+    return k is not None and os.environ.get("STOKER_DISABLE_PACKED_GGML") != "1" and bool(k.packs(qtype))
 
 
 def _packed(tensor: GGMLTensor) -> torch.Tensor | None:
-    """tensor's blocks in panel order where packs(its type and rows) (its mapped
-    pages given back), else None."""
+    """tensor's blocks in panel order where packs(its type) (its mapped pages given
+    back), else None."""
     k = kernels()
-    if k is None or not packs(tensor.qtype, tensor.rows):
+    if k is None or not packs(tensor.qtype):
         return None
     packed = k.ggml_pack(tensor.data.contiguous(), tensor.qtype)
     if packed is not None and tensor.file_mapped:

@@ -1,4 +1,4 @@
-"""Q4_K and Q6_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+"""Q4_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
 on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
 every row count, and the blocks back from the packing bit for bit."""
 
@@ -12,13 +12,13 @@ from gguf import GGMLQuantizationType
 from stoker.models.quant import kernels
 from stoker.models.quant.blocks import random_blocks
 from stoker.models.quant.kernels import available_isas, ggml_matmul, ggml_matmul_packed, ggml_pack, ggml_unpack
-from stoker.models.quant.weights import PACK_Q6_K_MIN_ROWS, GGMLLinear, GGMLTensor, packs
+from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
 
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
 # panels of 32 columns; bytes a column and super-block
-PANEL, SUPERBLOCK_BYTES = 32, {T.Q4_K: 148, T.Q6_K: 210}
+PANEL, SUPERBLOCK_BYTES = 32, {T.Q4_K: 148}
 PACKED = sorted(SUPERBLOCK_BYTES)
 
 
@@ -46,19 +46,18 @@ def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQu
 
 
 def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K always, Q6_K in a vocabulary-tall product (an LM head) only; the SIMD paths multiply them."""
-    w = torch.from_numpy(random_blocks(T.Q8_0, 4, 256, seed=1))
-    assert ggml_pack(w, T.Q8_0) is None
+    """Q4_K, where a SIMD path multiplies it; no other type (Q6_K's one-row products read panels slower)."""
+    for qtype in (T.Q8_0, T.Q6_K):
+        assert ggml_pack(torch.from_numpy(random_blocks(qtype, 4, 256, seed=1)), qtype) is None
     simd = isa != "portable"
-    assert not packs(T.Q8_0, 1 << 20) and not packs(T.Q5_0, 1 << 20)
-    assert packs(T.Q4_K, 8) == simd
-    assert not packs(T.Q6_K, PACK_Q6_K_MIN_ROWS - 1) and packs(T.Q6_K, PACK_Q6_K_MIN_ROWS) == simd
+    assert not packs(T.Q8_0) and not packs(T.Q5_0) and not packs(T.Q6_K)
+    assert packs(T.Q4_K) == simd
     packed = ggml_pack(q4_k(8, 256, seed=1), T.Q4_K)
     assert packed is not None
     y = ggml_matmul_packed(torch.randn(2, 256), packed, T.Q4_K, 8)
     assert (y is None) == (not simd)
     monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
-    assert not packs(T.Q4_K, 8)
+    assert not packs(T.Q4_K)
 
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
@@ -129,18 +128,6 @@ def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
     # x rounded to int8 per 256 in the Q6_K part's kernels: ~0.7% of the product's norm
     assert float((packed(x) - want).norm() / want.norm()) < 0.015
     assert (packed.parts[0].dense is not None) == (isa != "portable")
-
-
-def test_a_vocabulary_tall_q6_k_head_is_packed(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """An LM head's Q6_K (PACK_Q6_K_MIN_ROWS rows or more) is packed and answers as its blocks do."""
-    head = GGMLTensor(q4_k(PACK_Q6_K_MIN_ROWS + 5, 256, seed=7, qtype=T.Q6_K), T.Q6_K, 256)
-    packed = GGMLLinear([head])
-    assert (packed.parts[0].packed is not None) == (isa != "portable")
-    monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
-    blocks = GGMLLinear([head])
-    x = torch.randn(5, 256)
-    for rows in (1, 2, 5):
-        assert torch.equal(packed(x[:rows]), blocks(x[:rows]))
 
 
 def test_packing_gives_back_the_mapped_pages(isa: str, tmp_path: object) -> None:

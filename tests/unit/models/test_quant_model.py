@@ -237,7 +237,7 @@ def test_mixed_parts_and_fallback_match_the_dequantized_weight(monkeypatch: pyte
     fused = GGMLLinear(parts, bias)
     # The two Q4_K parts are one run; where the kernels multiply Q4_K from panels, it is
     # packed in 3 panels of 32 rows, 148 bytes a row and super-block (csrc/packed_panels.h).
-    q4_k_bytes = 3 * 32 * 148 if packs(T.Q4_K, 96) else 96 * 144
+    q4_k_bytes = 3 * 32 * 148 if packs(T.Q4_K) else 96 * 144
     assert (fused.out_features, fused.in_features, fused.nbytes) == (128, 256, q4_k_bytes + 32 * 210)
     torch.testing.assert_close(fused.dequantize(), torch.cat([p.dequantize() for p in parts]))
     # Activations rounded to int8 per 256-block (Q8_K, as llama.cpp): ~0.7% of the product's norm.
