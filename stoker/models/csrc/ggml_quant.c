@@ -1958,7 +1958,7 @@ static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t r
                                 int t, int nt) {
 #if EXACT_KERNELS
     if (packed) {
-        packed_thread(w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
+        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
         return;
     }
     if (exact_serves(type)) {
@@ -2037,8 +2037,8 @@ int ggml_quant_packed_serves(int type) { return packed_serves(type); }
 /* Bytes of an n x k weight of `type` packed (the same layout in every build), 0 where
  * no such weight is packed (the type, or a k that is no whole super-block). */
 size_t ggml_quant_packed_bytes(int type, int n, int k) {
-    if (!packable(type) || n <= 0 || k <= 0 || k % 256) return 0;
-    return (size_t)((n + PACKED_PANEL - 1) / PACKED_PANEL) * packed_panel_bytes(k);
+    if (!packable(type) || n <= 0 || k <= 0 || k % block_elems(type)) return 0;
+    return (size_t)((n + PACKED_PANEL - 1) / PACKED_PANEL) * packed_panel_bytes(type, k);
 }
 
 /* W (n rows of ggml blocks) into dst (ggml_quant_packed_bytes), or back with
@@ -2046,11 +2046,14 @@ size_t ggml_quant_packed_bytes(int type, int n, int k) {
  * build packs no such weight. */
 int ggml_quant_pack(int type, const uint8_t *w, int n, int k, uint8_t *dst, int unpack, int num_threads) {
     if (!ggml_quant_packed_bytes(type, n, k)) return 2;
-    const size_t row_bytes = (size_t)(k / 256) * (size_t)ggml_quant_type_size(type), panel = packed_panel_bytes(k);
+    const size_t row_bytes = (size_t)(k / block_elems(type)) * (size_t)ggml_quant_type_size(type);
+    const size_t panel = packed_panel_bytes(type, k);
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL, threads = num_threads > 0 ? num_threads : 1;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int p = 0; p < panels; p++) {
-        if (unpack) unpack_panel_q4_k(w + (size_t)p * panel, k, p, n, dst, row_bytes);
+        if (type == Q8_0 && unpack) unpack_panel_q8_0(w + (size_t)p * panel, k, p, n, dst, row_bytes);
+        else if (type == Q8_0) pack_panel_q8_0(w, row_bytes, n, k, p, dst + (size_t)p * panel);
+        else if (unpack) unpack_panel_q4_k(w + (size_t)p * panel, k, p, n, dst, row_bytes);
         else pack_panel_q4_k(w, row_bytes, n, k, p, dst + (size_t)p * panel);
     }
     (void)threads;

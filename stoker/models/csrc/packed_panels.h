@@ -1,4 +1,4 @@
-/* Q4_K weights repacked once, at load, into the GEMM's panel order (included by
+/* Q4_K and Q8_0 weights repacked once, at load, into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -24,6 +24,10 @@
  * dwords (4 values of each nibble, the panel's columns side by side) and the
  * tile splits the nibbles as it loads them. 148 bytes a column and super-block
  * against the file's 144: the scales decoded to bytes and no 6-bit packing.
+ * Q8_0, per 32-value block, PACKED_B_Q8_0 (34 bytes a column, as stored): d as
+ * stored, fp16 [P], then the values + 128 (the GEMM's unsigned operand) as
+ * u8 [8][P][4], dword t of each column: the GEMM's own panel, so its tile has
+ * nothing to take apart.
  *
  * Q6_K is not packed: its tile takes the 6-bit values apart from two planes
  * per load, and one or two rows read a layer's Q6_K (v, down) and the 1B's LM
@@ -31,21 +35,24 @@
  * (docs/perf/decode-step.md, "Weights repacked at load").
  *
  * Every output is the same integers and the same fp32 operations as
- * gemm_tile_k's (and so the small tiles'): bit for bit the unpacked kernels'
+ * gemm_tile_k's or gemm_tile's (and so the small tiles'): bit for bit the unpacked kernels'
  * result, whatever the row count. */
 
 #define PACKED_PANEL 32
 #define PACKED_SB_Q4_K ((size_t)PACKED_PANEL * 148)
+#define PACKED_B_Q8_0 ((size_t)PACKED_PANEL * 34) /* d fp16 [P], then q + 128 [8][P][4] */
 #define PACKED_D 0
 #define PACKED_DMIN ((size_t)PACKED_PANEL * 2)
 #define PACKED_SC ((size_t)PACKED_PANEL * 4)
 #define PACKED_MN ((size_t)PACKED_PANEL * 12)
 #define PACKED_QS ((size_t)PACKED_PANEL * 20)
 
-ALWAYS_INLINE int packable(int type) { return type == Q4_K; }
+ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0; }
 
 /* Bytes of one panel of k-wide rows. */
-ALWAYS_INLINE size_t packed_panel_bytes(int k) { return (size_t)(k / 256) * PACKED_SB_Q4_K; }
+ALWAYS_INLINE size_t packed_panel_bytes(int type, int k) {
+    return type == Q8_0 ? (size_t)(k / 32) * PACKED_B_Q8_0 : (size_t)(k / 256) * PACKED_SB_Q4_K;
+}
 
 /* Byte `at` of row c's stored super-block as dword rows of a packed panel: the
  * `dwords` dwords from blk + at to dst's dword rows 0 .. dwords - 1 (stride P dwords), column c. */
@@ -59,7 +66,7 @@ ALWAYS_INLINE void gather_dwords(const uint8_t *src, int dwords, uint8_t *blk, i
 /* Panel p of W (n rows of row_bytes) into dst: one thread's share of the packing. */
 static void pack_panel_q4_k(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
     const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
-    memset(dst, 0, packed_panel_bytes(k));
+    memset(dst, 0, packed_panel_bytes(Q4_K, k));
     for (int c = 0; c < P && j0 + c < n; c++) {
         const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
         for (int sb = 0; sb < nsb; sb++) {
@@ -105,8 +112,41 @@ static void unpack_panel_q4_k(const uint8_t *src, int k, int p, int n, uint8_t *
     }
 }
 
+/* pack_panel_q4_k for Q8_0: per 32-block, d as stored and the values + 128 (the GEMM's unsigned operand). */
+static void pack_panel_q8_0(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
+    memset(dst, 0, packed_panel_bytes(Q8_0, k));
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            uint8_t *out = dst + (size_t)b * PACKED_B_Q8_0;
+            memcpy(out + 2 * c, blk, 2);
+            uint8_t biased[32];
+            for (int e = 0; e < 32; e++) biased[e] = (uint8_t)(blk[2 + e] ^ 0x80);
+            scatter_dwords(biased, 8, out + 2 * (size_t)P, c);
+        }
+    }
+}
+
+/* unpack_panel_q4_k for Q8_0. */
+static void unpack_panel_q8_0(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            uint8_t *blk = row + (size_t)b * 34;
+            const uint8_t *in = src + (size_t)b * PACKED_B_Q8_0;
+            memcpy(blk, in + 2 * c, 2);
+            gather_dwords(in + 2 * (size_t)P, 8, blk + 2, c);
+            for (int e = 0; e < 32; e++) blk[2 + e] ^= 0x80;
+        }
+    }
+}
+
 #if EXACT_KERNELS
-ALWAYS_INLINE int packed_serves(int type) { return packable(type); }
+/* AVX2's maddubs would saturate on Q8_0's values + 128: that path keeps its blocks on the tile kernels. */
+ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || (type == Q8_0 && QUANT_ISA != 1); }
 
 #if QUANT_ISA == 3
 #define PV_SC(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
@@ -198,12 +238,38 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
     }
 }
 
-typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel, int c0,
+/* MR rows of x by GEMM_PANEL columns of a packed Q8_0 panel from column c0: gemm_tile's
+ * Q8_0 arithmetic (each block's dot from -128 times x's sum, then one fma). */
+ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    const int P = PACKED_PANEL;
+    const int8_t *x[GEMM_MR];
+    packed_tile_start(MR, xq, at, x, out);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *in = panel + (size_t)b * PACKED_B_Q8_0;
+        gemm_i s[GEMM_MR][2];
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-128 * (int)xq->isum[at[r] * (size_t)nb + b]);
+        prefetch_share(pf, b, nb);
+        const uint8_t *q = in + 2 * (size_t)P + (size_t)c0 * 4;
+        for (int t = 0; t < 8; t++)
+            gemm_dot_rows(MR, x, b, t, GV_LOAD_I(q + (size_t)t * 4 * P), GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES),
+                          s);
+        const gemm_f d0 = PV_D(in + 2 * (size_t)c0), d1 = PV_D(in + 2 * (size_t)c0 + 2 * GEMM_LANES);
+        for (int r = 0; r < MR; r++) {
+            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nb + b]);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][0]), d0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][1]), d1), dx, out[r][1]);
+        }
+    }
+}
+
+/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0) a row. */
+typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define PACKED_TILE_FN(T, MR)                                                                                        \
-    static void packed_tile_##T##_##MR(const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel, int c0,    \
+    static void packed_tile_##T##_##MR(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,  \
                                        panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {                                   \
-        packed_tile_##T(MR, xq, at, nsb, panel, c0, pf, out);                                                        \
+        packed_tile_##T(MR, xq, at, units, panel, c0, pf, out);                                                      \
     }
 #if GEMM_MR == 6
 #define PACKED_TILES(T)                                                                                              \
@@ -218,6 +284,7 @@ typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int nsb, const 
 #endif
 /* The tiles of 1 .. GEMM_MR rows. */
 PACKED_TILES(q4_k)
+PACKED_TILES(q8_0)
 #undef PACKED_TILES
 #undef PACKED_TILE_FN
 
@@ -226,10 +293,11 @@ PACKED_TILES(q4_k)
  * rows GEMM_MR at a time (a 256-bit build: each half of it), the tiles asking
  * for the panel PANELS_AHEAD on as they go. The same y writes as gemm_thread,
  * without its unpack and scratch. */
-static void packed_thread(const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride, int y_bf16,
-                          const float *bias, int accumulate, int t, int nt) {
-    const int nsb = xq->k / 256, halves = PACKED_PANEL / GEMM_PANEL;
-    const size_t panel_bytes = packed_panel_bytes(xq->k);
+static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride,
+                          int y_bf16, const float *bias, int accumulate, int t, int nt) {
+    const int units = xq->k / block_elems(type), halves = PACKED_PANEL / GEMM_PANEL;
+    const size_t panel_bytes = packed_panel_bytes(type, xq->k);
+    const packed_tile_fn *tiles_of = type == Q8_0 ? packed_tiles_q8_0 : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
@@ -250,7 +318,7 @@ static void packed_thread(const uint8_t *packed, const xq_t *xq, int m, int n, v
                 const panel_ahead_t pf = {ahead_lines ? panel + PANELS_AHEAD * panel_bytes + 64 * from : NULL,
                                           to - from};
                 gemm_f out[GEMM_MR][2];
-                packed_tiles_q4_k[mr - 1](xq, at, nsb, panel, h * GEMM_PANEL, pf, out);
+                tiles_of[mr - 1](xq, at, units, panel, h * GEMM_PANEL, pf, out);
                 for (int r = 0; r < mr; r++) {
                     float vals[GEMM_PANEL];
                     GV_STORE_F(vals, out[r][0]);

@@ -154,7 +154,7 @@ class _Part:
 
 def packs(qtype: GGMLQuantizationType) -> bool:
     """Whether a linear layer's `qtype` weights are repacked at load (_Part): where
-    the path in use multiplies them so (Q4_K), unless STOKER_DISABLE_PACKED_GGML=1."""
+    the path in use multiplies them so (Q4_K, Q8_0), unless STOKER_DISABLE_PACKED_GGML=1."""
     k = kernels()
     return k is not None and os.environ.get("STOKER_DISABLE_PACKED_GGML") != "1" and bool(k.packs(qtype))
 

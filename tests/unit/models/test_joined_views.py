@@ -20,6 +20,13 @@ from stoker.models.quant.weights import GGMLLinear, GGMLTensor
 pytestmark = pytest.mark.timeout(120)
 
 
+@pytest.fixture(autouse=True)
+def _blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The join itself, before any packing: a packed run holds panels, not the joined blocks
+    (tests/unit/models/test_packed_panels.py)."""
+    monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
+
+
 def _q8(data: torch.Tensor, file_mapped: bool = False) -> GGMLTensor:
     return GGMLTensor(data, T.Q8_0, data.shape[1] // 34 * 32, file_mapped=file_mapped)
 

@@ -1,4 +1,4 @@
-"""Q4_K weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+"""Q4_K and Q8_0 weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
 on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
 every row count, and the blocks back from the packing bit for bit."""
 
@@ -17,9 +17,14 @@ from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
-# panels of 32 columns; bytes a column and super-block
-PANEL, SUPERBLOCK_BYTES = 32, {T.Q4_K: 148}
-PACKED = sorted(SUPERBLOCK_BYTES)
+# panels of 32 columns; (values, bytes) a column and unit: a Q4_K super-block, a Q8_0 block
+PANEL, UNIT = 32, {T.Q4_K: (256, 148), T.Q8_0: (32, 34)}
+PACKED = sorted(UNIT)
+
+
+def multiplies_packed(isa: str, qtype: GGMLQuantizationType) -> bool:
+    """The SIMD paths multiply packed weights, but AVX2 its Q8_0 (maddubs would saturate)."""
+    return isa != "portable" and not (isa == "avx2" and qtype == T.Q8_0)
 
 
 @pytest.fixture(params=available_isas())
@@ -35,42 +40,47 @@ def q4_k(n: int, k: int, seed: int, qtype: GGMLQuantizationType = T.Q4_K) -> tor
 
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
-@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512), (64, 2048)])
+@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512), (64, 2048), (50, 896)])
 def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQuantizationType) -> None:
     """Every path packs the same layout (a padded last panel included) and unpacks it exactly."""
+    values, unit_bytes = UNIT[qtype]
+    if k % values:
+        pytest.skip(f"{qtype.name} rows are whole {values}-value units")
     w = q4_k(n, k, seed=n, qtype=qtype)
     packed = ggml_pack(w, qtype)
     assert packed is not None
-    assert packed.numel() == -(-n // PANEL) * (k // 256) * PANEL * SUPERBLOCK_BYTES[qtype]
+    assert packed.numel() == -(-n // PANEL) * (k // values) * PANEL * unit_bytes
     assert torch.equal(ggml_unpack(packed, qtype, n, k), w)
 
 
 def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K, where a SIMD path multiplies it; no other type (Q6_K's one-row products read panels slower)."""
-    for qtype in (T.Q8_0, T.Q6_K):
+    """Q4_K and Q8_0, where the path multiplies them; no other type (Q6_K's one-row products read panels slower)."""
+    for qtype in (T.Q5_0, T.Q6_K):
         assert ggml_pack(torch.from_numpy(random_blocks(qtype, 4, 256, seed=1)), qtype) is None
-    simd = isa != "portable"
-    assert not packs(T.Q8_0) and not packs(T.Q5_0) and not packs(T.Q6_K)
-    assert packs(T.Q4_K) == simd
-    packed = ggml_pack(q4_k(8, 256, seed=1), T.Q4_K)
-    assert packed is not None
-    y = ggml_matmul_packed(torch.randn(2, 256), packed, T.Q4_K, 8)
-    assert (y is None) == (not simd)
+        assert not packs(qtype)
+    for qtype in PACKED:
+        assert packs(qtype) == multiplies_packed(isa, qtype)
+        packed = ggml_pack(q4_k(8, 256, seed=1, qtype=qtype), qtype)
+        assert packed is not None
+        y = ggml_matmul_packed(torch.randn(2, 256), packed, qtype, 8)
+        assert (y is None) == (not multiplies_packed(isa, qtype))
     monkeypatch.setenv("STOKER_DISABLE_PACKED_GGML", "1")
-    assert not packs(T.Q4_K)
+    assert not packs(T.Q4_K) and not packs(T.Q8_0)
 
 
 @pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512)])
+@pytest.mark.parametrize(("n", "k"), [(37, 256), (100, 512), (50, 896)])
 def test_packed_product_is_the_blocks_product_at_every_row_count(
     isa: str, n: int, k: int, dtype: torch.dtype, qtype: GGMLQuantizationType
 ) -> None:
     """The tiles that read the panels compute the GEMM's (and so the small tiles')
     integers and float operations: the same bits from one row to a prompt, on one
     thread or two, into a column slice of a wider output too."""
-    if isa == "portable":
-        pytest.skip("the portable path multiplies the blocks only")
+    if not multiplies_packed(isa, qtype):
+        pytest.skip(f"the {isa} path multiplies {qtype.name}'s blocks only")
+    if k % UNIT[qtype][0]:
+        pytest.skip(f"{qtype.name} rows are whole {UNIT[qtype][0]}-value units")
     w = q4_k(n, k, seed=k, qtype=qtype)
     packed = ggml_pack(w, qtype)
     assert packed is not None
