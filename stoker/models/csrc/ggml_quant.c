@@ -1366,6 +1366,24 @@ static const gemm_tile_fn gemm_tiles[GEMM_MR] = {gemm_tile_1, gemm_tile_2, gemm_
 #endif
 #undef GEMM_TILE_FN
 
+/* Tile `tile` of a panel's `tiles`: its even share of the `lines` cache lines from
+ * `ahead`, the panel PANELS_AHEAD on (none when ahead is NULL). */
+ALWAYS_INLINE panel_ahead_t ahead_share(const uint8_t *ahead, size_t lines, size_t tile, size_t tiles) {
+    const size_t from = lines * tile / tiles, to = lines * (tile + 1) / tiles;
+    return (panel_ahead_t){ahead ? ahead + 64 * from : NULL, to - from};
+}
+
+/* A tile's mr rows of output (columns j0 .. j0 + cols - 1) into y, by write_row. */
+ALWAYS_INLINE void write_tile(int mr, const size_t *at, gemm_f out[GEMM_MR][2], void *y, long y_stride, int j0,
+                              int cols, int y_bf16, const float *bias, int accumulate) {
+    for (int r = 0; r < mr; r++) {
+        float vals[GEMM_PANEL];
+        GV_STORE_F(vals, out[r][0]);
+        GV_STORE_F(vals + GEMM_LANES, out[r][1]);
+        write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
+    }
+}
+
 /* Thread t of nt's share of the GEMM: a contiguous range of panels, each
  * unpacked once into scratch (gemm_scratch_bytes(k, m)) and swept by all m rows,
  * GEMM_MR at a time and the rest in one smaller tile, the tiles asking for the
@@ -1404,16 +1422,10 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             size_t at[GEMM_MR];
             for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
             gemm_f out[GEMM_MR][2];
-            const size_t tile = (size_t)(i0 / GEMM_MR);
-            const size_t from = ahead_lines * tile / (size_t)tiles, to = ahead_lines * (tile + 1) / (size_t)tiles;
-            const panel_ahead_t pf = {ahead_cols ? w + (size_t)ja * row_bytes + 64 * from : NULL, to - from};
+            const uint8_t *ahead = ahead_cols ? w + (size_t)ja * row_bytes : NULL;
+            const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)(i0 / GEMM_MR), (size_t)tiles);
             gemm_tiles[mr - 1](type, xq, at, nb, scratch, pf, out);
-            for (int r = 0; r < mr; r++) {
-                float vals[GEMM_PANEL];
-                GV_STORE_F(vals, out[r][0]);
-                GV_STORE_F(vals + GEMM_LANES, out[r][1]);
-                write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
-            }
+            write_tile(mr, at, out, y, y_stride, j0, cols, y_bf16, bias, accumulate);
         }
     }
 }
@@ -2035,7 +2047,7 @@ int ggml_quant_matmul_packed(int type, const void *x, int x_bf16, int m, int k, 
 int ggml_quant_packed_serves(int type) { return packed_serves(type); }
 
 /* Bytes of an n x k weight of `type` packed (the same layout in every build), 0 where
- * no such weight is packed (the type, or a k that is no whole super-block). */
+ * no such weight is packed (the type, or a k that is no whole block of it). */
 size_t ggml_quant_packed_bytes(int type, int n, int k) {
     if (!packable(type) || n <= 0 || k <= 0 || k % block_elems(type)) return 0;
     return (size_t)((n + PACKED_PANEL - 1) / PACKED_PANEL) * packed_panel_bytes(type, k);

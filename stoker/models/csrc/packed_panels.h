@@ -183,12 +183,13 @@ ALWAYS_INLINE void packed_tile_start(const int MR, const xq_t *xq, const size_t 
     }
 }
 
-/* out[r] += float(P) * d_w * d_x: super-block sb's term (d: the fp16 d of the tile's columns). */
-ALWAYS_INLINE void packed_d_term(const int MR, const xq_t *xq, const size_t *at, int nsb, int sb, const uint8_t *d,
+/* out[r] += float(P) * d_w * d_x: the term of unit u of a row's units (a Q4_K
+ * super-block, a Q8_0 block; d: the fp16 d of the tile's columns). */
+ALWAYS_INLINE void packed_d_term(const int MR, const xq_t *xq, const size_t *at, int units, int u, const uint8_t *d,
                                  gemm_i p[GEMM_MR][2], gemm_f out[GEMM_MR][2]) {
     const gemm_f d0 = PV_D(d), d1 = PV_D(d + 2 * GEMM_LANES);
     for (int r = 0; r < MR; r++) {
-        const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
+        const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)units + u]);
         out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
         out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][1]), d1), dx, out[r][1]);
     }
@@ -254,12 +255,7 @@ ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *
         for (int t = 0; t < 8; t++)
             gemm_dot_rows(MR, x, b, t, GV_LOAD_I(q + (size_t)t * 4 * P), GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES),
                           s);
-        const gemm_f d0 = PV_D(in + 2 * (size_t)c0), d1 = PV_D(in + 2 * (size_t)c0 + 2 * GEMM_LANES);
-        for (int r = 0; r < MR; r++) {
-            const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nb + b]);
-            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][0]), d0), dx, out[r][0]);
-            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(s[r][1]), d1), dx, out[r][1]);
-        }
+        packed_d_term(MR, xq, at, nb, b, in + 2 * (size_t)c0, s, out);
     }
 }
 
@@ -313,18 +309,11 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
                 size_t at[GEMM_MR];
                 for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
-                const size_t from = ahead_lines * (size_t)tile / (size_t)tiles;
-                const size_t to = ahead_lines * (size_t)(tile + 1) / (size_t)tiles;
-                const panel_ahead_t pf = {ahead_lines ? panel + PANELS_AHEAD * panel_bytes + 64 * from : NULL,
-                                          to - from};
+                const uint8_t *ahead = ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL;
+                const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)tile, (size_t)tiles);
                 gemm_f out[GEMM_MR][2];
                 tiles_of[mr - 1](xq, at, units, panel, h * GEMM_PANEL, pf, out);
-                for (int r = 0; r < mr; r++) {
-                    float vals[GEMM_PANEL];
-                    GV_STORE_F(vals, out[r][0]);
-                    GV_STORE_F(vals + GEMM_LANES, out[r][1]);
-                    write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
-                }
+                write_tile(mr, at, out, y, y_stride, j0, cols, y_bf16, bias, accumulate);
             }
         }
     }

@@ -35,7 +35,7 @@ def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     return str(request.param)
 
 
-def q4_k(n: int, k: int, seed: int, qtype: GGMLQuantizationType = T.Q4_K) -> torch.Tensor:
+def blocks_of(n: int, k: int, seed: int, qtype: GGMLQuantizationType = T.Q4_K) -> torch.Tensor:
     return torch.from_numpy(random_blocks(qtype, n, k, seed))
 
 
@@ -46,7 +46,7 @@ def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQu
     values, unit_bytes = UNIT[qtype]
     if k % values:
         pytest.skip(f"{qtype.name} rows are whole {values}-value units")
-    w = q4_k(n, k, seed=n, qtype=qtype)
+    w = blocks_of(n, k, seed=n, qtype=qtype)
     packed = ggml_pack(w, qtype)
     assert packed is not None
     assert packed.numel() == -(-n // PANEL) * (k // values) * PANEL * unit_bytes
@@ -60,7 +60,7 @@ def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytes
         assert not packs(qtype)
     for qtype in PACKED:
         assert packs(qtype) == multiplies_packed(isa, qtype)
-        packed = ggml_pack(q4_k(8, 256, seed=1, qtype=qtype), qtype)
+        packed = ggml_pack(blocks_of(8, 256, seed=1, qtype=qtype), qtype)
         assert packed is not None
         y = ggml_matmul_packed(torch.randn(2, 256), packed, qtype, 8)
         assert (y is None) == (not multiplies_packed(isa, qtype))
@@ -81,7 +81,7 @@ def test_packed_product_is_the_blocks_product_at_every_row_count(
         pytest.skip(f"the {isa} path multiplies {qtype.name}'s blocks only")
     if k % UNIT[qtype][0]:
         pytest.skip(f"{qtype.name} rows are whole {UNIT[qtype][0]}-value units")
-    w = q4_k(n, k, seed=k, qtype=qtype)
+    w = blocks_of(n, k, seed=k, qtype=qtype)
     packed = ggml_pack(w, qtype)
     assert packed is not None
     x = torch.randn(70, k, generator=torch.Generator().manual_seed(n)).to(dtype)
@@ -103,7 +103,7 @@ def test_packed_product_is_the_blocks_product_at_every_row_count(
 
 
 def test_packed_bad_inputs_raise_value_error(isa: str) -> None:
-    packed = ggml_pack(q4_k(40, 512, seed=2), T.Q4_K)
+    packed = ggml_pack(blocks_of(40, 512, seed=2), T.Q4_K)
     assert packed is not None
     with pytest.raises(ValueError, match="packed Q4_K"):
         ggml_unpack(packed, T.Q4_K, 40, 256)
@@ -121,7 +121,7 @@ def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
     beside it stays blocks); its output, dequantized weight and fallbacks are
     the blocks' own: bit for bit where the kernels serve, dense from the unpacked
     blocks where they do not (the path switched to portable after loading)."""
-    parts = [GGMLTensor(q4_k(50, 512, seed=s), T.Q4_K, 512) for s in (3, 4)]
+    parts = [GGMLTensor(blocks_of(50, 512, seed=s), T.Q4_K, 512) for s in (3, 4)]
     parts.append(GGMLTensor(torch.from_numpy(random_blocks(T.Q6_K, 16, 512, seed=5)), T.Q6_K, 512))
     bias = torch.randn(116)
     x = torch.randn(6, 512)
