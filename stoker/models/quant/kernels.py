@@ -262,7 +262,8 @@ def ggml_matmul_packed(
     if qtype not in SUPPORTED_TYPES or not packs(qtype) or not _served(x):
         return None
     k = x.shape[-1] if x.dim() == 2 else -1
-    if k <= 0 or packed.numel() != _library(_any_isa()).ggml_quant_packed_bytes(int(qtype), n, k):  # type: ignore[union-attr]
+    packer = _library(_any_isa())
+    if k <= 0 or packer is None or packed.numel() != packer.ggml_quant_packed_bytes(int(qtype), n, k):
         raise ValueError(f"x must be [m, k] for a packed {qtype.name} weight of {n} rows, got {tuple(x.shape)}")
     return _matmul(x, packed, qtype, k, n, out, packed=True)
 
