@@ -1970,7 +1970,7 @@ static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t r
                                 int t, int nt) {
 #if EXACT_KERNELS
     if (packed) {
-        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
+        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
         return;
     }
     if (exact_serves(type)) {
@@ -2000,7 +2000,7 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
                malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
                exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
-    const size_t scratch_bytes = exact && !packed ? gemm_scratch_bytes(k, m) : 0;
+    const size_t scratch_bytes = exact && (!packed || packed_expands(type, m)) ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? malloc(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
     if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {
@@ -2065,6 +2065,8 @@ int ggml_quant_pack(int type, const uint8_t *w, int n, int k, uint8_t *dst, int 
     for (int p = 0; p < panels; p++) {
         if (type == Q8_0 && unpack) unpack_panel_q8_0(w + (size_t)p * panel, k, p, n, dst, row_bytes);
         else if (type == Q8_0) pack_panel_q8_0(w, row_bytes, n, k, p, dst + (size_t)p * panel);
+        else if (type == Q5_0 && unpack) unpack_panel_q5_0(w + (size_t)p * panel, k, p, n, dst, row_bytes);
+        else if (type == Q5_0) pack_panel_q5_0(w, row_bytes, n, k, p, dst + (size_t)p * panel);
         else if (unpack) unpack_panel_q4_k(w + (size_t)p * panel, k, p, n, dst, row_bytes);
         else pack_panel_q4_k(w, row_bytes, n, k, p, dst + (size_t)p * panel);
     }

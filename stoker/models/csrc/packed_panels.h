@@ -1,4 +1,4 @@
-/* Q4_K and Q8_0 weights repacked once, at load, into the GEMM's panel order (included by
+/* Q4_K, Q8_0 and Q5_0 weights repacked once, at load, into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -29,6 +29,15 @@
  * u8 [8][P][4], dword t of each column: the GEMM's own panel, so its tile has
  * nothing to take apart.
  *
+ * Q5_0, per 32-value block, PACKED_B_Q5_0 (22 bytes a column, as stored): d as
+ * stored, fp16 [P]; the fifth bits as byte masks, u64 [8][2]: row t of the
+ * GEMM's panel (the block's values 4t .. 4t + 3), columns 16g .. 16g + 15, bit
+ * 4c + e the fifth bit of column 16g + c's value 4t + e; then the 16 stored
+ * nibble bytes transposed by dwords, u8 [4][P][4] (dword t's low nibbles are
+ * row t, its high ones row t + 4, as in nibble_panel). The tile splits the
+ * nibbles as Q4_K's does and adds each row's fifth bits by one masked add
+ * (AVX-512) or with_high_bits' spread of half a u64 (256-bit builds).
+ *
  * Q6_K is not packed: its tile takes the 6-bit values apart from two planes
  * per load, and one or two rows read a layer's Q6_K (v, down) and the 1B's LM
  * head 12-18% slower from panels than the streamed row kernels read the blocks
@@ -41,17 +50,22 @@
 #define PACKED_PANEL 32
 #define PACKED_SB_Q4_K ((size_t)PACKED_PANEL * 148)
 #define PACKED_B_Q8_0 ((size_t)PACKED_PANEL * 34) /* d fp16 [P], then q + 128 [8][P][4] */
+#define PACKED_B_Q5_0 ((size_t)PACKED_PANEL * 22) /* d fp16 [P], fifth bits u64 [8][2], nibbles [4][P][4] */
+#define PACKED_Q5_QH ((size_t)PACKED_PANEL * 2)
+#define PACKED_Q5_QS (PACKED_Q5_QH + 128)
 #define PACKED_D 0
 #define PACKED_DMIN ((size_t)PACKED_PANEL * 2)
 #define PACKED_SC ((size_t)PACKED_PANEL * 4)
 #define PACKED_MN ((size_t)PACKED_PANEL * 12)
 #define PACKED_QS ((size_t)PACKED_PANEL * 20)
 
-ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0; }
+ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0 || type == Q5_0; }
 
 /* Bytes of one panel of k-wide rows. */
 ALWAYS_INLINE size_t packed_panel_bytes(int type, int k) {
-    return type == Q8_0 ? (size_t)(k / 32) * PACKED_B_Q8_0 : (size_t)(k / 256) * PACKED_SB_Q4_K;
+    return type == Q8_0   ? (size_t)(k / 32) * PACKED_B_Q8_0
+           : type == Q5_0 ? (size_t)(k / 32) * PACKED_B_Q5_0
+                          : (size_t)(k / 256) * PACKED_SB_Q4_K;
 }
 
 /* Byte `at` of row c's stored super-block as dword rows of a packed panel: the
@@ -144,9 +158,55 @@ static void unpack_panel_q8_0(const uint8_t *src, int k, int p, int n, uint8_t *
     }
 }
 
+/* pack_panel_q4_k for Q5_0: d as stored, each column's u32 of fifth bits spread
+ * over the rows' u64 masks (4 bits a column and row), its nibble bytes by dwords. */
+static void pack_panel_q5_0(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
+    memset(dst, 0, packed_panel_bytes(Q5_0, k));
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = row + (size_t)b * 22;
+            uint8_t *out = dst + (size_t)b * PACKED_B_Q5_0;
+            memcpy(out + 2 * c, blk, 2);
+            uint32_t h;
+            memcpy(&h, blk + 2, sizeof h);
+            for (int t = 0; t < 8; t++) {
+                uint64_t mask;
+                uint8_t *at = out + PACKED_Q5_QH + (size_t)(2 * t + c / 16) * 8;
+                memcpy(&mask, at, sizeof mask);
+                mask |= (uint64_t)((h >> (4 * t)) & 0xF) << (4 * (c % 16));
+                memcpy(at, &mask, sizeof mask);
+            }
+            scatter_dwords(blk + 6, 4, out + PACKED_Q5_QS, c);
+        }
+    }
+}
+
+/* unpack_panel_q4_k for Q5_0. */
+static void unpack_panel_q5_0(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int b = 0; b < nb; b++) {
+            uint8_t *blk = row + (size_t)b * 22;
+            const uint8_t *in = src + (size_t)b * PACKED_B_Q5_0;
+            memcpy(blk, in + 2 * c, 2);
+            uint32_t h = 0;
+            for (int t = 0; t < 8; t++) {
+                uint64_t mask;
+                memcpy(&mask, in + PACKED_Q5_QH + (size_t)(2 * t + c / 16) * 8, sizeof mask);
+                h |= (uint32_t)((mask >> (4 * (c % 16))) & 0xF) << (4 * t);
+            }
+            memcpy(blk + 2, &h, sizeof h);
+            gather_dwords(in + PACKED_Q5_QS, 4, blk + 6, c);
+        }
+    }
+}
+
 #if EXACT_KERNELS
 /* AVX2's maddubs would saturate on Q8_0's values + 128: that path keeps its blocks on the tile kernels. */
-ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || (type == Q8_0 && QUANT_ISA != 1); }
+ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || type == Q5_0 || (type == Q8_0 && QUANT_ISA != 1); }
 
 #if QUANT_ISA == 3
 #define PV_SC(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
@@ -155,6 +215,8 @@ ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || (type == Q8_0
 #define PV_LOW4(v) _mm512_and_si512(v, _mm512_set1_epi8(0x0F))
 #define PV_HIGH4(v) _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F))
 #define PV_NEG(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))
+/* v's bytes + 0x10 where the u64 at p has their bit (v's values are nibbles: + is or) */
+#define PV_FIFTH(v, p) _mm512_mask_add_epi8(v, (__mmask64)load_u64(p), v, _mm512_set1_epi8(0x10))
 #else
 #define PV_SC(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define PV_MN(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
@@ -162,7 +224,14 @@ ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || (type == Q8_0
 #define PV_LOW4(v) _mm256_and_si256(v, _mm256_set1_epi8(0x0F))
 #define PV_HIGH4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
 #define PV_NEG(v) _mm256_xor_ps(v, _mm256_set1_ps(-0.f))
+#define PV_FIFTH(v, p) with_high_bits(v, p) /* the u32 at p: 8 columns' bits */
 #endif
+
+ALWAYS_INLINE uint64_t load_u64(const uint8_t *p) {
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 
 /* s[r] += the dots of x's rows with sub-block 2i + high (pair: pair i's 8 dword rows, at the tile's first column). */
 ALWAYS_INLINE void packed_dots(const int MR, const int high, const int8_t *const *x, int b, const uint8_t *pair,
@@ -259,7 +328,66 @@ ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *
     }
 }
 
-/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0) a row. */
+/* MR rows of x by GEMM_PANEL columns of a packed Q5_0 panel from column c0: gemm_tile's
+ * Q5_0 arithmetic (the values + 16, so each block's dot from -16 times x's sum), the
+ * values put together as they load. */
+ALWAYS_INLINE void packed_tile_q5_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    const int P = PACKED_PANEL;
+    const int8_t *x[GEMM_MR];
+    packed_tile_start(MR, xq, at, x, out);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *in = panel + (size_t)b * PACKED_B_Q5_0;
+        gemm_i s[GEMM_MR][2];
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-16 * (int)xq->isum[at[r] * (size_t)nb + b]);
+        prefetch_share(pf, b, nb);
+        const uint8_t *q = in + PACKED_Q5_QS + (size_t)c0 * 4, *h = in + PACKED_Q5_QH + (size_t)(c0 / 16) * 8;
+        for (int t = 0; t < 4; t++) {
+            const gemm_i raw0 = GV_LOAD_I(q + (size_t)t * 4 * P), raw1 = GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES);
+            /* the second vector's columns: the next half of the u64 (256-bit) or the next u64 */
+            const uint8_t *lo = h + (size_t)t * 16, *hi = h + (size_t)(t + 4) * 16;
+            gemm_dot_rows(MR, x, b, t, PV_FIFTH(PV_LOW4(raw0), lo), PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2), s);
+            gemm_dot_rows(MR, x, b, t + 4, PV_FIFTH(PV_HIGH4(raw0), hi), PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2),
+                          s);
+        }
+        packed_d_term(MR, xq, at, nb, b, in + 2 * (size_t)c0, s, out);
+    }
+}
+
+/* From PACKED_EXPAND_ROWS rows, a packed Q5_0 panel's GEMM_PANEL columns from c0 are
+ * put together once into the GEMM's unpacked panel (gemm_tile's scratch: the
+ * values + 16 by dword rows, d as floats) and swept by the GEMM's own tiles: a
+ * prompt's many tiles would each add the fifth bits again, 5-9% slower than
+ * the GEMM at 512 rows. The same integers and floats, so the same bits. */
+#define PACKED_EXPAND_ROWS 32
+ALWAYS_INLINE int packed_expands(int type, int m) { return type == Q5_0 && m >= PACKED_EXPAND_ROWS; }
+#if QUANT_ISA == 3
+#define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
+#else
+#define PV_STORE_I(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#endif
+static void packed_expand_q5_0(const uint8_t *panel, int nb, int c0, uint8_t *scratch) {
+    const int P = PACKED_PANEL;
+    float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *in = panel + (size_t)b * PACKED_B_Q5_0;
+        const uint8_t *q = in + PACKED_Q5_QS + (size_t)c0 * 4, *h = in + PACKED_Q5_QH + (size_t)(c0 / 16) * 8;
+        uint8_t *dst = scratch + (size_t)b * 32 * GEMM_PANEL;
+        for (int t = 0; t < 4; t++) {
+            const gemm_i raw0 = GV_LOAD_I(q + (size_t)t * 4 * P), raw1 = GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES);
+            const uint8_t *lo = h + (size_t)t * 16, *hi = h + (size_t)(t + 4) * 16;
+            uint8_t *row = dst + (size_t)t * 4 * GEMM_PANEL, *row4 = dst + (size_t)(t + 4) * 4 * GEMM_PANEL;
+            PV_STORE_I(row, PV_FIFTH(PV_LOW4(raw0), lo));
+            PV_STORE_I(row + 4 * GEMM_LANES, PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2));
+            PV_STORE_I(row4, PV_FIFTH(PV_HIGH4(raw0), hi));
+            PV_STORE_I(row4 + 4 * GEMM_LANES, PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2));
+        }
+        GV_STORE_F(d + (size_t)b * GEMM_PANEL, PV_D(in + 2 * (size_t)c0));
+        GV_STORE_F(d + (size_t)b * GEMM_PANEL + GEMM_LANES, PV_D(in + 2 * (size_t)(c0 + GEMM_LANES)));
+    }
+}
+
+/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0, Q5_0) a row. */
 typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define PACKED_TILE_FN(T, MR)                                                                                        \
@@ -281,6 +409,7 @@ typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, cons
 /* The tiles of 1 .. GEMM_MR rows. */
 PACKED_TILES(q4_k)
 PACKED_TILES(q8_0)
+PACKED_TILES(q5_0)
 #undef PACKED_TILES
 #undef PACKED_TILE_FN
 
@@ -290,10 +419,10 @@ PACKED_TILES(q8_0)
  * for the panel PANELS_AHEAD on as they go. The same y writes as gemm_thread,
  * without its unpack and scratch. */
 static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride,
-                          int y_bf16, const float *bias, int accumulate, int t, int nt) {
+                          int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t, int nt) {
     const int units = xq->k / block_elems(type), halves = PACKED_PANEL / GEMM_PANEL;
     const size_t panel_bytes = packed_panel_bytes(type, xq->k);
-    const packed_tile_fn *tiles_of = type == Q8_0 ? packed_tiles_q8_0 : packed_tiles_q4_k;
+    const packed_tile_fn *tiles_of = type == Q8_0 ? packed_tiles_q8_0 : type == Q5_0 ? packed_tiles_q5_0 : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
@@ -305,6 +434,8 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             const int j0 = p * PACKED_PANEL + h * GEMM_PANEL;
             if (j0 >= n) break;
             const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
+            const int expanded = packed_expands(type, m);
+            if (expanded) packed_expand_q5_0(panel, units, h * GEMM_PANEL, scratch);
             for (int i0 = 0; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
                 size_t at[GEMM_MR];
@@ -312,7 +443,8 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                 const uint8_t *ahead = ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL;
                 const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)tile, (size_t)tiles);
                 gemm_f out[GEMM_MR][2];
-                tiles_of[mr - 1](xq, at, units, panel, h * GEMM_PANEL, pf, out);
+                if (expanded) gemm_tiles[mr - 1](type, xq, at, units, scratch, pf, out);
+                else tiles_of[mr - 1](xq, at, units, panel, h * GEMM_PANEL, pf, out);
                 write_tile(mr, at, out, y, y_stride, j0, cols, y_bf16, bias, accumulate);
             }
         }
@@ -321,6 +453,10 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
 #else
 ALWAYS_INLINE int packed_serves(int type) {
     (void)type;
+    return 0;
+}
+ALWAYS_INLINE int packed_expands(int type, int m) {
+    (void)type, (void)m;
     return 0;
 }
 #endif
