@@ -301,6 +301,13 @@ def _run_group(
         from stoker.bench.ladder_phases import measure
 
         measure(started, rung, args, input_len, output_len, result["streams"], result["prefill"], path)
+        # Resident memory once served as well: what an engine finishes after it is ready
+        # (stoker repacks its weights then, quant/repack.py) counts as much as its load.
+        kv = limits.kv_tokens * facts.kv_bytes_per_token
+        for server in started:
+            figures = rung["engines"][server.engine.name]
+            figures["rss_mb"] = max(figures["rss_mb"], server.rss() / 1e6)
+            figures["rss_of_file_kv"] = figures["rss_mb"] * 1e6 / (rung["file_bytes"] + kv)
     finally:
         for server in started:
             server.stop()

@@ -134,7 +134,7 @@ def _rows(result: dict[str, Any]) -> list[tuple[str, str, str]]:
         rows.append((f"llama-bench pp{length}, tok/s", f"pp{length}", "{:.0f}"))
         rows.append((f"stoker prefill {length} ÷ llama-bench pp{length}", f"prefill_{length}_of_pp", "{:.2f}x"))
     rows += [
-        ("resident memory after load, MB", "rss_mb", "{:.0f}"),
+        ("resident memory, MB (the larger of after load and after the phases)", "rss_mb", "{:.0f}"),
         ("÷ (file + KV cache)", "rss_of_file_kv", "{:.2f}"),
         ("start to ready, s", "ready_s", "{:.1f}"),
     ]

@@ -182,6 +182,9 @@ def _linear_table(w: LinearWeight) -> _Linear | str:
     return table
 
 
+LINEARS = ("qkv", "o_proj", "gate_up", "down")
+
+
 class FusedDecoder:
     """The decoder stack of one LlamaModel as one C call per step. Build with
     `FusedDecoder.build(model)`, which says why it does not apply when it does not."""
@@ -208,6 +211,8 @@ class FusedDecoder:
         self._caches_key: tuple[int, ...] = ()
         self._cache_ptrs: tuple[ctypes.Array[ctypes.c_void_p], ctypes.Array[ctypes.c_void_p]] | None = None
         self._lora = LoraTables(model.layers)
+        # Where each linear layer's table lies, for refresh.
+        self._tables = {id(getattr(layer, name)): (i, name) for i, layer in enumerate(model.layers) for name in LINEARS}
 
     @staticmethod
     def build(model: LlamaModel) -> FusedDecoder | str:
@@ -221,7 +226,7 @@ class FusedDecoder:
         layers = []
         for i, layer in enumerate(model.layers):
             tables = {}
-            for name in ("qkv", "o_proj", "gate_up", "down"):
+            for name in LINEARS:
                 table = _linear_table(getattr(layer, name))
                 if isinstance(table, str):
                     return f"layer {i} {name}: {table}"
@@ -245,6 +250,17 @@ class FusedDecoder:
         if not lib.decoder_model_ok(ctypes.byref(fused._model)):
             return "the C decoder does not take this model's shapes"
         return fused
+
+    def refresh(self, linear: GGMLLinear) -> None:
+        """Point the table of `linear` (one of the stack's) at what it serves now: its
+        panels once repacked (quant/repack.py). Between steps only."""
+        where = self._tables.get(id(linear))
+        if where is None:
+            return  # the LM head: run by the model, not the stack
+        table = _linear_table(linear)
+        if isinstance(table, str):  # it served as blocks; its panels serve as surely
+            raise RuntimeError(f"layer {where[0]} {where[1]}: {table}")
+        setattr(self._layers[where[0]], where[1], table)
 
     def serves(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Whether the KV cache is one it reads (float32, bfloat16, float16, or int8 or fp8

@@ -289,8 +289,8 @@ def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
     """(offset, bytes) of the tensors a forward pass reads from the mapping whole.
     Not an untied embedding, of which a step reads only its tokens' rows, nor q
     and k where their rows are reordered into a copy, nor the linear layers'
-    weights repacked into a copy at load (both copies give their mapped pages
-    back): mapped in, their pages would count in the engine's resident memory
+    weights repacked into a copy (quant/repack.py reads them; both copies give
+    their mapped pages back): mapped in, their pages would count in the engine's resident memory
     for nothing."""
     names = {t["hf"] for t in meta["tensors"]}
     untied = "lm_head.weight" in names
@@ -300,7 +300,7 @@ def _read_every_step(meta: dict[str, Any]) -> list[tuple[int, int]]:
         if untied and name == "model.embed_tokens.weight":
             return True
         if packs(GGMLQuantizationType(t["type"])):
-            return True  # repacked into a copy (quant/weights.py; a tied LM head too), its mapped pages given back
+            return True  # repacked into a copy (quant/repack.py; a tied LM head too), its mapped pages given back
         return bool(meta["permute_qk"]) and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name)
 
     return [

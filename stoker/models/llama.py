@@ -4,6 +4,7 @@ Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,7 +16,16 @@ from stoker.models.attention import AttentionMetadata, paged_attention, write_kv
 from stoker.models.fused_decoder import FusedDecoder
 from stoker.models.layers import Rotary, gated_mlp, rms_norm
 from stoker.models.lora import LoraAdapter, LoraBatch, add_lora
-from stoker.models.quant.weights import Embedding, LinearWeight, WeightLike, dense_weight, make_linear
+from stoker.models.quant.repack import BackgroundRepack
+from stoker.models.quant.weights import (
+    Embedding,
+    GGMLLinear,
+    LinearWeight,
+    WeightLike,
+    deferred_packing,
+    dense_weight,
+    make_linear,
+)
 from stoker.models.registry import architecture
 
 log = logging.getLogger("stoker.models")
@@ -69,26 +79,28 @@ class LlamaModel:
 
         self.embed = Embedding(raw("model.embed_tokens.weight"), dtype, device)
         self.layers: list[DecoderLayer] = []
-        for i in range(config.num_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if config.attention_bias else None
-            self.layers.append(
-                DecoderLayer(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=linear([a + f"{x}_proj.weight" for x in "qkv"], qkv_bias),
-                    q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
-                    k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
-                    o_proj=linear([a + "o_proj.weight"]),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                    down=linear([p + "mlp.down_proj.weight"]),
+        # The layers serve their blocks first; self.repack packs them while the model serves.
+        with deferred_packing() as to_repack:
+            for i in range(config.num_layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                qkv_bias = [a + f"{x}_proj.bias" for x in "qkv"] if config.attention_bias else None
+                self.layers.append(
+                    DecoderLayer(
+                        input_norm=w(p + "input_layernorm.weight"),
+                        qkv=linear([a + f"{x}_proj.weight" for x in "qkv"], qkv_bias),
+                        q_norm=maybe(a + "q_norm.weight") if config.qk_norm else None,
+                        k_norm=maybe(a + "k_norm.weight") if config.qk_norm else None,
+                        o_proj=linear([a + "o_proj.weight"]),
+                        post_norm=w(p + "post_attention_layernorm.weight"),
+                        gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                        down=linear([p + "mlp.down_proj.weight"]),
+                    )
                 )
-            )
+            tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+            # Tied: the embedding's own table (quantized or dense), never a second copy.
+            self.lm_head = make_linear([self.embed.table if tied else raw("lm_head.weight")], None, dtype, device)
         self.norm = w("model.norm.weight")
-        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
-        # Tied: the embedding's own table (quantized or dense), never a second copy.
-        self.lm_head = make_linear([self.embed.table if tied else raw("lm_head.weight")], None, dtype, device)
         self.rotary = Rotary(
             config.head_dim,
             max_positions or config.max_position_embeddings,
@@ -103,6 +115,10 @@ class LlamaModel:
         # Built once here; it then serves every step (never only some: batch invariance).
         fused = FusedDecoder.build(self)
         self.fused = fused if isinstance(fused, FusedDecoder) else None
+        # Held by every forward pass: a repacked layer swaps in between steps, never inside one.
+        self.weights_lock = threading.Lock()
+        self.repack = BackgroundRepack(to_repack, self.weights_lock, self._repacked)
+        self.repack.start()
         # Adapters' tensors copied to a device other than the CPU they load on, while they live.
         self._device_adapters: weakref.WeakKeyDictionary[LoraAdapter, LoraAdapter] = weakref.WeakKeyDictionary()
         if self.fused is not None:
@@ -125,6 +141,18 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs the flattened batch; returns float32 logits for logits_indices only.
         lora: each row's adapter (None, or every row -1: the base alone, today's arithmetic)."""
+        with self.weights_lock:
+            return self._forward(input_ids, positions, kv_caches, meta, logits_indices, lora)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+        lora: LoraBatch | None,
+    ) -> torch.Tensor:
         cfg = self.config
         hidden = self.embed(input_ids)
         if lora is not None and lora.row_adapter.shape != input_ids.shape:
@@ -164,6 +192,11 @@ class LlamaModel:
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             hidden = residual + gated_mlp(x, adapted("gate_up", layer.gate_up), adapted("down", layer.down))
         return self._logits(hidden, logits_indices)
+
+    def _repacked(self, linear: GGMLLinear) -> None:
+        """A linear layer now serves from its panels: so does the fused stack's table of it."""
+        if self.fused is not None:
+            self.fused.refresh(linear)
 
     def _adapters_on_device(self, lora: LoraBatch | None) -> list[LoraAdapter]:
         if lora is None:

@@ -219,16 +219,16 @@ def _served(x: torch.Tensor) -> bool:
 
 def packs(qtype: GGMLQuantizationType) -> bool:
     """Whether the path in use multiplies `qtype` from weights repacked into its
-    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K and Q8_0 on the SIMD
-    paths (but AVX2's Q8_0, which stays on the tile kernels)."""
+    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K, Q8_0 and Q5_0 on the
+    SIMD paths (but AVX2's Q8_0, which stays on the tile kernels)."""
     lib = _lib()
     return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_packed_serves(int(qtype)))
 
 
-def ggml_pack(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor | None:
+def ggml_pack(weight: torch.Tensor, qtype: GGMLQuantizationType, num_threads: int | None = None) -> torch.Tensor | None:
     """W's blocks repacked into panel order (a new uint8 tensor, 1-D), or None where
     this type or shape is not packed. Every build packs the same layout; only the
-    SIMD builds multiply it (ggml_matmul_packed)."""
+    SIMD builds multiply it (ggml_matmul_packed). num_threads: torch's when None."""
     lib = _library(_any_isa())
     if lib is None or qtype not in SUPPORTED_TYPES:
         return None
@@ -238,7 +238,7 @@ def ggml_pack(weight: torch.Tensor, qtype: GGMLQuantizationType) -> torch.Tensor
         return None
     packed = torch.empty(size, dtype=torch.uint8)
     lib.ggml_quant_pack(
-        int(qtype), weight.data_ptr(), weight.shape[0], k, packed.data_ptr(), 0, torch.get_num_threads()
+        int(qtype), weight.data_ptr(), weight.shape[0], k, packed.data_ptr(), 0, num_threads or torch.get_num_threads()
     )
     return packed
 

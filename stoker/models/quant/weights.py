@@ -13,7 +13,9 @@ import importlib
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from functools import cache
 from typing import Any, Protocol
@@ -129,15 +131,36 @@ class _Part:
     """One run of a fused weight's rows: its blocks, or where the kernels multiply
     its type from them the same repacked once into their GEMM's panel order
     (kernels.ggml_pack; the blocks' memory given back), and its dense stand-in
-    once the kernels refuse it."""
+    once the kernels refuse it. pack=False leaves the repacking to install()."""
 
-    def __init__(self, tensor: GGMLTensor, start: int) -> None:
+    def __init__(self, tensor: GGMLTensor, start: int, pack: bool = True) -> None:
         self.qtype, self.rows, self.cols = tensor.qtype, tensor.rows, tensor.cols
         self.start = start
         self.stop = start + tensor.rows
         self.dense: Linear | None = None
-        self.packed = _packed(tensor)
-        self.tensor: GGMLTensor | None = tensor if self.packed is None else None
+        self.tensor: GGMLTensor | None = tensor
+        self.packed: torch.Tensor | None = None
+        if pack:
+            self.install(self.packed_copy())
+
+    def packed_copy(self, num_threads: int | None = None) -> torch.Tensor | None:
+        """The blocks repacked (a copy; this part is unchanged), or None where its type
+        is not repacked here or it serves from panels or dense already."""
+        k = kernels()
+        if k is None or self.tensor is None or self.dense is not None or not packs(self.qtype):
+            return None
+        return k.ggml_pack(self.tensor.data.contiguous(), self.qtype, num_threads)  # type: ignore[no-any-return]
+
+    def install(self, packed: torch.Tensor | None) -> GGMLTensor | None:
+        """Serve from `packed` (packed_copy's) from now on; the blocks' mapped pages are
+        given back. Returns the blocks replaced (None when nothing was)."""
+        if packed is None or self.tensor is None:
+            return None
+        replaced = self.tensor
+        if replaced.file_mapped:
+            release_mapped_pages(replaced.data)
+        self.packed, self.tensor = packed, None
+        return replaced
 
     @property
     def nbytes(self) -> int:
@@ -153,22 +176,25 @@ class _Part:
 
 
 def packs(qtype: GGMLQuantizationType) -> bool:
-    """Whether a linear layer's `qtype` weights are repacked at load (_Part): where
-    the path in use multiplies them so (Q4_K, Q8_0), unless STOKER_DISABLE_PACKED_GGML=1."""
+    """Whether a linear layer's `qtype` weights are repacked (_Part): where the path
+    in use multiplies them so (Q4_K, Q8_0, Q5_0), unless STOKER_DISABLE_PACKED_GGML=1."""
     k = kernels()
     return k is not None and os.environ.get("STOKER_DISABLE_PACKED_GGML") != "1" and bool(k.packs(qtype))
 
 
-def _packed(tensor: GGMLTensor) -> torch.Tensor | None:
-    """tensor's blocks in panel order where packs(its type) (its mapped pages given
-    back), else None."""
-    k = kernels()
-    if k is None or not packs(tensor.qtype):
-        return None
-    packed = k.ggml_pack(tensor.data.contiguous(), tensor.qtype)
-    if packed is not None and tensor.file_mapped:
-        release_mapped_pages(tensor.data)
-    return packed  # type: ignore[no-any-return]
+_deferred: ContextVar[list[GGMLLinear] | None] = ContextVar("deferred_packing", default=None)
+
+
+@contextmanager
+def deferred_packing() -> Iterator[list[GGMLLinear]]:
+    """GGMLLinears built inside keep serving their blocks; the list receives those
+    with weights to repack, for a BackgroundRepack (quant/repack.py) to pack later."""
+    linears: list[GGMLLinear] = []
+    token = _deferred.set(linears)
+    try:
+        yield linears
+    finally:
+        _deferred.reset(token)
 
 
 class GGMLLinear:
@@ -189,12 +215,15 @@ class GGMLLinear:
             raise ValueError(f"parts of one linear layer disagree on in_features: {sorted(cols)}")
         self.in_features = cols.pop()
         self.parts: list[_Part] = []
+        deferred = _deferred.get()
         start = 0
         for p in _join_same_type(parts):
-            self.parts.append(_Part(p, start))
+            self.parts.append(_Part(p, start, pack=deferred is None))
             start += p.rows
         self.out_features = start
         self.bias = bias
+        if deferred is not None and any(packs(p.qtype) for p in self.parts):
+            deferred.append(self)
 
     @property
     def nbytes(self) -> int:
@@ -238,6 +267,16 @@ class GGMLLinear:
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([p.blocks().dequantize(torch.float32) for p in self.parts])
+
+    def packed_copies(self, num_threads: int | None = None) -> list[torch.Tensor | None]:
+        """Each part's blocks repacked (copies: this layer serves as before), None where a part's are not."""
+        return [p.packed_copy(num_threads) for p in self.parts]
+
+    def install_packed(self, copies: Sequence[torch.Tensor | None]) -> list[GGMLTensor | None]:
+        """Serve from packed_copies' copies from now on. Not while a product runs:
+        the blocks' pages are given back (their owner's lock, quant/repack.py).
+        Returns the blocks replaced, which a caller keeps while anything may still point at them."""
+        return [part.install(packed) for part, packed in zip(self.parts, copies, strict=True)]
 
 
 def _join_same_type(parts: Sequence[GGMLTensor]) -> list[GGMLTensor]:

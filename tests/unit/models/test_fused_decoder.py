@@ -18,9 +18,11 @@ from quant_models import HEAD_DIM, Q4_K_M, TOKENS, T, last_logits, random_prompt
 from stoker import LLM, SamplingParams
 from stoker.engine.params import RequestOutput
 from stoker.models import llama
-from stoker.models.fused_decoder import FusedDecoder
+from stoker.models.fused_decoder import LINEARS, FusedDecoder
 from stoker.models.quant import kernels
 from stoker.models.quant.kernels import available_isas
+from stoker.models.quant.repack import BackgroundRepack
+from stoker.models.quant.weights import packs
 
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
@@ -153,6 +155,7 @@ def test_packed_weights_change_no_bit(isa: str, tmp_path: Path, monkeypatch: pyt
 
     def run() -> tuple[list[list[tuple[int, float]]], bool]:
         llm = _llm(path, True, monkeypatch, num_threads=2, max_num_seqs=4)
+        llm.engine.runner.model.repack.finish()
         packed = any(part.packed is not None for part in llm.engine.runner.model.layers[0].gate_up.parts)
         outs = llm.generate(prompts, params)
         return [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs or []] for o in outs], packed
@@ -163,6 +166,55 @@ def test_packed_weights_change_no_bit(isa: str, tmp_path: Path, monkeypatch: pyt
     assert (was_packed, blocks_packed) == (isa != "portable", False)
     assert all(len(tokens) == 8 for tokens in packed)
     assert packed == blocks
+
+
+def test_weights_repacked_while_serving_change_no_bit(
+    isa: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine serves the blocks from its first step while a thread repacks them
+    (quant/repack.py), one linear layer at a time between steps: from the blocks,
+    with half the layers repacked, and with all of them, the same greedy tokens and
+    logprobs bit for bit, and the fused stack's tables follow each layer."""
+    if isa == "portable":
+        pytest.skip("nothing is packed on the portable path")
+    path = write_quant_gguf(tmp_path / "tiny-llama.gguf", "llama", Q4_K_M, T.Q4_K)
+    prompts = random_prompts(len(TOKENS))
+    params = SamplingParams(max_tokens=8, min_tokens=8, temperature=0, logprobs=0)
+    start = BackgroundRepack.start
+    monkeypatch.setattr(BackgroundRepack, "start", lambda self: None)  # held back until asked below
+    llm = _llm(path, True, monkeypatch, num_threads=2, max_num_seqs=4)
+    model = llm.engine.runner.model
+
+    def run() -> list[list[tuple[int, float]]]:
+        outs = llm.generate(prompts, params)
+        return [[(t.token_id, t.logprob) for t in o.outputs[0].logprobs or []] for o in outs]
+
+    linears = [getattr(layer, name) for layer in model.layers for name in LINEARS]
+
+    def packed_tables() -> list[bool]:
+        """Each part's flag in the C tables, which must say what the part serves."""
+        assert model.fused is not None
+        tables = [getattr(layer, name) for layer in model.fused._layers for name in LINEARS]
+        flags = [bool(t.packed[i]) for t in tables for i in range(t.num_parts)]
+        assert flags == [part.packed is not None for linear in linears for part in linear.parts]
+        return flags
+
+    assert model.repack.pending and not any(packed_tables())
+    blocks = run()
+    half = len(linears) // 2
+    for linear in linears[:half]:
+        with model.weights_lock:
+            linear.install_packed(linear.packed_copies())
+            model._repacked(linear)
+    assert any(packed_tables()) and not any(p.packed is not None for lin in linears[half:] for p in lin.parts)
+    halfway = run()
+    monkeypatch.setattr(BackgroundRepack, "start", start)
+    model.repack.finish()
+    assert not model.repack.pending
+    assert packed_tables() == [packs(part.qtype) for linear in linears for part in linear.parts]
+    assert [p.packed is not None for p in model.lm_head.parts] == [packs(p.qtype) for p in model.lm_head.parts]
+    assert blocks == halfway == run()
+    assert all(len(tokens) == 8 for tokens in blocks)
 
 
 def test_switch_and_what_it_does_not_serve(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
