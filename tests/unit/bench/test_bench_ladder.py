@@ -228,6 +228,9 @@ def test_an_engine_that_fits_only_alone_runs_after_the_others(
             self.engine, self.url, self.error, self.ready_s, self.rss_after_load = engine, "", None, 1.0, 1
             events.append(("start", engine.name))
 
+        def rss(self) -> int:
+            return 1
+
         def stop(self) -> None:
             events.append(("stop", self.engine.name))
 
