@@ -66,7 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("checks and output")
     g.add_argument("--check-greedy", action="store_true", help="fused decoder against the torch path, per rung")
-    g.add_argument("--out", type=Path, default=Path("ladder-report"), help="ladder.md, ladder.json, ladder.png here")
+    g.add_argument(
+        "--out",
+        type=Path,
+        default=Path("ladder-report"),
+        help="ladder.md, ladder.json, ladder.png and each engine's log (logs/) here",
+    )
 
 
 def _ints(spec: str, flag: str, low: int, high: int) -> list[int]:
@@ -311,3 +316,7 @@ def _run_group(
     finally:
         for server in started:
             server.stop()
+            # Each engine's log beside the report: a slow start or an error says why there.
+            logs = Path(args.out) / "logs"
+            logs.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(server.child.log_path, logs / f"{rung['name']}-{server.engine.name}.log")

@@ -328,12 +328,24 @@ ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *
     }
 }
 
+/* Rows t (v[0], v[1]: the tile's two column vectors) and t + 4 (v[2], v[3]) of a packed
+ * Q5_0 block's GEMM_PANEL columns from c0, the values + 16 put together. */
+ALWAYS_INLINE void q5_rows(const uint8_t *block, int c0, int t, gemm_i v[4]) {
+    const uint8_t *q = block + PACKED_Q5_QS + (size_t)c0 * 4 + (size_t)t * 4 * PACKED_PANEL;
+    const uint8_t *h = block + PACKED_Q5_QH + (size_t)(c0 / 16) * 8, *lo = h + (size_t)t * 16, *hi = lo + 64;
+    const gemm_i raw0 = GV_LOAD_I(q), raw1 = GV_LOAD_I(q + 4 * GEMM_LANES);
+    /* the second vector's columns: the next half of the u64 (256-bit) or the next u64 */
+    v[0] = PV_FIFTH(PV_LOW4(raw0), lo);
+    v[1] = PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2);
+    v[2] = PV_FIFTH(PV_HIGH4(raw0), hi);
+    v[3] = PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2);
+}
+
 /* MR rows of x by GEMM_PANEL columns of a packed Q5_0 panel from column c0: gemm_tile's
  * Q5_0 arithmetic (the values + 16, so each block's dot from -16 times x's sum), the
  * values put together as they load. */
 ALWAYS_INLINE void packed_tile_q5_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
                                     int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
-    const int P = PACKED_PANEL;
     const int8_t *x[GEMM_MR];
     packed_tile_start(MR, xq, at, x, out);
     for (int b = 0; b < nb; b++) {
@@ -341,14 +353,11 @@ ALWAYS_INLINE void packed_tile_q5_0(const int MR, const xq_t *xq, const size_t *
         gemm_i s[GEMM_MR][2];
         for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-16 * (int)xq->isum[at[r] * (size_t)nb + b]);
         prefetch_share(pf, b, nb);
-        const uint8_t *q = in + PACKED_Q5_QS + (size_t)c0 * 4, *h = in + PACKED_Q5_QH + (size_t)(c0 / 16) * 8;
         for (int t = 0; t < 4; t++) {
-            const gemm_i raw0 = GV_LOAD_I(q + (size_t)t * 4 * P), raw1 = GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES);
-            /* the second vector's columns: the next half of the u64 (256-bit) or the next u64 */
-            const uint8_t *lo = h + (size_t)t * 16, *hi = h + (size_t)(t + 4) * 16;
-            gemm_dot_rows(MR, x, b, t, PV_FIFTH(PV_LOW4(raw0), lo), PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2), s);
-            gemm_dot_rows(MR, x, b, t + 4, PV_FIFTH(PV_HIGH4(raw0), hi), PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2),
-                          s);
+            gemm_i v[4];
+            q5_rows(in, c0, t, v);
+            gemm_dot_rows(MR, x, b, t, v[0], v[1], s);
+            gemm_dot_rows(MR, x, b, t + 4, v[2], v[3], s);
         }
         packed_d_term(MR, xq, at, nb, b, in + 2 * (size_t)c0, s, out);
     }
@@ -367,20 +376,18 @@ ALWAYS_INLINE int packed_expands(int type, int m) { return type == Q5_0 && m >= 
 #define PV_STORE_I(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #endif
 static void packed_expand_q5_0(const uint8_t *panel, int nb, int c0, uint8_t *scratch) {
-    const int P = PACKED_PANEL;
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL);
     for (int b = 0; b < nb; b++) {
         const uint8_t *in = panel + (size_t)b * PACKED_B_Q5_0;
-        const uint8_t *q = in + PACKED_Q5_QS + (size_t)c0 * 4, *h = in + PACKED_Q5_QH + (size_t)(c0 / 16) * 8;
         uint8_t *dst = scratch + (size_t)b * 32 * GEMM_PANEL;
         for (int t = 0; t < 4; t++) {
-            const gemm_i raw0 = GV_LOAD_I(q + (size_t)t * 4 * P), raw1 = GV_LOAD_I(q + (size_t)t * 4 * P + 4 * GEMM_LANES);
-            const uint8_t *lo = h + (size_t)t * 16, *hi = h + (size_t)(t + 4) * 16;
+            gemm_i v[4];
+            q5_rows(in, c0, t, v);
             uint8_t *row = dst + (size_t)t * 4 * GEMM_PANEL, *row4 = dst + (size_t)(t + 4) * 4 * GEMM_PANEL;
-            PV_STORE_I(row, PV_FIFTH(PV_LOW4(raw0), lo));
-            PV_STORE_I(row + 4 * GEMM_LANES, PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2));
-            PV_STORE_I(row4, PV_FIFTH(PV_HIGH4(raw0), hi));
-            PV_STORE_I(row4 + 4 * GEMM_LANES, PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2));
+            PV_STORE_I(row, v[0]);
+            PV_STORE_I(row + 4 * GEMM_LANES, v[1]);
+            PV_STORE_I(row4, v[2]);
+            PV_STORE_I(row4 + 4 * GEMM_LANES, v[3]);
         }
         GV_STORE_F(d + (size_t)b * GEMM_PANEL, PV_D(in + 2 * (size_t)c0));
         GV_STORE_F(d + (size_t)b * GEMM_PANEL + GEMM_LANES, PV_D(in + 2 * (size_t)(c0 + GEMM_LANES)));

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from conftest import cache_sharing_kernels
@@ -161,6 +162,7 @@ def test_ladder_end_to_end_with_skips(tmp_path: Path, cache: Path, monkeypatch: 
     assert "## tiny-qwen2-q4_k_m" in table and "| 2 streams, out tok/s |" in table
     assert "- skipped: tiny-falcon: stoker exited with 1" in table
     assert (out / "ladder.png").stat().st_size > 0
+    assert "stoker: serving tiny-qwen2" in (out / "logs" / "tiny-qwen2-q4_k_m-stoker.log").read_text()
 
 
 @pytest.mark.parametrize(
@@ -226,6 +228,8 @@ def test_an_engine_that_fits_only_alone_runs_after_the_others(
     class Started:
         def __init__(self, engine: ladder_engines.Engine, work: Path, timeout: float) -> None:
             self.engine, self.url, self.error, self.ready_s, self.rss_after_load = engine, "", None, 1.0, 1
+            self.child = SimpleNamespace(log_path=work / f"{engine.name}.log")
+            self.child.log_path.write_text("")
             events.append(("start", engine.name))
 
         def rss(self) -> int:
@@ -250,7 +254,9 @@ def test_an_engine_that_fits_only_alone_runs_after_the_others(
     monkeypatch.setattr(
         ladder_phases, "measure", lambda started, *a: events.append(("measure", [s.engine.name for s in started]))
     )
-    args = cli.build_parser().parse_args(["bench", "ladder", "--cache", str(tmp_path), "--no-llama"])
+    args = cli.build_parser().parse_args(
+        ["bench", "ladder", "--cache", str(tmp_path), "--no-llama", "--out", str(tmp_path / "report")]
+    )
     result = {"bandwidth": {"triad": 1e10}, "streams": [4], "prefill": [512]}
     limits = ladder_engines.Limits(4, 512, 2048, 1)
     rung = ladder._rung(
