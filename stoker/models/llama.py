@@ -3,11 +3,13 @@ Qwen2/2.5 (qkv bias) and Qwen3 (q/k RMSNorm)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -42,6 +44,22 @@ class DecoderLayer:
     post_norm: torch.Tensor
     gate_up: LinearWeight
     down: LinearWeight
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _holding_weights(method: Callable[Concatenate[LlamaModel, P], R]) -> Callable[Concatenate[LlamaModel, P], R]:
+    """The method runs under the model's weights lock: a repacked layer swaps in
+    between forward passes, never inside one (quant/repack.py)."""
+
+    @functools.wraps(method)
+    def holding(model: LlamaModel, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with model.weights_lock:
+            return method(model, *args, **kwargs)
+
+    return holding
 
 
 class LlamaModel:
@@ -115,8 +133,7 @@ class LlamaModel:
         # Built once here; it then serves every step (never only some: batch invariance).
         fused = FusedDecoder.build(self)
         self.fused = fused if isinstance(fused, FusedDecoder) else None
-        # Held by every forward pass: a repacked layer swaps in between steps, never inside one.
-        self.weights_lock = threading.Lock()
+        self.weights_lock = threading.Lock()  # see _holding_weights
         self.repack = BackgroundRepack(to_repack, self.weights_lock, self._repacked)
         self.repack.start()
         # Adapters' tensors copied to a device other than the CPU they load on, while they live.
@@ -130,6 +147,7 @@ class LlamaModel:
         else:
             log.info("decoder layers: torch path (%s)", fused)
 
+    @_holding_weights
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -141,18 +159,6 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Runs the flattened batch; returns float32 logits for logits_indices only.
         lora: each row's adapter (None, or every row -1: the base alone, today's arithmetic)."""
-        with self.weights_lock:
-            return self._forward(input_ids, positions, kv_caches, meta, logits_indices, lora)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-        meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
-        lora: LoraBatch | None,
-    ) -> torch.Tensor:
         cfg = self.config
         hidden = self.embed(input_ids)
         if lora is not None and lora.row_adapter.shape != input_ids.shape:
