@@ -1,4 +1,4 @@
-/* Q4_K, Q8_0 and Q5_0 weights repacked once, at load, into the GEMM's panel order (included by
+/* Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked once, at load, into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -36,7 +36,8 @@
  * nibble bytes transposed by dwords, u8 [4][P][4] (dword t's low nibbles are
  * row t, its high ones row t + 4, as in nibble_panel). The tile splits the
  * nibbles as Q4_K's does and adds each row's fifth bits by one masked add
- * (AVX-512) or with_high_bits' spread of half a u64 (256-bit builds).
+ * (AVX-512) or with_high_bits' spread of half a u64 (256-bit builds). Q4_0 is
+ * the same without the masks, PACKED_B_Q4_0 (18 bytes a column, as stored).
  *
  * Q6_K is not packed: its tile takes the 6-bit values apart from two planes
  * per load, and one or two rows read a layer's Q6_K (v, down) and the 1B's LM
@@ -51,22 +52,27 @@
 #define PACKED_SB_Q4_K ((size_t)PACKED_PANEL * 148)
 #define PACKED_B_Q8_0 ((size_t)PACKED_PANEL * 34) /* d fp16 [P], then q + 128 [8][P][4] */
 #define PACKED_B_Q5_0 ((size_t)PACKED_PANEL * 22) /* d fp16 [P], fifth bits u64 [8][2], nibbles [4][P][4] */
+#define PACKED_B_Q4_0 ((size_t)PACKED_PANEL * 18) /* d fp16 [P], nibbles [4][P][4] */
 #define PACKED_Q5_QH ((size_t)PACKED_PANEL * 2)
-#define PACKED_Q5_QS (PACKED_Q5_QH + 128)
 #define PACKED_D 0
 #define PACKED_DMIN ((size_t)PACKED_PANEL * 2)
 #define PACKED_SC ((size_t)PACKED_PANEL * 4)
 #define PACKED_MN ((size_t)PACKED_PANEL * 12)
 #define PACKED_QS ((size_t)PACKED_PANEL * 20)
 
-ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0 || type == Q5_0; }
+ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0 || type == Q5_0 || type == Q4_0; }
 
 /* Bytes of one panel of k-wide rows. */
 ALWAYS_INLINE size_t packed_panel_bytes(int type, int k) {
     return type == Q8_0   ? (size_t)(k / 32) * PACKED_B_Q8_0
            : type == Q5_0 ? (size_t)(k / 32) * PACKED_B_Q5_0
+           : type == Q4_0 ? (size_t)(k / 32) * PACKED_B_Q4_0
                           : (size_t)(k / 256) * PACKED_SB_Q4_K;
 }
+
+/* Where a packed Q5_0 or Q4_0 block's nibbles start, and where the stored block's. */
+ALWAYS_INLINE size_t packed_nibbles_at(int type) { return type == Q5_0 ? PACKED_Q5_QH + 128 : PACKED_Q5_QH; }
+ALWAYS_INLINE int stored_nibbles_at(int type) { return type == Q5_0 ? 6 : 2; }
 
 /* Byte `at` of row c's stored super-block as dword rows of a packed panel: the
  * `dwords` dwords from blk + at to dst's dword rows 0 .. dwords - 1 (stride P dwords), column c. */
@@ -158,17 +164,20 @@ static void unpack_panel_q8_0(const uint8_t *src, int k, int p, int n, uint8_t *
     }
 }
 
-/* pack_panel_q4_k for Q5_0: d as stored, each column's u32 of fifth bits spread
- * over the rows' u64 masks (4 bits a column and row), its nibble bytes by dwords. */
-static void pack_panel_q5_0(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
-    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
-    memset(dst, 0, packed_panel_bytes(Q5_0, k));
+/* pack_panel_q4_k for Q5_0 and Q4_0: d as stored, (Q5_0) each column's u32 of fifth bits
+ * spread over the rows' u64 masks (4 bits a column and row), the nibble bytes by dwords. */
+static void pack_panel_nibbles(int type, const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P, stored = ggml_quant_type_size(type);
+    const size_t packed = packed_panel_bytes(type, 32);
+    memset(dst, 0, packed_panel_bytes(type, k));
     for (int c = 0; c < P && j0 + c < n; c++) {
         const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
         for (int b = 0; b < nb; b++) {
-            const uint8_t *blk = row + (size_t)b * 22;
-            uint8_t *out = dst + (size_t)b * PACKED_B_Q5_0;
+            const uint8_t *blk = row + (size_t)b * stored;
+            uint8_t *out = dst + (size_t)b * packed;
             memcpy(out + 2 * c, blk, 2);
+            scatter_dwords(blk + stored_nibbles_at(type), 4, out + packed_nibbles_at(type), c);
+            if (type != Q5_0) continue;
             uint32_t h;
             memcpy(&h, blk + 2, sizeof h);
             for (int t = 0; t < 8; t++) {
@@ -178,20 +187,22 @@ static void pack_panel_q5_0(const uint8_t *w, size_t row_bytes, int n, int k, in
                 mask |= (uint64_t)((h >> (4 * t)) & 0xF) << (4 * (c % 16));
                 memcpy(at, &mask, sizeof mask);
             }
-            scatter_dwords(blk + 6, 4, out + PACKED_Q5_QS, c);
         }
     }
 }
 
-/* unpack_panel_q4_k for Q5_0. */
-static void unpack_panel_q5_0(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
-    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P;
+/* unpack_panel_q4_k for Q5_0 and Q4_0. */
+static void unpack_panel_nibbles(int type, const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
+    const int P = PACKED_PANEL, nb = k / 32, j0 = p * P, stored = ggml_quant_type_size(type);
+    const size_t packed = packed_panel_bytes(type, 32);
     for (int c = 0; c < P && j0 + c < n; c++) {
         uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
         for (int b = 0; b < nb; b++) {
-            uint8_t *blk = row + (size_t)b * 22;
-            const uint8_t *in = src + (size_t)b * PACKED_B_Q5_0;
+            uint8_t *blk = row + (size_t)b * stored;
+            const uint8_t *in = src + (size_t)b * packed;
             memcpy(blk, in + 2 * c, 2);
+            gather_dwords(in + packed_nibbles_at(type), 4, blk + stored_nibbles_at(type), c);
+            if (type != Q5_0) continue;
             uint32_t h = 0;
             for (int t = 0; t < 8; t++) {
                 uint64_t mask;
@@ -199,14 +210,15 @@ static void unpack_panel_q5_0(const uint8_t *src, int k, int p, int n, uint8_t *
                 h |= (uint32_t)((mask >> (4 * (c % 16))) & 0xF) << (4 * t);
             }
             memcpy(blk + 2, &h, sizeof h);
-            gather_dwords(in + PACKED_Q5_QS, 4, blk + 6, c);
         }
     }
 }
 
 #if EXACT_KERNELS
 /* AVX2's maddubs would saturate on Q8_0's values + 128: that path keeps its blocks on the tile kernels. */
-ALWAYS_INLINE int packed_serves(int type) { return type == Q4_K || type == Q5_0 || (type == Q8_0 && QUANT_ISA != 1); }
+ALWAYS_INLINE int packed_serves(int type) {
+    return type == Q4_K || type == Q5_0 || type == Q4_0 || (type == Q8_0 && QUANT_ISA != 1);
+}
 
 #if QUANT_ISA == 3
 #define PV_SC(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
@@ -329,60 +341,71 @@ ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *
 }
 
 /* Rows t (v[0], v[1]: the tile's two column vectors) and t + 4 (v[2], v[3]) of a packed
- * Q5_0 block's GEMM_PANEL columns from c0, the values + 16 put together. */
-ALWAYS_INLINE void q5_rows(const uint8_t *block, int c0, int t, gemm_i v[4]) {
-    const uint8_t *q = block + PACKED_Q5_QS + (size_t)c0 * 4 + (size_t)t * 4 * PACKED_PANEL;
-    const uint8_t *h = block + PACKED_Q5_QH + (size_t)(c0 / 16) * 8, *lo = h + (size_t)t * 16, *hi = lo + 64;
+ * Q5_0 or Q4_0 block's GEMM_PANEL columns from c0: the values + gemm_offset. */
+ALWAYS_INLINE void nibble_rows(const int type, const uint8_t *block, int c0, int t, gemm_i v[4]) {
+    const uint8_t *q = block + packed_nibbles_at(type) + (size_t)c0 * 4 + (size_t)t * 4 * PACKED_PANEL;
     const gemm_i raw0 = GV_LOAD_I(q), raw1 = GV_LOAD_I(q + 4 * GEMM_LANES);
+    v[0] = PV_LOW4(raw0), v[1] = PV_LOW4(raw1), v[2] = PV_HIGH4(raw0), v[3] = PV_HIGH4(raw1);
+    if (type != Q5_0) return;
+    const uint8_t *h = block + PACKED_Q5_QH + (size_t)(c0 / 16) * 8, *lo = h + (size_t)t * 16, *hi = lo + 64;
     /* the second vector's columns: the next half of the u64 (256-bit) or the next u64 */
-    v[0] = PV_FIFTH(PV_LOW4(raw0), lo);
-    v[1] = PV_FIFTH(PV_LOW4(raw1), lo + GEMM_LANES / 2);
-    v[2] = PV_FIFTH(PV_HIGH4(raw0), hi);
-    v[3] = PV_FIFTH(PV_HIGH4(raw1), hi + GEMM_LANES / 2);
+    v[0] = PV_FIFTH(v[0], lo);
+    v[1] = PV_FIFTH(v[1], lo + GEMM_LANES / 2);
+    v[2] = PV_FIFTH(v[2], hi);
+    v[3] = PV_FIFTH(v[3], hi + GEMM_LANES / 2);
 }
 
-/* MR rows of x by GEMM_PANEL columns of a packed Q5_0 panel from column c0: gemm_tile's
- * Q5_0 arithmetic (the values + 16, so each block's dot from -16 times x's sum), the
- * values put together as they load. */
-ALWAYS_INLINE void packed_tile_q5_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
-                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+/* MR rows of x by GEMM_PANEL columns of a packed Q5_0 or Q4_0 panel from column c0:
+ * gemm_tile's arithmetic (the values + gemm_offset, so each block's dot from -offset
+ * times x's sum), the values put together as they load. */
+ALWAYS_INLINE void packed_tile_nibbles(const int type, const int MR, const xq_t *xq, const size_t *at, int nb,
+                                       const uint8_t *panel, int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
     const int8_t *x[GEMM_MR];
+    const int offset = gemm_offset(type);
     packed_tile_start(MR, xq, at, x, out);
     for (int b = 0; b < nb; b++) {
-        const uint8_t *in = panel + (size_t)b * PACKED_B_Q5_0;
+        const uint8_t *in = panel + (size_t)b * packed_panel_bytes(type, 32);
         gemm_i s[GEMM_MR][2];
-        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-16 * (int)xq->isum[at[r] * (size_t)nb + b]);
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-offset * (int)xq->isum[at[r] * (size_t)nb + b]);
         prefetch_share(pf, b, nb);
         for (int t = 0; t < 4; t++) {
             gemm_i v[4];
-            q5_rows(in, c0, t, v);
+            nibble_rows(type, in, c0, t, v);
             gemm_dot_rows(MR, x, b, t, v[0], v[1], s);
             gemm_dot_rows(MR, x, b, t + 4, v[2], v[3], s);
         }
         packed_d_term(MR, xq, at, nb, b, in + 2 * (size_t)c0, s, out);
     }
 }
+ALWAYS_INLINE void packed_tile_q5_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    packed_tile_nibbles(Q5_0, MR, xq, at, nb, panel, c0, pf, out);
+}
+ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    packed_tile_nibbles(Q4_0, MR, xq, at, nb, panel, c0, pf, out);
+}
 
-/* From PACKED_EXPAND_ROWS rows, a packed Q5_0 panel's GEMM_PANEL columns from c0 are
+/* From PACKED_EXPAND_ROWS rows, a packed Q5_0 or Q4_0 panel's GEMM_PANEL columns from c0 are
  * put together once into the GEMM's unpacked panel (gemm_tile's scratch: the
  * values + 16 by dword rows, d as floats) and swept by the GEMM's own tiles: a
  * prompt's many tiles would each add the fifth bits again, 5-9% slower than
  * the GEMM at 512 rows. The same integers and floats, so the same bits. */
 #define PACKED_EXPAND_ROWS 32
-ALWAYS_INLINE int packed_expands(int type, int m) { return type == Q5_0 && m >= PACKED_EXPAND_ROWS; }
+ALWAYS_INLINE int packed_expands(int type, int m) { return (type == Q5_0 || type == Q4_0) && m >= PACKED_EXPAND_ROWS; }
 #if QUANT_ISA == 3
 #define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
 #else
 #define PV_STORE_I(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 #endif
-static void packed_expand_q5_0(const uint8_t *panel, int nb, int c0, uint8_t *scratch) {
+ALWAYS_INLINE void packed_expand_nibbles(const int type, const uint8_t *panel, int nb, int c0, uint8_t *scratch) {
     float *d = (float *)(scratch + (size_t)nb * 32 * GEMM_PANEL);
     for (int b = 0; b < nb; b++) {
-        const uint8_t *in = panel + (size_t)b * PACKED_B_Q5_0;
+        const uint8_t *in = panel + (size_t)b * packed_panel_bytes(type, 32);
         uint8_t *dst = scratch + (size_t)b * 32 * GEMM_PANEL;
         for (int t = 0; t < 4; t++) {
             gemm_i v[4];
-            q5_rows(in, c0, t, v);
+            nibble_rows(type, in, c0, t, v);
             uint8_t *row = dst + (size_t)t * 4 * GEMM_PANEL, *row4 = dst + (size_t)(t + 4) * 4 * GEMM_PANEL;
             PV_STORE_I(row, v[0]);
             PV_STORE_I(row + 4 * GEMM_LANES, v[1]);
@@ -394,7 +417,7 @@ static void packed_expand_q5_0(const uint8_t *panel, int nb, int c0, uint8_t *sc
     }
 }
 
-/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0, Q5_0) a row. */
+/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0, Q5_0, Q4_0) a row. */
 typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define PACKED_TILE_FN(T, MR)                                                                                        \
@@ -417,6 +440,7 @@ typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, cons
 PACKED_TILES(q4_k)
 PACKED_TILES(q8_0)
 PACKED_TILES(q5_0)
+PACKED_TILES(q4_0)
 #undef PACKED_TILES
 #undef PACKED_TILE_FN
 
@@ -429,7 +453,10 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                           int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t, int nt) {
     const int units = xq->k / block_elems(type), halves = PACKED_PANEL / GEMM_PANEL;
     const size_t panel_bytes = packed_panel_bytes(type, xq->k);
-    const packed_tile_fn *tiles_of = type == Q8_0 ? packed_tiles_q8_0 : type == Q5_0 ? packed_tiles_q5_0 : packed_tiles_q4_k;
+    const packed_tile_fn *tiles_of = type == Q8_0   ? packed_tiles_q8_0
+                                     : type == Q5_0 ? packed_tiles_q5_0
+                                     : type == Q4_0 ? packed_tiles_q4_0
+                                                    : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
@@ -442,7 +469,8 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             if (j0 >= n) break;
             const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
             const int expanded = packed_expands(type, m);
-            if (expanded) packed_expand_q5_0(panel, units, h * GEMM_PANEL, scratch);
+            if (expanded && type == Q5_0) packed_expand_nibbles(Q5_0, panel, units, h * GEMM_PANEL, scratch);
+            else if (expanded) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
             for (int i0 = 0; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
                 size_t at[GEMM_MR];

@@ -219,8 +219,8 @@ def _served(x: torch.Tensor) -> bool:
 
 def packs(qtype: GGMLQuantizationType) -> bool:
     """Whether the path in use multiplies `qtype` from weights repacked into its
-    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K, Q8_0 and Q5_0 on the
-    SIMD paths (but AVX2's Q8_0, which stays on the tile kernels)."""
+    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K, Q8_0, Q5_0 and Q4_0 on
+    the SIMD paths (but AVX2's Q8_0, which stays on the tile kernels)."""
     lib = _lib()
     return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_packed_serves(int(qtype)))
 

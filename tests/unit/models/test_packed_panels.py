@@ -1,4 +1,4 @@
-"""Q4_K, Q8_0 and Q5_0 weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+"""Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
 on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
 every row count, and the blocks back from the packing bit for bit."""
 
@@ -17,8 +17,8 @@ from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
-# panels of 32 columns; (values, bytes) a column and unit: a Q4_K super-block, a Q8_0 or Q5_0 block
-PANEL, UNIT = 32, {T.Q4_K: (256, 148), T.Q8_0: (32, 34), T.Q5_0: (32, 22)}
+# panels of 32 columns; (values, bytes) a column and unit: a Q4_K super-block, a Q8_0, Q5_0 or Q4_0 block
+PANEL, UNIT = 32, {T.Q4_K: (256, 148), T.Q8_0: (32, 34), T.Q5_0: (32, 22), T.Q4_0: (32, 18)}
 PACKED = sorted(UNIT)
 
 
@@ -54,8 +54,8 @@ def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQu
 
 
 def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K, Q8_0 and Q5_0, where the path multiplies them; no other type (Q6_K's one-row products read panels slower)."""
-    for qtype in (T.Q4_0, T.Q6_K):
+    """Q4_K, Q8_0, Q5_0 and Q4_0, where the path multiplies them; no other type (Q6_K's one-row products read panels slower)."""
+    for qtype in (T.Q4_1, T.Q6_K):
         assert ggml_pack(torch.from_numpy(random_blocks(qtype, 4, 256, seed=1)), qtype) is None
         assert not packs(qtype)
     for qtype in PACKED:
