@@ -1,7 +1,7 @@
 """Weights repacked for the GEMM after the model serves, not before it can.
 
 Repacking (csrc/packed_panels.h) reads every Q4_K, Q8_0, Q5_0 and Q4_0 weight and
-writes a copy: ~0.25 s for a 1B model, 4-8 s for an 8B one, most of it the
+writes a copy: ~0.25 s for a 1B model, 4-10 s for an 8B one, most of it the
 copy's first-touch page faults, and all of it from disk when the file is not
 in the page cache. Done at load, it took an 8B's start to ready from 3 s to
 11-43 s. So the model is built on its blocks and a thread repacks them, one
@@ -43,7 +43,6 @@ class BackgroundRepack:
         self._linears = list(linears)
         self._lock = lock
         self._on_installed = on_installed
-        self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._kept: list[object] = []
 
@@ -64,19 +63,11 @@ class BackgroundRepack:
         if self._thread is not None:
             self._thread.join()
 
-    def stop(self) -> None:
-        """Leave the layers not yet repacked on their blocks (the one being packed is finished)."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-
     def _run(self) -> None:
         started = time.perf_counter()
         done = 0
         try:
             for linear in self._linears:
-                if self._stop.is_set():
-                    break
                 copies = linear.packed_copies(REPACK_THREADS)
                 with self._lock:
                     replaced = linear.install_packed(copies)
