@@ -286,6 +286,11 @@ def _run_group(
     """Start the group's engines one after another, send every phase to them
     (alternating), stop them."""
     started: list[engines.Started] = []
+    kv = limits.kv_tokens * facts.kv_bytes_per_token
+
+    def memory(rss: int) -> dict[str, float]:
+        return {"rss_mb": rss / 1e6, "rss_of_file_kv": rss / (rung["file_bytes"] + kv)}
+
     try:
         for engine in group:
             print(f"{rung['name']}: starting {engine.name} ...")
@@ -296,11 +301,9 @@ def _run_group(
                 rung["notes"].append(server.error)
                 continue
             started.append(server)
-            kv = limits.kv_tokens * facts.kv_bytes_per_token
             rung["engines"][engine.name] = {
                 "ready_s": server.ready_s,
-                "rss_mb": server.rss_after_load / 1e6,
-                "rss_of_file_kv": server.rss_after_load / (rung["file_bytes"] + kv),
+                **memory(server.rss_after_load),
                 "argv": engine.argv,
             }
         from stoker.bench.ladder_phases import measure
@@ -308,15 +311,12 @@ def _run_group(
         measure(started, rung, args, input_len, output_len, result["streams"], result["prefill"], path)
         # Resident memory once served as well: what an engine finishes after it is ready
         # (stoker repacks its weights then, quant/repack.py) counts as much as its load.
-        kv = limits.kv_tokens * facts.kv_bytes_per_token
         for server in started:
-            figures = rung["engines"][server.engine.name]
-            figures["rss_mb"] = max(figures["rss_mb"], server.rss() / 1e6)
-            figures["rss_of_file_kv"] = figures["rss_mb"] * 1e6 / (rung["file_bytes"] + kv)
+            rung["engines"][server.engine.name].update(memory(max(server.rss_after_load, server.rss())))
     finally:
         for server in started:
             server.stop()
             # Each engine's log beside the report: a slow start or an error says why there.
-            logs = Path(args.out) / "logs"
+            logs = args.out / "logs"
             logs.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(server.child.log_path, logs / f"{rung['name']}-{server.engine.name}.log")

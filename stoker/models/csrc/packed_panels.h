@@ -1,4 +1,4 @@
-/* Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked once, at load, into the GEMM's panel order (included by
+/* Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked once into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -388,9 +388,10 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
 
 /* From PACKED_EXPAND_ROWS rows, a packed Q5_0 or Q4_0 panel's GEMM_PANEL columns from c0 are
  * put together once into the GEMM's unpacked panel (gemm_tile's scratch: the
- * values + 16 by dword rows, d as floats) and swept by the GEMM's own tiles: a
- * prompt's many tiles would each add the fifth bits again, 5-9% slower than
- * the GEMM at 512 rows. The same integers and floats, so the same bits. */
+ * values + gemm_offset by dword rows, d as floats) and swept by the GEMM's own
+ * tiles: a prompt's many tiles would each take the values apart again (Q5_0
+ * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
+ * same bits. */
 #define PACKED_EXPAND_ROWS 32
 ALWAYS_INLINE int packed_expands(int type, int m) { return (type == Q5_0 || type == Q4_0) && m >= PACKED_EXPAND_ROWS; }
 #if QUANT_ISA == 3
@@ -448,7 +449,8 @@ PACKED_TILES(q4_0)
  * and W packed (n rows): a contiguous range of packed panels, each swept by all m
  * rows GEMM_MR at a time (a 256-bit build: each half of it), the tiles asking
  * for the panel PANELS_AHEAD on as they go. The same y writes as gemm_thread,
- * without its unpack and scratch. */
+ * without its unpack (but a prompt's Q5_0 / Q4_0 panels, packed_expands: into
+ * `scratch`, one GEMM panel a thread). */
 static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride,
                           int y_bf16, const float *bias, int accumulate, uint8_t *scratch, int t, int nt) {
     const int units = xq->k / block_elems(type), halves = PACKED_PANEL / GEMM_PANEL;
@@ -459,7 +461,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                                                     : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
-    const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR);
+    const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR), expanded = packed_expands(type, m);
     for (int p = lo; p < hi; p++) {
         const uint8_t *panel = packed + (size_t)p * panel_bytes;
         const size_t ahead_lines = p + PANELS_AHEAD < hi ? panel_bytes / 64 : 0;
@@ -468,7 +470,6 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             const int j0 = p * PACKED_PANEL + h * GEMM_PANEL;
             if (j0 >= n) break;
             const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
-            const int expanded = packed_expands(type, m);
             if (expanded && type == Q5_0) packed_expand_nibbles(Q5_0, panel, units, h * GEMM_PANEL, scratch);
             else if (expanded) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
             for (int i0 = 0; i0 < m; i0 += GEMM_MR, tile++) {
