@@ -127,7 +127,9 @@ def run(args: argparse.Namespace) -> int:
     """`stoker bench kernels`: the quantized matmul against torch on the default model's shapes."""
     if args.threads:
         torch.set_num_threads(args.threads)
-    flags = " ".join(f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni") if f in cpu_flags())
+    flags = " ".join(
+        f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8") if f in cpu_flags()
+    )
     print(f"CPU: {cpu_model()} ({flags}); torch threads: {torch.get_num_threads()}; path: {quant_isa()}")
     print(
         " | ".join(

@@ -109,7 +109,7 @@ class EngineInfo:
     kv_cache_bytes: int = 0
     """Bytes the KV cache takes once every block is in use (the server's memory budget counts them)."""
     quantized_matmul: str = "none"
-    """The int8 kernels' ISA path (avx512_vnni, avx_vnni, avx2, portable), or none (weights dequantized)."""
+    """The int8 kernels' ISA path (avx512_amx, avx512_vnni, avx_vnni, avx2, portable), or none (weights dequantized)."""
     weights: str = ""
     """The weights' formats and size, e.g. 'Q4_1 (210 tensors) + Q8_0 (1) + F32 (61), 78 MiB'."""
     kv_layout: dict[str, str | int] | None = None

@@ -143,7 +143,14 @@ enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q
 /* Bytes of weights swept by all those x chunks before moving on: they stay in L2. */
 #define W_BLOCK_BYTES (256 * 1024)
 
-int ggml_quant_isa(void) { return QUANT_ISA; }
+/* The path this build is: QUANT_ISA, or 4 for AVX-512 VNNI with the AMX tiles (amx_tiles.h). */
+int ggml_quant_isa(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QUANT_ISA == 3
+    return 4;
+#else
+    return QUANT_ISA;
+#endif
+}
 
 ALWAYS_INLINE int block_elems(int type) { return type >= Q4_K ? 256 : 32; }
 
@@ -866,10 +873,19 @@ ALWAYS_INLINE void panel_prefetch(const void *p, int nb) {
     else __builtin_prefetch(p);
 }
 
-/* Bytes of one thread's GEMM scratch (one unpacked panel) for m rows of k elements: none below GEMM_MIN_ROWS. */
+#include "amx_tiles.h"
+
+/* Bytes of one unpacked panel of k elements a column. */
+ALWAYS_INLINE size_t gemm_panel_bytes(int k) {
+    return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
+}
+
+/* Bytes of one thread's GEMM scratch for m rows of k elements: none below
+ * GEMM_MIN_ROWS, else one unpacked panel, and where the AMX tiles can serve m
+ * rows (of a K-quant) its planes. */
 static size_t gemm_scratch_bytes(int k, int m) {
     if (m < GEMM_MIN_ROWS) return 0;
-    return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
+    return gemm_panel_bytes(k) + (amx_serves(Q4_K, m) ? amx_planes_bytes(k) : 0);
 }
 
 /* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
@@ -1399,16 +1415,26 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
     const int nb = xq->k / 32;
     const int panels = (n + GEMM_PANEL - 1) / GEMM_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
+    /* rows 0 .. m_amx - 1 on the AMX tiles where they serve, the rest on the GEMM's */
+    const int m_amx = amx_serves(type, m) && lo < hi ? m - m % AMX_ROWS : 0;
+#if AMX_TILES
+    if (m_amx) amx_begin();
+#endif
     for (int p = lo; p < hi; p++) {
         const int j0 = p * GEMM_PANEL, cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
         gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
+#if AMX_TILES
+        if (m_amx)
+            amx_panel(type, xq, m_amx, nb, scratch, gemm_panel_bytes(xq->k), y, y_stride, j0, cols, y_bf16, bias,
+                      accumulate);
+#endif
         /* The rows of the panel PANELS_AHEAD on (contiguous in W), asked for in even
          * shares by this panel's tiles; none past the thread's last panel. */
         const int ja = j0 + PANELS_AHEAD * GEMM_PANEL;
         const int ahead_cols = p + PANELS_AHEAD < hi ? (n - ja < GEMM_PANEL ? n - ja : GEMM_PANEL) : 0;
         const size_t ahead_lines = ((size_t)ahead_cols * row_bytes + 63) / 64;
-        const int tiles = (m + GEMM_MR - 1) / GEMM_MR;
-        for (int i0 = 0; i0 < m; i0 += GEMM_MR) {
+        const int tiles = (m - m_amx + GEMM_MR - 1) / GEMM_MR;
+        for (int i0 = m_amx; i0 < m; i0 += GEMM_MR) {
             const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
             /* The next tile's stretch of y: rows of y lie more than 2 KB apart
              * (576 floats already), beyond the stride the hardware prefetcher follows,
@@ -1423,11 +1449,14 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
             for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
             gemm_f out[GEMM_MR][2];
             const uint8_t *ahead = ahead_cols ? w + (size_t)ja * row_bytes : NULL;
-            const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)(i0 / GEMM_MR), (size_t)tiles);
+            const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)((i0 - m_amx) / GEMM_MR), (size_t)tiles);
             gemm_tiles[mr - 1](type, xq, at, nb, scratch, pf, out);
             write_tile(mr, at, out, y, y_stride, j0, cols, y_bf16, bias, accumulate);
         }
     }
+#if AMX_TILES
+    if (m_amx) amx_end();
+#endif
 }
 
 /* Lane q of the result: the sum of the 8 int32 lanes of p[q]. */
@@ -1988,6 +2017,9 @@ static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t r
 /* 1 if this build computes `type` with the exact kernels (GEMM and small tiles). */
 int ggml_quant_exact_kernels(int type) { return exact_serves(type); }
 
+/* bytes (rounded up to whole cache lines) at a 64-byte boundary, for free(). */
+static void *aligned_64(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
+
 /* y = x @ W^T for W in ggml blocks or packed: ggml_quant_matmul's body. */
 static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const uint8_t *w, int packed, int n, void *y,
                        long y_stride, int num_threads) {
@@ -1997,11 +2029,13 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     if (m == 0 || n == 0) return 0;
     const size_t row_bytes = (size_t)(k / be) * ggml_quant_type_size(type);
     const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
-    xq_t xq = {malloc((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
+    /* x's int8 rows and the scratch on cache lines: a tile load (amx_tiles.h) of rows
+     * straddling two lines took 1.4x as long */
+    xq_t xq = {aligned_64((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
                malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
                exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
     const size_t scratch_bytes = exact && (!packed || packed_expands(type, m)) ? gemm_scratch_bytes(k, m) : 0;
-    uint8_t *scratch = scratch_bytes ? malloc(scratch_bytes * (size_t)threads) : NULL;
+    uint8_t *scratch = scratch_bytes ? aligned_64(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
     if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {
         rc = 1;
@@ -2045,6 +2079,15 @@ int ggml_quant_matmul_packed(int type, const void *x, int x_bf16, int m, int k, 
 
 /* 1 if this build multiplies `type` from weights that ggml_quant_pack laid out. */
 int ggml_quant_packed_serves(int type) { return packed_serves(type); }
+
+/* 1 where this build runs the GEMM's dots on AMX tiles and the kernel lets the process use them. */
+int ggml_quant_amx_ready(void) {
+#if defined(AMX_TILES) && AMX_TILES
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
 
 /* Bytes of an n x k weight of `type` packed (the same layout in every build), 0 where
  * no such weight is packed (the type, or a k that is no whole block of it). */

@@ -393,7 +393,10 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
  * same bits. */
 #define PACKED_EXPAND_ROWS 32
-ALWAYS_INLINE int packed_expands(int type, int m) { return (type == Q5_0 || type == Q4_0) && m >= PACKED_EXPAND_ROWS; }
+/* With AMX, Q4_K too where the tiles serve (amx_serves): they read the GEMM's panel. */
+ALWAYS_INLINE int packed_expands(int type, int m) {
+    return amx_serves(type, m) || ((type == Q5_0 || type == Q4_0) && m >= PACKED_EXPAND_ROWS);
+}
 #if QUANT_ISA == 3
 #define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
 #else
@@ -417,6 +420,40 @@ ALWAYS_INLINE void packed_expand_nibbles(const int type, const uint8_t *panel, i
         GV_STORE_F(d + (size_t)b * GEMM_PANEL + GEMM_LANES, PV_D(in + 2 * (size_t)(c0 + GEMM_LANES)));
     }
 }
+
+#if AMX_TILES
+/* packed_expand_nibbles for Q4_K: the nibbles split by sub-block, the scales widened to
+ * gemm_unpack_k's int32 and int16 pairs, dmin negated as there. */
+static void packed_expand_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
+    const int nsb = nb / 8, P = PACKED_PANEL;
+    int32_t *sc = (int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
+    float *d = (float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q4_K;
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *pair = in + PACKED_QS + (size_t)(j / 2) * 8 * 4 * P;
+            uint8_t *dst = scratch + (size_t)(sb * 8 + j) * 32 * GEMM_PANEL;
+            for (int t = 0; t < 8; t++) {
+                const gemm_i raw = GV_LOAD_I(pair + (size_t)t * 4 * P), raw1 = GV_LOAD_I(pair + (size_t)t * 4 * P + 4 * GEMM_LANES);
+                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL, j & 1 ? PV_HIGH4(raw) : PV_LOW4(raw));
+                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL + 4 * GEMM_LANES, j & 1 ? PV_HIGH4(raw1) : PV_LOW4(raw1));
+            }
+            const uint8_t *s = in + PACKED_SC + (size_t)j * P;
+            PV_STORE_I(sc + (size_t)(sb * 8 + j) * GEMM_PANEL, PV_SC(s));
+            PV_STORE_I(sc + (size_t)(sb * 8 + j) * GEMM_PANEL + GEMM_LANES, PV_SC(s + GEMM_LANES));
+        }
+        for (int i = 0; i < 4; i++) {
+            const uint8_t *mi = in + PACKED_MN + (size_t)i * P * 2;
+            PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL, PV_MN(mi));
+            PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL + GEMM_LANES, PV_MN(mi + 2 * GEMM_LANES));
+        }
+        GV_STORE_F(d + (size_t)sb * GEMM_PANEL, PV_D(in + PACKED_D));
+        GV_STORE_F(d + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_D(in + PACKED_D + 2 * GEMM_LANES));
+        GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL, PV_NEG(PV_D(in + PACKED_DMIN)));
+        GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_NEG(PV_D(in + PACKED_DMIN + 2 * GEMM_LANES)));
+    }
+}
+#endif
 
 /* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0, Q5_0, Q4_0) a row. */
 typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,
@@ -461,7 +498,13 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                                                     : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
-    const int tiles = halves * ((m + GEMM_MR - 1) / GEMM_MR), expanded = packed_expands(type, m);
+    const int expanded = packed_expands(type, m);
+    /* rows 0 .. m_amx - 1 on the AMX tiles, from the expanded panel (amx_tiles.h) */
+    const int m_amx = amx_serves(type, m) && lo < hi ? m - m % AMX_ROWS : 0;
+    const int tiles = halves * ((m - m_amx + GEMM_MR - 1) / GEMM_MR);
+#if AMX_TILES
+    if (m_amx) amx_begin();
+#endif
     for (int p = lo; p < hi; p++) {
         const uint8_t *panel = packed + (size_t)p * panel_bytes;
         const size_t ahead_lines = p + PANELS_AHEAD < hi ? panel_bytes / 64 : 0;
@@ -471,20 +514,29 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             if (j0 >= n) break;
             const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
             if (expanded && type == Q5_0) packed_expand_nibbles(Q5_0, panel, units, h * GEMM_PANEL, scratch);
-            else if (expanded) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
-            for (int i0 = 0; i0 < m; i0 += GEMM_MR, tile++) {
+            else if (expanded && type == Q4_0) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
+#if AMX_TILES
+            else if (expanded) packed_expand_q4_k(panel, units * 8, scratch);
+            if (m_amx)
+                amx_panel(type, xq, m_amx, xq->k / 32, scratch, gemm_panel_bytes(xq->k), y, y_stride, j0, cols, y_bf16,
+                          bias, accumulate);
+#endif
+            for (int i0 = m_amx; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
                 size_t at[GEMM_MR];
                 for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);
                 const uint8_t *ahead = ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL;
                 const panel_ahead_t pf = ahead_share(ahead, ahead_lines, (size_t)tile, (size_t)tiles);
                 gemm_f out[GEMM_MR][2];
-                if (expanded) gemm_tiles[mr - 1](type, xq, at, units, scratch, pf, out);
+                if (expanded) gemm_tiles[mr - 1](type, xq, at, xq->k / 32, scratch, pf, out);
                 else tiles_of[mr - 1](xq, at, units, panel, h * GEMM_PANEL, pf, out);
                 write_tile(mr, at, out, y, y_stride, j0, cols, y_bf16, bias, accumulate);
             }
         }
     }
+#if AMX_TILES
+    if (m_amx) amx_end();
+#endif
 }
 #else
 ALWAYS_INLINE int packed_serves(int type) {

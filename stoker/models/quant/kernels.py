@@ -8,7 +8,9 @@ Output (i, j) is bit-identical whatever m, the tiling and the thread count
 (see the C file), so batching never changes a sequence's result. On the SIMD
 paths every type (avx2: but Q8_0) takes the "exact" kernels (a blocked GEMM
 from 4 rows with AVX-512, from 8 on the 256-bit paths, small tiles below, one
-arithmetic for both; docs/quantization.md#the-kernels)."""
+arithmetic for both; docs/quantization.md#the-kernels). Where the CPU has
+AMX-INT8 and Linux grants the tile state, the avx512_amx path runs the K-quants'
+GEMM from 64 rows on the tiles (csrc/amx_tiles.h), to the same bits."""
 
 from __future__ import annotations
 
@@ -55,14 +57,14 @@ class _Isa:
     code: int  # what ggml_quant_isa() in the built library reports
 
 
+_AVX512_NEEDS = frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"})
+_AVX512 = ("-march=x86-64", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+
 # Best first.
 _X86_ISAS = (
-    _Isa(
-        "avx512_vnni",
-        frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
-        ("-march=x86-64", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"),
-        3,
-    ),
+    # avx512_vnni with the GEMM's dots on AMX-INT8 tiles (csrc/amx_tiles.h): 16 rows of x and more.
+    _Isa("avx512_amx", _AVX512_NEEDS | {"amx_tile", "amx_int8"}, (*_AVX512, "-mamx-tile", "-mamx-int8"), 4),
+    _Isa("avx512_vnni", _AVX512_NEEDS, _AVX512, 3),
     _Isa("avx_vnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-march=x86-64", *_AVX2, "-mavxvnni"), 2),
     _Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-march=x86-64", *_AVX2), 1),
     _Isa("portable", frozenset(), ("-march=x86-64",), 0),
@@ -74,10 +76,23 @@ def _isas() -> tuple[_Isa, ...]:
     return _X86_ISAS if platform.machine() in ("x86_64", "AMD64") else _GENERIC_ISAS
 
 
+def _amx_permitted() -> bool:
+    """Whether Linux lets this process use the AMX tile registers: they are
+    handed out only on request (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, for
+    the whole process), which a kernel before 5.16 or a VM may refuse."""
+    sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.syscall(sys_arch_prctl, arch_req_xcomp_perm, xfeature_xtiledata) == 0)
+
+
 @cache
 def _available() -> tuple[str, ...]:
     flags = cpu_flags()
-    return tuple(isa.name for isa in _isas() if isa.cpu_needs <= flags)
+    names = tuple(isa.name for isa in _isas() if isa.cpu_needs <= flags)
+    if "avx512_amx" in names and not _amx_permitted():
+        log.info("quantized matmul: the CPU has AMX but the kernel refused the tile state; not using it")
+        names = tuple(name for name in names if name != "avx512_amx")
+    return names
 
 
 def available_isas() -> list[str]:

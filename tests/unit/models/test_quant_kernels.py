@@ -29,6 +29,8 @@ from stoker.models.quant.kernels import (
     exact_kernels,
     ggml_dequantize_rows,
     ggml_matmul,
+    ggml_matmul_packed,
+    ggml_pack,
     quant_isa,
 )
 
@@ -240,7 +242,7 @@ def test_isa_selection(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptur
         quant_isa()
     with pytest.raises(ValueError, match="unknown"):
         ggml_matmul(torch.randn(1, 32), torch.from_numpy(random_blocks(T.Q8_0, 2, 32, seed=6)), T.Q8_0)
-    unavailable = [name for name in ("avx512_vnni", "avx_vnni", "avx2") if name not in ISAS]
+    unavailable = [name for name in ("avx512_amx", "avx512_vnni", "avx_vnni", "avx2") if name not in ISAS]
     if unavailable:
         monkeypatch.setenv("STOKER_QUANT_ISA", unavailable[0])
         with pytest.raises(ValueError, match="not supported by this CPU"):
@@ -251,6 +253,57 @@ def test_isa_selection(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptur
         quant_isa()
         quant_isa()
     assert [r.getMessage() for r in caplog.records].count("quantized matmul: portable path") == 1
+
+
+@pytest.mark.skipif("avx512_amx" not in ISAS, reason="this CPU (or its kernel) offers no AMX-INT8 tiles")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_amx_tiles_give_the_vnni_gemms_bits(
+    monkeypatch: pytest.MonkeyPatch, qtype: GGMLQuantizationType, dtype: torch.dtype
+) -> None:
+    """The AMX path's K-quant GEMM (from 64 rows: whole 32- and 16-row groups on the
+    tiles, the rest on the VNNI tiles) is the avx512_vnni path's result bit for bit,
+    from the blocks and (Q4_K) packed, on one thread and two, across a partial panel."""
+    k, n = 768, 45  # three super-blocks; a panel and 13 columns of the next
+    x = torch.randn(150, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    w = torch.from_numpy(random_blocks(qtype, n, k, seed=4))
+    packed = ggml_pack(w, qtype)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2):
+            torch.set_num_threads(num_threads)
+            for rows in (63, 64, 65, 80, 96, 100, 150):
+                got: dict[str, list[torch.Tensor]] = {}
+                for isa in ("avx512_vnni", "avx512_amx"):
+                    monkeypatch.setenv("STOKER_QUANT_ISA", isa)
+                    got[isa] = [mm(x[:rows], w, qtype)]
+                    if packed is not None:
+                        product = ggml_matmul_packed(x[:rows], packed, qtype, n)
+                        assert product is not None
+                        got[isa].append(product)
+                for vnni, amx in zip(got["avx512_vnni"], got["avx512_amx"], strict=True):
+                    assert torch.equal(vnni, amx), (num_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_amx_refused_by_the_kernel_is_not_offered(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A CPU that shows amx_int8 under a kernel that refuses the tile state (before
+    Linux 5.16, some VMs) falls back to avx512_vnni and says so once."""
+    flags = kernels.cpu_flags() | {"amx_tile", "amx_int8"}
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "_amx_permitted", lambda: False)
+    kernels._available.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="stoker.kernels"):
+            assert "avx512_amx" not in kernels._available()
+        assert any("refused the tile state" in r.getMessage() for r in caplog.records) == (
+            "avx512_vnni" in kernels._available()
+        )
+    finally:
+        kernels._available.cache_clear()
 
 
 def test_random_blocks_are_valid() -> None:

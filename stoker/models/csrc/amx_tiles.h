@@ -1,0 +1,234 @@
+/* The K-quants' GEMM on AMX-INT8 tiles, where the build targets AMX
+ * (-mamx-tile -mamx-int8: the avx512_amx path) and the kernel lets this
+ * process use the tile registers (amx_permitted). Included by ggml_quant.c
+ * after the GEMM's tiles, which it stands beside.
+ *
+ * Why: a prompt's products are bound by the dots. AVX-512 VNNI takes 64
+ * multiply-adds an instruction, plus a broadcast of x per four; one TDPBSSD
+ * takes 16 rows of x by 16 columns by 64 values (16,384) on a unit of its own.
+ *
+ * The exact arithmetic (exact_k) needs each super-block's integer P = sum over
+ * sub-blocks of scale * dot, then fp32 terms per super-block. Taking the tiles
+ * out to memory after every 32-value sub-block (to multiply by its scale) left
+ * the tile unit waiting on its own stores: a Q4_K product at 512 rows was only
+ * 1.2x the VNNI GEMM, Q6_K 0.8x. Instead each value is multiplied by its scale
+ * once per panel (amx_planes), as w = scale * q (Q6_K: scale * (q - 32)), at
+ * most 13 bits, and split into two int8 planes, w = 64 * hi + lo with lo in
+ * 0 .. 63. Then P = 64 * (x . hi) + x . lo over the whole super-block: four
+ * TDPBSSD of 64 values a plane, accumulated in the tiles, and one store per
+ * super-block. The same integer P (exact whatever the order of its sums), and
+ * then gemm_tile_k's fp32 operations in its order, one lane per output: every
+ * output is the VNNI GEMM's, bit for bit, and batch invariance holds across the
+ * switch (which depends on m alone). The mins' term M (Q4_K, Q5_K) is the
+ * vector units' as in gemm_tile_k.
+ *
+ * The other types keep the VNNI GEMM: their exact arithmetic has an fp32 term
+ * per 32-value block, so the tiles would go to memory every block; tried that
+ * way, Q8_0, Q5_0 and Q4_0 products ran 0.8-1.1x the VNNI GEMM.
+ *
+ * Rows past the last whole AMX_ROWS of a call go through the GEMM's tiles. */
+#define AMX_ROWS 16
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QUANT_ISA == 3
+#define AMX_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands a process the tile registers' state only on request (the
+ * XTILEDATA permission, arch_prctl(ARCH_REQ_XCOMP_PERM)); granted once for
+ * the whole process. 1 if granted, 0 if refused (then the VNNI GEMM serves). */
+static int amx_permitted(void) {
+    static volatile int state; /* 0 unknown, 1 granted, -1 refused */
+    if (!state) {
+        const long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+        state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    }
+    return state == 1;
+}
+
+/* From 64 rows: each panel's planes are made once per call, so the tiles
+ * must have enough rows to pay for them. Against the VNNI GEMM, 2 threads, the
+ * 1B rung's Q4_K products ran 0.6x at 16 rows, 0.9x at 32 and 1.2x at 64; Q6_K
+ * 0.9x, 1.1x and 1.3x. */
+#define AMX_MIN_ROWS 64
+ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX_MIN_ROWS && amx_permitted(); }
+
+/* Bytes of the two planes of a panel of k values a column (after gemm_scratch_bytes' panel). */
+ALWAYS_INLINE size_t amx_planes_bytes(int k) { return 2 * (size_t)k * GEMM_PANEL; }
+
+/* The unpacked K-quant panel (gemm_unpack_k's scratch: values by dword rows,
+ * int32 scales a column per 32 values, Q6_K's upper 16 in the mins' place)
+ * as the planes hi and lo of w = scale * value, in the same dword-row order:
+ * each 64 bytes are 16 columns' 4 values, widened to int16 (32 a vector),
+ * multiplied by their column's scale (each scale repeated for its 4 values),
+ * then split. */
+static void amx_planes(int type, int nb, const uint8_t *scratch, int8_t *hi, int8_t *lo) {
+    const int32_t *sc = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
+    /* int16 lane 4c + e of a widened half (8 columns) takes column c's scale, an int32's low half: lane 2c */
+    __m512i spread[2];
+    for (int half = 0; half < 2; half++) {
+        int16_t idx[32];
+        for (int l = 0; l < 32; l++) idx[l] = (int16_t)(2 * (8 * half + l / 4));
+        spread[half] = _mm512_loadu_si512(idx);
+    }
+    const __m512i low6 = _mm512_set1_epi16(63), offset = _mm512_set1_epi16(type == Q6_K ? 32 : 0);
+    for (int b = 0; b < nb; b++)
+        for (int t = 0; t < 8; t++) {
+            /* Q6_K: rows 0-3 (values 0-15) take sc, rows 4-7 mn */
+            const int32_t *scale = (type == Q6_K && t >= 4 ? mn : sc) + (size_t)b * GEMM_PANEL;
+            const size_t at = (size_t)b * 32 * GEMM_PANEL + (size_t)t * 4 * GEMM_PANEL;
+            for (int v = 0; v < 2; v++) { /* columns 16v .. 16v + 15 */
+                const __m512i s = _mm512_loadu_si512(scale + GEMM_LANES * v);
+                const __m512i q = _mm512_loadu_si512(scratch + at + 64 * (size_t)v);
+                for (int half = 0; half < 2; half++) {
+                    const __m256i bytes = half ? _mm512_extracti64x4_epi64(q, 1) : _mm512_castsi512_si256(q);
+                    const __m512i w = _mm512_mullo_epi16(_mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes), offset),
+                                                         _mm512_permutexvar_epi16(spread[half], s));
+                    const size_t out = at + 64 * (size_t)v + 32 * (size_t)half;
+                    _mm256_storeu_si256((__m256i *)(hi + out), _mm512_cvtepi16_epi8(_mm512_srai_epi16(w, 6)));
+                    _mm256_storeu_si256((__m256i *)(lo + out), _mm512_cvtepi16_epi8(_mm512_and_si512(w, low6)));
+                }
+            }
+        }
+}
+
+/* Tiles 0-3: C, 16 rows by 16 int32: row group g (of two) times the hi plane
+ * at 2g, the lo plane at 2g + 1; 4, 5: A, row group g's 16 rows of x by 64
+ * bytes; 6, 7: B, the hi and lo planes' 16 dword rows of 16 columns. Per thread
+ * (tile state is); amx_end releases it. */
+static void amx_begin(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) config.rows[t] = AMX_ROWS, config.colsb[t] = 64;
+    _tile_loadconfig(&config);
+}
+ALWAYS_INLINE void amx_end(void) { _tile_release(); }
+
+/* c[h][g][plane][r][q]: row 16g + r of x with column 16h + q of the hi / lo plane, over super-block sb. */
+typedef int32_t amx_c_t[2][2][2][AMX_ROWS][GEMM_LANES];
+ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride, int sb, const int8_t *hi,
+                                  const int8_t *lo, amx_c_t c) {
+    for (int h = 0; h < 2; h++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (G == 2) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        for (int step = 0; step < 4; step++) { /* 64 values, two 32-value blocks' dword rows */
+            const size_t w_at = (size_t)(sb * 8 + 2 * step) * 32 * GEMM_PANEL + (size_t)h * 4 * GEMM_LANES;
+            const size_t x_at = (size_t)sb * 256 + 64 * (size_t)step;
+            _tile_loadd(6, hi + w_at, 4 * GEMM_PANEL);
+            _tile_loadd(7, lo + w_at, 4 * GEMM_PANEL);
+            _tile_loadd(4, x + x_at, (long)x_stride);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            if (G == 2) {
+                _tile_loadd(5, x + x_at + AMX_ROWS * x_stride, (long)x_stride);
+                _tile_dpbssd(2, 5, 6);
+                _tile_dpbssd(3, 5, 7);
+            }
+        }
+        _tile_stored(0, c[h][0][0], 4 * GEMM_LANES);
+        _tile_stored(1, c[h][0][1], 4 * GEMM_LANES);
+        if (G == 2) {
+            _tile_stored(2, c[h][1][0], 4 * GEMM_LANES);
+            _tile_stored(3, c[h][1][1], 4 * GEMM_LANES);
+        }
+    }
+}
+
+/* P = 64 * hi + lo of row r, column half h, from the tiles' sums. */
+ALWAYS_INLINE gemm_i amx_p(amx_c_t c, int h, int r) {
+    return GV_ADD_I(_mm512_slli_epi32(GV_LOAD_I(c[h][r / AMX_ROWS][0][r % AMX_ROWS]), 6),
+                    GV_LOAD_I(c[h][r / AMX_ROWS][1][r % AMX_ROWS]));
+}
+
+/* gemm_tile_k's fp32 terms of super-block sb: P's, then M's (Q4_K, Q5_K) as there. */
+ALWAYS_INLINE void amx_take(const int G, int type, const xq_t *xq, size_t r0, int sb, int nb, const uint8_t *scratch,
+                            amx_c_t c, float out[2 * AMX_ROWS][GEMM_PANEL]) {
+    const int k = xq->k, nsb = nb / 8;
+    const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
+    const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
+    const gemm_f d0 = GV_LOAD_F(d + sb * GEMM_PANEL), d1 = GV_LOAD_F(d + sb * GEMM_PANEL + GEMM_LANES);
+    const gemm_f m0 = GV_LOAD_F(dmin + sb * GEMM_PANEL), m1 = GV_LOAD_F(dmin + sb * GEMM_PANEL + GEMM_LANES);
+    gemm_i mins[4][2];
+    for (int i = 0; i < 4; i++) {
+        mins[i][0] = GV_LOAD_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL);
+        mins[i][1] = GV_LOAD_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL + GEMM_LANES);
+    }
+    for (int r = 0; r < G * AMX_ROWS; r++) {
+        const size_t row = r0 + (size_t)r;
+        const gemm_f dx = GV_SET1_F(xq->d[row * (size_t)nsb + sb]);
+        gemm_f o0 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 0, r)), d0), dx, GV_LOAD_F(out[r]));
+        gemm_f o1 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 1, r)), d1), dx, GV_LOAD_F(out[r] + GEMM_LANES));
+        if (type != Q6_K) { /* M: two sub-blocks' mins a vpdpwssd against x's sums of 32 */
+            const int16_t *bs = xq->bsums + row * (size_t)(k / 16) + (size_t)sb * 16;
+            gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
+            for (int i = 0; i < 4; i++) {
+                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
+                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+                mm0 = GV_DPWSSD(mm0, mins[i][0], xs);
+                mm1 = GV_DPWSSD(mm1, mins[i][1], xs);
+            }
+            o0 = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, o0);
+            o1 = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, o1);
+        }
+        GV_STORE_F(out[r], o0);
+        GV_STORE_F(out[r] + GEMM_LANES, o1);
+    }
+}
+
+/* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out,
+ * super-block by super-block, pipelined as two stages: the tiles take
+ * super-block i into one of two buffers while the vector units take i - 1's
+ * from the other. */
+ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, int nb, const uint8_t *scratch,
+                            const int8_t *hi, const int8_t *lo, float out[2 * AMX_ROWS][GEMM_PANEL]) {
+    const int nsb = nb / 8;
+    const int8_t *x = xq->qs + r0 * (size_t)xq->k;
+    amx_c_t c[2];
+    for (int r = 0; r < G * AMX_ROWS; r++) {
+        GV_STORE_F(out[r], GV_ZERO_F());
+        GV_STORE_F(out[r] + GEMM_LANES, GV_ZERO_F());
+    }
+    for (int sb = 0; sb <= nsb; sb++) {
+        if (sb < nsb) amx_superblock(G, x, (size_t)xq->k, sb, hi, lo, c[sb % 2]);
+        if (sb) amx_take(G, type, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
+    }
+}
+
+/* Rows 0 .. m16 - 1 (whole AMX_ROWS) of x by the unpacked K-quant panel at scratch
+ * (its planes after gemm_scratch_bytes' panel) into y's columns j0 .. j0 + cols - 1,
+ * as write_tile writes the GEMM's: 32 rows at a time (each weight tile taken by
+ * two of x), 16 for an odd last group. */
+static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratch, size_t panel_bytes, void *y,
+                      long y_stride, int j0, int cols, int y_bf16, const float *bias, int accumulate) {
+    int8_t *hi = (int8_t *)(scratch + panel_bytes), *lo = hi + (size_t)xq->k * GEMM_PANEL;
+    amx_planes(type, nb, scratch, hi, lo);
+    float out[2 * AMX_ROWS][GEMM_PANEL];
+    for (int r0 = 0; r0 < m16;) {
+        const int G = m16 - r0 >= 2 * AMX_ROWS ? 2 : 1;
+        if (G == 2) amx_rows(2, type, xq, (size_t)r0, nb, scratch, hi, lo, out);
+        else amx_rows(1, type, xq, (size_t)r0, nb, scratch, hi, lo, out);
+        for (int r = 0; r < G * AMX_ROWS; r++)
+            write_row(y, (size_t)(r0 + r), y_stride, j0, out[r], cols, y_bf16, bias, accumulate);
+        r0 += G * AMX_ROWS;
+    }
+}
+#else
+#define AMX_TILES 0
+ALWAYS_INLINE int amx_permitted(void) { return 0; }
+ALWAYS_INLINE int amx_serves(int type, int m) {
+    (void)type, (void)m;
+    return 0;
+}
+ALWAYS_INLINE size_t amx_planes_bytes(int k) {
+    (void)k;
+    return 0;
+}
+#endif
