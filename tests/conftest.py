@@ -166,8 +166,27 @@ class ServerProcess:
         return self.proc.returncode
 
 
+def port_was_taken(error: Exception) -> bool:
+    """Whether a server failed to start because a port free_port() gave out was taken
+    before the server bound it (another test's process got there in between)."""
+    return isinstance(error, RuntimeError) and "already in use" in str(error).lower()
+
+
 def start_server(
     args: list[str], tmp_dir: str, env: dict[str, str] | None = None, ready_timeout: float = 120
+) -> ServerProcess:
+    """A server on a free port, started again on another if that port was taken meanwhile."""
+    for attempt in range(3):
+        try:
+            return _start_server_once(args, tmp_dir, env, ready_timeout)
+        except RuntimeError as error:
+            if not port_was_taken(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_server_once(
+    args: list[str], tmp_dir: str, env: dict[str, str] | None, ready_timeout: float
 ) -> ServerProcess:
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")

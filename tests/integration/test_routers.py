@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, auth, engine_stats, free_port, start_server
+from conftest import ServerProcess, auth, engine_stats, free_port, port_was_taken, start_server
 
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
@@ -82,6 +82,20 @@ def require_router(kind: str) -> None:
 KV_EVENTS: dict[str, str] = {}
 
 
+def start_replica(tmp: str, db: str) -> tuple[ServerProcess, str]:
+    """A replica publishing its KV events on a free port (another, if that one was taken
+    before the replica bound it), and the endpoint."""
+    for attempt in range(3):
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            args = [*REPLICA_ARGS, "--kv-events-endpoint", endpoint]
+            return start_server(args, tmp, {"STOKER_DB": db}, REPLICA_READY_S), endpoint
+        except RuntimeError as error:
+            if not port_was_taken(error) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerProcess]]:
     tmp = str(tmp_path_factory.mktemp("router-replicas"))
@@ -90,20 +104,15 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ServerPr
     KEYS["router"] = store.create("router", scopes=["inference", "router"])[1]
     KEYS["client"] = store.create("client")[1]
     store.engine.dispose()
-    endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        starting = [
-            pool.submit(
-                start_server, [*REPLICA_ARGS, "--kv-events-endpoint", e], tmp, {"STOKER_DB": db}, REPLICA_READY_S
-            )
-            for e in endpoints
-        ]
+        starting = [pool.submit(start_replica, tmp, db) for _ in range(2)]
         servers = []
         try:
             for future in starting:
-                servers.append(future.result())
-                servers[-1].key = KEYS["router"]
-            KV_EVENTS.update({server.url: e for server, e in zip(servers, endpoints)})
+                server, endpoint = future.result()
+                servers.append(server)
+                server.key = KEYS["router"]
+                KV_EVENTS[server.url] = endpoint
             yield servers
         finally:
             for server in servers:
