@@ -166,17 +166,11 @@ ALWAYS_INLINE void amx_take(const int G, int type, const xq_t *xq, size_t r0, in
         const gemm_f dx = GV_SET1_F(xq->d[row * (size_t)nsb + sb]);
         gemm_f o0 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 0, r)), d0), dx, GV_LOAD_F(out[r]));
         gemm_f o1 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 1, r)), d1), dx, GV_LOAD_F(out[r] + GEMM_LANES));
-        if (type != Q6_K) { /* M: two sub-blocks' mins a vpdpwssd against x's sums of 32 */
-            const int16_t *bs = xq->bsums + row * (size_t)(k / 16) + (size_t)sb * 16;
-            gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
-            for (int i = 0; i < 4; i++) {
-                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
-                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
-                mm0 = GV_DPWSSD(mm0, mins[i][0], xs);
-                mm1 = GV_DPWSSD(mm1, mins[i][1], xs);
-            }
-            o0 = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, o0);
-            o1 = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, o1);
+        if (type != Q6_K) {
+            gemm_i mm[2];
+            k_mins_dots(xq->bsums + row * (size_t)(k / 16) + (size_t)sb * 16, (const gemm_i(*)[2])mins, mm);
+            o0 = GV_FMADD(GV_MUL_F(GV_CVT(mm[0]), m0), dx, o0);
+            o1 = GV_FMADD(GV_MUL_F(GV_CVT(mm[1]), m1), dx, o1);
         }
         GV_STORE_F(out[r], o0);
         GV_STORE_F(out[r] + GEMM_LANES, o1);

@@ -873,6 +873,19 @@ ALWAYS_INLINE void panel_prefetch(const void *p, int nb) {
     else __builtin_prefetch(p);
 }
 
+/* Q4_K / Q5_K's M of one row of x and a super-block, for two column vectors, from the
+ * mins of sub-blocks 2i and 2i + 1 as int16 pairs (mins[i][v], as gemm_unpack_k stores
+ * them): two sub-blocks a vpdpwssd against x's sums of 32 (bs: its 16 sums of 16). */
+ALWAYS_INLINE void k_mins_dots(const int16_t *bs, const gemm_i mins[4][2], gemm_i mm[2]) {
+    mm[0] = mm[1] = GV_ZERO_I();
+    for (int i = 0; i < 4; i++) {
+        const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
+        const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+        mm[0] = GV_DPWSSD(mm[0], mins[i][0], xs);
+        mm[1] = GV_DPWSSD(mm[1], mins[i][1], xs);
+    }
+}
+
 #include "amx_tiles.h"
 
 /* Bytes of one unpacked panel of k elements a column. */

@@ -306,16 +306,11 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
         for (int r = 0; r < MR; r++) {
             const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
-            /* M, two sub-blocks a vpdpwssd, as gemm_tile_k (its term after P's, as there) */
-            gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
-            for (int i = 0; i < 4; i++) {
-                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
-                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
-                mm0 = GV_DPWSSD(mm0, mnv[i][0], xs);
-                mm1 = GV_DPWSSD(mm1, mnv[i][1], xs);
-            }
-            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm0), m0), dx, out[r][0]);
-            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm1), m1), dx, out[r][1]);
+            /* M, as gemm_tile_k (its term after P's, as there) */
+            gemm_i mm[2];
+            k_mins_dots(bs, (const gemm_i(*)[2])mnv, mm);
+            out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm[0]), m0), dx, out[r][0]);
+            out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm[1]), m1), dx, out[r][1]);
         }
     }
 }
