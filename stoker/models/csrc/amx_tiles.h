@@ -216,7 +216,6 @@ static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratc
 }
 #else
 #define AMX_TILES 0
-ALWAYS_INLINE int amx_permitted(void) { return 0; }
 ALWAYS_INLINE int amx_serves(int type, int m) {
     (void)type, (void)m;
     return 0;

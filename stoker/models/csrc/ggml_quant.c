@@ -2093,15 +2093,6 @@ int ggml_quant_matmul_packed(int type, const void *x, int x_bf16, int m, int k, 
 /* 1 if this build multiplies `type` from weights that ggml_quant_pack laid out. */
 int ggml_quant_packed_serves(int type) { return packed_serves(type); }
 
-/* 1 where this build runs the GEMM's dots on AMX tiles and the kernel lets the process use them. */
-int ggml_quant_amx_ready(void) {
-#if defined(AMX_TILES) && AMX_TILES
-    return amx_permitted();
-#else
-    return 0;
-#endif
-}
-
 /* Bytes of an n x k weight of `type` packed (the same layout in every build), 0 where
  * no such weight is packed (the type, or a k that is no whole block of it). */
 size_t ggml_quant_packed_bytes(int type, int n, int k) {

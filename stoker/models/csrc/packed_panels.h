@@ -429,8 +429,9 @@ static void packed_expand_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
             const uint8_t *pair = in + PACKED_QS + (size_t)(j / 2) * 8 * 4 * P;
             uint8_t *dst = scratch + (size_t)(sb * 8 + j) * 32 * GEMM_PANEL;
             for (int t = 0; t < 8; t++) {
-                const gemm_i raw = GV_LOAD_I(pair + (size_t)t * 4 * P), raw1 = GV_LOAD_I(pair + (size_t)t * 4 * P + 4 * GEMM_LANES);
-                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL, j & 1 ? PV_HIGH4(raw) : PV_LOW4(raw));
+                const uint8_t *row = pair + (size_t)t * 4 * P;
+                const gemm_i raw0 = GV_LOAD_I(row), raw1 = GV_LOAD_I(row + 4 * GEMM_LANES);
+                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL, j & 1 ? PV_HIGH4(raw0) : PV_LOW4(raw0));
                 PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL + 4 * GEMM_LANES, j & 1 ? PV_HIGH4(raw1) : PV_LOW4(raw1));
             }
             const uint8_t *s = in + PACKED_SC + (size_t)j * P;
