@@ -155,10 +155,17 @@ def describe(now: Reading, previous: Reading | None, window_start: Reading | Non
             "running": reading.running,
             "waiting": reading.waiting,
             "kv_usage": reading.kv_usage,
-            "output_tokens_per_s": _rate(reading.generation_tokens, before.generation_tokens, seconds)
-            if before is not None
+            # A model absent from the previous reading had counted nothing yet (its series
+            # appear with their first values): its first requests count from zero, or a
+            # burst that ended within one interval would never show.
+            "output_tokens_per_s": _rate(
+                reading.generation_tokens, before.generation_tokens if before else 0.0, seconds
+            )
+            if previous is not None
             else None,
-            "requests_per_s": _rate(reading.finished, before.finished, seconds) if before is not None else None,
+            "requests_per_s": _rate(reading.finished, before.finished if before else 0.0, seconds)
+            if previous is not None
+            else None,
             "ttft_p50": bucket_quantile(0.5, ttft),
             "ttft_p99": bucket_quantile(0.99, ttft),
             "itl_p50": bucket_quantile(0.5, itl),

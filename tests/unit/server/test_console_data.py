@@ -26,7 +26,7 @@ from stoker.observe.metrics import Metrics
 from stoker.server import cli as serve_cli
 from stoker.server.app import create_app
 from stoker.server.console_data import RecentRequests, usage_report
-from stoker.server.console_live import LiveSampler, bucket_growth, bucket_quantile
+from stoker.server.console_live import LiveSampler, ModelReading, Reading, bucket_growth, bucket_quantile, describe
 
 if TYPE_CHECKING:
     from browser import ConsoleServer
@@ -290,3 +290,14 @@ def test_no_ui_leaves_the_console_out(tmp_path: Path) -> None:
     # Open mode (no key was ever created): the console's figures stay shut, as every operator endpoint.
     refused = on.get("/console/live")
     assert refused.status_code == 403 and "admin key" in refused.json()["error"]["message"]
+
+
+def test_a_model_s_first_burst_counts_from_zero() -> None:
+    """Requests that begin and end between two samples, on a model the previous
+    reading did not have yet (its series appear with their first values): the rate
+    counts them from zero instead of showing nothing."""
+    previous = Reading(at=10.0, models={}, refusals={})
+    now = Reading(at=11.0, models={"m": ModelReading(generation_tokens=16.0, finished=2.0)}, refusals={})
+    figures = describe(now, previous, None).models["m"]
+    assert figures["output_tokens_per_s"] == 16.0 and figures["requests_per_s"] == 2.0
+    assert describe(now, None, None).models["m"]["output_tokens_per_s"] is None  # no earlier reading at all
