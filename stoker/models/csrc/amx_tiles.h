@@ -52,7 +52,7 @@ static int amx_permitted(void) {
 #define AMX_MIN_ROWS 64
 ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX_MIN_ROWS && amx_permitted(); }
 
-/* Bytes of the two planes of a panel of k values a column (after gemm_scratch_bytes' panel). */
+/* Bytes of the two planes of a panel of k values a column (after gemm_panel_bytes' panel). */
 ALWAYS_INLINE size_t amx_planes_bytes(int k) { return 2 * (size_t)k * GEMM_PANEL; }
 
 /* The unpacked K-quant panel (gemm_unpack_k's scratch: values by dword rows,
@@ -197,12 +197,12 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, in
 }
 
 /* Rows 0 .. m16 - 1 (whole AMX_ROWS) of x by the unpacked K-quant panel at scratch
- * (its planes after gemm_scratch_bytes' panel) into y's columns j0 .. j0 + cols - 1,
- * as write_tile writes the GEMM's: 32 rows at a time (each weight tile taken by
- * two of x), 16 for an odd last group. */
-static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratch, size_t panel_bytes, void *y,
-                      long y_stride, int j0, int cols, int y_bf16, const float *bias, int accumulate) {
-    int8_t *hi = (int8_t *)(scratch + panel_bytes), *lo = hi + (size_t)xq->k * GEMM_PANEL;
+ * (its planes made right after the panel, gemm_scratch_bytes) into y's columns
+ * j0 .. j0 + cols - 1, as write_tile writes the GEMM's: 32 rows at a time (each
+ * weight tile taken by two of x), 16 for an odd last group. */
+static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratch, void *y, long y_stride, int j0,
+                      int cols, int y_bf16, const float *bias, int accumulate) {
+    int8_t *hi = (int8_t *)(scratch + gemm_panel_bytes(xq->k)), *lo = hi + (size_t)xq->k * GEMM_PANEL;
     amx_planes(type, nb, scratch, hi, lo);
     float out[2 * AMX_ROWS][GEMM_PANEL];
     for (int r0 = 0; r0 < m16;) {

@@ -886,12 +886,12 @@ ALWAYS_INLINE void k_mins_dots(const int16_t *bs, const gemm_i mins[4][2], gemm_
     }
 }
 
-#include "amx_tiles.h"
-
 /* Bytes of one unpacked panel of k elements a column. */
 ALWAYS_INLINE size_t gemm_panel_bytes(int k) {
     return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
 }
+
+#include "amx_tiles.h"
 
 /* Bytes of one thread's GEMM scratch for m rows of k elements: none below
  * GEMM_MIN_ROWS, else one unpacked panel, and where the AMX tiles can serve m
@@ -1438,8 +1438,7 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
         gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
 #if AMX_TILES
         if (m_amx)
-            amx_panel(type, xq, m_amx, nb, scratch, gemm_panel_bytes(xq->k), y, y_stride, j0, cols, y_bf16, bias,
-                      accumulate);
+            amx_panel(type, xq, m_amx, nb, scratch, y, y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
         /* The rows of the panel PANELS_AHEAD on (contiguous in W), asked for in even
          * shares by this panel's tiles; none past the thread's last panel. */

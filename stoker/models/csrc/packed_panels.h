@@ -514,8 +514,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
 #if AMX_TILES
             else if (expanded) packed_expand_q4_k(panel, units * 8, scratch);
             if (m_amx)
-                amx_panel(type, xq, m_amx, xq->k / 32, scratch, gemm_panel_bytes(xq->k), y, y_stride, j0, cols, y_bf16,
-                          bias, accumulate);
+                amx_panel(type, xq, m_amx, xq->k / 32, scratch, y, y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
             for (int i0 = m_amx; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;

@@ -62,7 +62,7 @@ _AVX512 = ("-march=x86-64", *_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-m
 
 # Best first.
 _X86_ISAS = (
-    # avx512_vnni with the GEMM's dots on AMX-INT8 tiles (csrc/amx_tiles.h): 16 rows of x and more.
+    # avx512_vnni with the K-quants' GEMM on AMX-INT8 tiles from 64 rows of x (csrc/amx_tiles.h).
     _Isa("avx512_amx", _AVX512_NEEDS | {"amx_tile", "amx_int8"}, (*_AVX512, "-mamx-tile", "-mamx-int8"), 4),
     _Isa("avx512_vnni", _AVX512_NEEDS, _AVX512, 3),
     _Isa("avx_vnni", frozenset({"avx2", "fma", "f16c", "avx_vnni"}), ("-march=x86-64", *_AVX2, "-mavxvnni"), 2),
