@@ -166,28 +166,31 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def port_was_taken(error: Exception) -> bool:
-    """Whether a server failed to start because a port free_port() gave out was taken
-    before the server bound it (another test's process got there in between)."""
-    return isinstance(error, RuntimeError) and "already in use" in str(error).lower()
+def on_free_ports(start: Callable[[], T]) -> T:
+    """start() (which takes its ports from free_port()), called again, up to three times
+    in all, while the server failed because one of those ports was taken before it bound
+    it: free_port() releases the port it found, and another test's process can get there
+    in between."""
+    for attempt in range(3):
+        try:
+            return start()
+        except RuntimeError as error:
+            if "already in use" not in str(error).lower() or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def start_server(
     args: list[str], tmp_dir: str, env: dict[str, str] | None = None, ready_timeout: float = 120
 ) -> ServerProcess:
-    """A server on a free port, started again on another if that port was taken meanwhile."""
-    for attempt in range(3):
-        try:
-            return _start_server_once(args, tmp_dir, env, ready_timeout)
-        except RuntimeError as error:
-            if not port_was_taken(error) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    """A server on a free port (another, if that one was taken meanwhile: on_free_ports)."""
+    return on_free_ports(lambda: start_server_once(args, tmp_dir, env, ready_timeout))
 
 
-def _start_server_once(
-    args: list[str], tmp_dir: str, env: dict[str, str] | None, ready_timeout: float
+def start_server_once(
+    args: list[str], tmp_dir: str, env: dict[str, str] | None = None, ready_timeout: float = 120
 ) -> ServerProcess:
+    """A server on the port free_port() gives, once."""
     port = free_port()
     log_path = os.path.join(tmp_dir, f"server-{port}.log")
     # A fresh key/usage database per server unless the test brings its own:

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-from conftest import ServerProcess, auth, engine_stats, free_port, port_was_taken, start_server
+from conftest import ServerProcess, auth, engine_stats, free_port, on_free_ports, start_server_once
 
 from stoker.control.db import open_db
 from stoker.control.keys import KeyStore
@@ -83,17 +83,15 @@ KV_EVENTS: dict[str, str] = {}
 
 
 def start_replica(tmp: str, db: str) -> tuple[ServerProcess, str]:
-    """A replica publishing its KV events on a free port (another, if that one was taken
-    before the replica bound it), and the endpoint."""
-    for attempt in range(3):
+    """A replica publishing its KV events on a free port, and that endpoint: both its
+    ports chosen afresh if either was taken before the replica bound it."""
+
+    def once() -> tuple[ServerProcess, str]:
         endpoint = f"tcp://127.0.0.1:{free_port()}"
-        try:
-            args = [*REPLICA_ARGS, "--kv-events-endpoint", endpoint]
-            return start_server(args, tmp, {"STOKER_DB": db}, REPLICA_READY_S), endpoint
-        except RuntimeError as error:
-            if not port_was_taken(error) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+        args = [*REPLICA_ARGS, "--kv-events-endpoint", endpoint]
+        return start_server_once(args, tmp, {"STOKER_DB": db}, REPLICA_READY_S), endpoint
+
+    return on_free_ports(once)
 
 
 @pytest.fixture(scope="module")
