@@ -44,6 +44,7 @@ def main() -> None:
         speculative_method="none",
     )
     runner = llm.engine.runner
+    runner.model.repack.finish()  # the served steady state: every packable layer on its panels
     greedy = SampleRow(SamplingParams(temperature=0.0), [], [], None, [])
     num_blocks = runner.kv_caches[0][0].shape[0]
 

@@ -1,16 +1,14 @@
 """One product of a ladder rung's shape from the GGUF blocks and from the same
 weights repacked into the GEMM's panel order (kernels.ggml_pack), alternating,
 weights from memory: each call cycles through copies totalling at least 96 MB
-(three times a 32 MB L3), so none finds its weight cached. Median of REPEATS.
+(three times a 32 MB L3; COLD_MB sets it), so none finds its weight cached. Median of REPEATS.
 
     THREADS=1,2 M=1,2,3,4,8,16,64,512 python docs/perf/decode-step/packed_vs_blocks.py
 
 The 1B rung's Q4_K gate+up, o and down, the 0.5B rung's Q8_0 LM head (tied,
 151936 x 896) and a Q8_0 of its width, its Q5_0 gate+up, down and o, and the
-1B's gate+up and down in Q4_0; TYPES=Q4_K, Q8_0, Q5_0 or Q4_0 picks (a
-comma-separated list). (Q6_K is not
-packed; its figures in docs/perf/decode-step.md came from this script at 389c35c
-(SHAPES=q6), when it was.)
+1B's gate+up and down in Q4_0, and its Q6_K LM head (tied, 128256 x 2048), down
+and v; TYPES=Q4_K, Q8_0, Q5_0, Q4_0 or Q6_K picks (a comma-separated list).
 """
 
 from __future__ import annotations
@@ -36,8 +34,11 @@ SHAPES = [
     ("o", 896, 896, T.Q5_0),
     ("gate+up", 16384, 2048, T.Q4_0),
     ("down", 2048, 8192, T.Q4_0),
+    ("lm_head", 128256, 2048, T.Q6_K),
+    ("down", 2048, 8192, T.Q6_K),
+    ("v", 512, 2048, T.Q6_K),
 ]
-COLD_BYTES = 96e6
+COLD_BYTES = float(os.environ.get("COLD_MB", "96")) * 1e6
 
 
 def main() -> None:
@@ -47,7 +48,7 @@ def main() -> None:
     print(f"path {quant_isa()}; ms per product, median of {repeats}")
     print("| weight | type | n x k | threads | rows | blocks | packed | blocks ÷ packed |")
     print("|---|---|---|---|---|---|---|---|")
-    types = os.environ.get("TYPES", "Q4_K,Q8_0,Q5_0,Q4_0").split(",")
+    types = os.environ.get("TYPES", "Q4_K,Q8_0,Q5_0,Q4_0,Q6_K").split(",")
     for name, n, k, qtype in (shape for shape in SHAPES if shape[3].name in types):
         first = torch.from_numpy(random_blocks(qtype, n, k, seed=1))
         copies = int(COLD_BYTES // first.numel()) + 1

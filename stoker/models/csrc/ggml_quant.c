@@ -2114,6 +2114,8 @@ int ggml_quant_pack(int type, const uint8_t *w, int n, int k, uint8_t *dst, int 
         else if ((type == Q5_0 || type == Q4_0) && unpack)
             unpack_panel_nibbles(type, w + (size_t)p * panel, k, p, n, dst, row_bytes);
         else if (type == Q5_0 || type == Q4_0) pack_panel_nibbles(type, w, row_bytes, n, k, p, dst + (size_t)p * panel);
+        else if (type == Q6_K && unpack) unpack_panel_q6_k(w + (size_t)p * panel, k, p, n, dst, row_bytes);
+        else if (type == Q6_K) pack_panel_q6_k(w, row_bytes, n, k, p, dst + (size_t)p * panel);
         else if (unpack) unpack_panel_q4_k(w + (size_t)p * panel, k, p, n, dst, row_bytes);
         else pack_panel_q4_k(w, row_bytes, n, k, p, dst + (size_t)p * panel);
     }

@@ -1,4 +1,4 @@
-/* Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked once into the GEMM's panel order (included by
+/* Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 weights repacked once into the GEMM's panel order (included by
  * ggml_quant.c after the GEMM; every build packs and unpacks, the SIMD builds
  * multiply).
  *
@@ -39,10 +39,18 @@
  * (AVX-512) or with_high_bits' spread of half a u64 (256-bit builds). Q4_0 is
  * the same without the masks, PACKED_B_Q4_0 (18 bytes a column, as stored).
  *
- * Q6_K is not packed: its tile takes the 6-bit values apart from two planes
- * per load, and one or two rows read a layer's Q6_K (v, down) and the 1B's LM
- * head 12-18% slower from panels than the streamed row kernels read the blocks
- * (docs/perf/decode-step.md, "Weights repacked at load").
+ * Q6_K, per super-block, PACKED_SB_Q6_K (210 bytes a column, as stored):
+ *     d     fp16 [P]            as stored
+ *     sc    i8   [16][P]        16-value group g's scale of each column
+ *     ql    u8   [4][8][P][4]   the stored ql bytes 32s .. 32s + 31, by dwords
+ *     qh    u8   [2][8][P][4]   the stored qh bytes 32h .. 32h + 31, by dwords
+ * Chunk 4h + c of a super-block (its values 128h + 32c ..) is the low (c < 2)
+ * or high nibbles of ql stretch 2h + (c & 1) with bits 2c, 2c + 1 of qh
+ * stretch h as bits 4-5: the tile joins the two as it loads them (one
+ * vpternlogd with AVX-512). At 16 rows the GEMM unpacked every Q6_K panel per
+ * call and its tiles then read it again: on the 1B rung (its LM head and half
+ * its v and down are Q6_K) Q6_K was ~31% of a 16-row step for a third of the
+ * multiply-adds (docs/perf/decode-step.md, "Q6_K packed").
  *
  * Every output is the same integers and the same fp32 operations as
  * gemm_tile_k's or gemm_tile's (and so the small tiles'): bit for bit the unpacked kernels'
@@ -53,20 +61,27 @@
 #define PACKED_B_Q8_0 ((size_t)PACKED_PANEL * 34) /* d fp16 [P], then q + 128 [8][P][4] */
 #define PACKED_B_Q5_0 ((size_t)PACKED_PANEL * 22) /* d fp16 [P], fifth bits u64 [8][2], nibbles [4][P][4] */
 #define PACKED_B_Q4_0 ((size_t)PACKED_PANEL * 18) /* d fp16 [P], nibbles [4][P][4] */
+#define PACKED_SB_Q6_K ((size_t)PACKED_PANEL * 210)
 #define PACKED_Q5_QH ((size_t)PACKED_PANEL * 2)
+#define PACKED_Q6_SC ((size_t)PACKED_PANEL * 2)
+#define PACKED_Q6_QL ((size_t)PACKED_PANEL * 18)
+#define PACKED_Q6_QH ((size_t)PACKED_PANEL * 146)
 #define PACKED_D 0
 #define PACKED_DMIN ((size_t)PACKED_PANEL * 2)
 #define PACKED_SC ((size_t)PACKED_PANEL * 4)
 #define PACKED_MN ((size_t)PACKED_PANEL * 12)
 #define PACKED_QS ((size_t)PACKED_PANEL * 20)
 
-ALWAYS_INLINE int packable(int type) { return type == Q4_K || type == Q8_0 || type == Q5_0 || type == Q4_0; }
+ALWAYS_INLINE int packable(int type) {
+    return type == Q4_K || type == Q6_K || type == Q8_0 || type == Q5_0 || type == Q4_0;
+}
 
 /* Bytes of one panel of k-wide rows. */
 ALWAYS_INLINE size_t packed_panel_bytes(int type, int k) {
     return type == Q8_0   ? (size_t)(k / 32) * PACKED_B_Q8_0
            : type == Q5_0 ? (size_t)(k / 32) * PACKED_B_Q5_0
            : type == Q4_0 ? (size_t)(k / 32) * PACKED_B_Q4_0
+           : type == Q6_K ? (size_t)(k / 256) * PACKED_SB_Q6_K
                           : (size_t)(k / 256) * PACKED_SB_Q4_K;
 }
 
@@ -128,6 +143,39 @@ static void unpack_panel_q4_k(const uint8_t *src, int k, int p, int n, uint8_t *
                 s[j + 8] = (uint8_t)((sc[j + 4] & 0xF) | ((mn[j + 4] & 0xF) << 4));
             }
             gather_dwords(in + PACKED_QS, 32, blk + 16, c);
+        }
+    }
+}
+
+/* pack_panel_q4_k for Q6_K: d and the scales as stored, ql and qh by dwords. */
+static void pack_panel_q6_k(const uint8_t *w, size_t row_bytes, int n, int k, int p, uint8_t *dst) {
+    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
+    memset(dst, 0, packed_panel_bytes(Q6_K, k));
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        const uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int sb = 0; sb < nsb; sb++) {
+            const uint8_t *blk = row + (size_t)sb * 210;
+            uint8_t *out = dst + (size_t)sb * PACKED_SB_Q6_K;
+            memcpy(out + 2 * c, blk + 208, 2);
+            for (int g = 0; g < 16; g++) out[PACKED_Q6_SC + (size_t)g * P + c] = blk[192 + g];
+            scatter_dwords(blk, 32, out + PACKED_Q6_QL, c);
+            scatter_dwords(blk + 128, 16, out + PACKED_Q6_QH, c);
+        }
+    }
+}
+
+/* unpack_panel_q4_k for Q6_K. */
+static void unpack_panel_q6_k(const uint8_t *src, int k, int p, int n, uint8_t *w, size_t row_bytes) {
+    const int P = PACKED_PANEL, nsb = k / 256, j0 = p * P;
+    for (int c = 0; c < P && j0 + c < n; c++) {
+        uint8_t *row = w + (size_t)(j0 + c) * row_bytes;
+        for (int sb = 0; sb < nsb; sb++) {
+            uint8_t *blk = row + (size_t)sb * 210;
+            const uint8_t *in = src + (size_t)sb * PACKED_SB_Q6_K;
+            memcpy(blk + 208, in + 2 * c, 2);
+            for (int g = 0; g < 16; g++) blk[192 + g] = in[PACKED_Q6_SC + (size_t)g * P + c];
+            gather_dwords(in + PACKED_Q6_QL, 32, blk, c);
+            gather_dwords(in + PACKED_Q6_QH, 16, blk + 128, c);
         }
     }
 }
@@ -217,7 +265,7 @@ static void unpack_panel_nibbles(int type, const uint8_t *src, int k, int p, int
 #if EXACT_KERNELS
 /* AVX2's maddubs would saturate on Q8_0's values + 128: that path keeps its blocks on the tile kernels. */
 ALWAYS_INLINE int packed_serves(int type) {
-    return type == Q4_K || type == Q5_0 || type == Q4_0 || (type == Q8_0 && QUANT_ISA != 1);
+    return type == Q4_K || type == Q6_K || type == Q5_0 || type == Q4_0 || (type == Q8_0 && QUANT_ISA != 1);
 }
 
 #if QUANT_ISA == 3
@@ -229,6 +277,7 @@ ALWAYS_INLINE int packed_serves(int type) {
 #define PV_NEG(v) _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)))
 /* v's bytes + 0x10 where the u64 at p has their bit (v's values are nibbles: + is or) */
 #define PV_FIFTH(v, p) _mm512_mask_add_epi8(v, (__mmask64)load_u64(p), v, _mm512_set1_epi8(0x10))
+#define PV_SC8(p) _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p)))
 #else
 #define PV_SC(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #define PV_MN(p) _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p)))
@@ -237,7 +286,38 @@ ALWAYS_INLINE int packed_serves(int type) {
 #define PV_HIGH4(v) _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F))
 #define PV_NEG(v) _mm256_xor_ps(v, _mm256_set1_ps(-0.f))
 #define PV_FIFTH(v, p) with_high_bits(v, p) /* the u32 at p: 8 columns' bits */
+#define PV_SC8(p) _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
 #endif
+
+/* A packed Q6_K dword row's values of chunk c (0..3 of its half): ql's low (c < 2)
+ * or high nibbles, qh's bits 2c and 2c + 1 as bits 4-5 (16-bit shifts: what
+ * crosses into a neighbouring byte is masked off). */
+ALWAYS_INLINE gemm_i q6_join(gemm_i ql, gemm_i qh, const int c) {
+#if QUANT_ISA == 3
+    const __m512i h = c == 0   ? _mm512_slli_epi16(qh, 4)
+                      : c == 1 ? _mm512_slli_epi16(qh, 2)
+                      : c == 2 ? qh
+                               : _mm512_srli_epi16(qh, 2);
+    const __m512i l = c >= 2 ? _mm512_srli_epi16(ql, 4) : ql;
+    /* bits 0-3 from l, the rest from h (0xE4: c ? a : b) */
+    return _mm512_ternarylogic_epi32(l, _mm512_and_si512(h, _mm512_set1_epi8(0x30)), _mm512_set1_epi8(0x0F), 0xE4);
+#else
+    const __m256i h = c == 0   ? _mm256_slli_epi16(qh, 4)
+                      : c == 1 ? _mm256_slli_epi16(qh, 2)
+                      : c == 2 ? qh
+                               : _mm256_srli_epi16(qh, 2);
+    const __m256i l = c >= 2 ? _mm256_srli_epi16(ql, 4) : ql;
+    return _mm256_or_si256(_mm256_and_si256(l, _mm256_set1_epi8(0x0F)), _mm256_and_si256(h, _mm256_set1_epi8(0x30)));
+#endif
+}
+
+/* Chunk j's ql and qh dword rows in a packed Q6_K super-block, at the tile's first column c0. */
+ALWAYS_INLINE const uint8_t *q6_ql_rows(const uint8_t *in, int j, int c0) {
+    return in + PACKED_Q6_QL + (size_t)(2 * (j / 4) + (j & 1)) * 8 * 4 * PACKED_PANEL + (size_t)c0 * 4;
+}
+ALWAYS_INLINE const uint8_t *q6_qh_rows(const uint8_t *in, int j, int c0) {
+    return in + PACKED_Q6_QH + (size_t)(j / 4) * 8 * 4 * PACKED_PANEL + (size_t)c0 * 4;
+}
 
 ALWAYS_INLINE uint64_t load_u64(const uint8_t *p) {
     uint64_t v;
@@ -315,6 +395,55 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
     }
 }
 
+/* Chunk j = 4h + c of a packed Q6_K super-block (c a constant: its shifts are
+ * immediates, and a loop over c took 1.25x the blocks' time at one row): the
+ * dots of each 16-value group, from -32 times x's sum over it, times the
+ * group's scale into p. */
+ALWAYS_INLINE void packed_chunk_q6_k(const int MR, const int c, const int8_t *const *x, const int16_t *const *bs,
+                                     const uint8_t *in, int sb, int h, int c0, gemm_i p[GEMM_MR][2]) {
+    const int j = 4 * h + c, b = sb * 8 + j, P = PACKED_PANEL;
+    const uint8_t *ql = q6_ql_rows(in, j, c0), *qh = q6_qh_rows(in, j, c0);
+    gemm_i s[GEMM_MR][2];
+    for (int g = 0; g < 2; g++) { /* the chunk's values 16g .. 16g + 15: dword rows 4g .. 4g + 3 */
+        for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = GV_SET1_I(-32 * (int32_t)bs[r][2 * j + g]);
+#pragma GCC unroll 4
+        for (int t = 4 * g; t < 4 * g + 4; t++) {
+            const uint8_t *l = ql + (size_t)t * 4 * P, *q = qh + (size_t)t * 4 * P;
+            gemm_dot_rows(MR, x, b, t, q6_join(GV_LOAD_I(l), GV_LOAD_I(q), c),
+                          q6_join(GV_LOAD_I(l + 4 * GEMM_LANES), GV_LOAD_I(q + 4 * GEMM_LANES), c), s);
+        }
+        const uint8_t *sc = in + PACKED_Q6_SC + (size_t)(2 * j + g) * P + c0;
+        gemm_scale_into(MR, PV_SC8(sc), PV_SC8(sc + GEMM_LANES), s, p);
+    }
+}
+
+/* MR rows of x by GEMM_PANEL columns of a packed Q6_K panel from column c0:
+ * gemm_tile_k's Q6_K arithmetic, the values joined as they load. */
+ALWAYS_INLINE void packed_tile_q6_k(const int MR, const xq_t *xq, const size_t *at, int nsb, const uint8_t *panel,
+                                    int c0, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
+    const int k = xq->k;
+    const int8_t *x[GEMM_MR];
+    packed_tile_start(MR, xq, at, x, out);
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
+        const int16_t *bs[GEMM_MR];
+        for (int r = 0; r < MR; r++) bs[r] = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
+        gemm_i p[GEMM_MR][2];
+        for (int r = 0; r < MR; r++) p[r][0] = p[r][1] = GV_ZERO_I();
+        for (int h = 0; h < 2; h++) {
+            prefetch_share(pf, sb * 8 + 4 * h, nsb * 8);
+            packed_chunk_q6_k(MR, 0, x, bs, in, sb, h, c0, p);
+            prefetch_share(pf, sb * 8 + 4 * h + 1, nsb * 8);
+            packed_chunk_q6_k(MR, 1, x, bs, in, sb, h, c0, p);
+            prefetch_share(pf, sb * 8 + 4 * h + 2, nsb * 8);
+            packed_chunk_q6_k(MR, 2, x, bs, in, sb, h, c0, p);
+            prefetch_share(pf, sb * 8 + 4 * h + 3, nsb * 8);
+            packed_chunk_q6_k(MR, 3, x, bs, in, sb, h, c0, p);
+        }
+        packed_d_term(MR, xq, at, nsb, sb, in + PACKED_D + 2 * (size_t)c0, p, out);
+    }
+}
+
 /* MR rows of x by GEMM_PANEL columns of a packed Q8_0 panel from column c0: gemm_tile's
  * Q8_0 arithmetic (each block's dot from -128 times x's sum, then one fma). */
 ALWAYS_INLINE void packed_tile_q8_0(const int MR, const xq_t *xq, const size_t *at, int nb, const uint8_t *panel,
@@ -388,9 +517,10 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
  * same bits. */
 #define PACKED_EXPAND_ROWS 32
-/* With AMX, Q4_K too where the tiles serve (amx_serves): they read the GEMM's panel. */
+/* Q6_K too (its values joined from two planes), and with AMX Q4_K where the
+ * tiles serve (amx_serves): they read the GEMM's panel. */
 ALWAYS_INLINE int packed_expands(int type, int m) {
-    return amx_serves(type, m) || ((type == Q5_0 || type == Q4_0) && m >= PACKED_EXPAND_ROWS);
+    return amx_serves(type, m) || ((type == Q5_0 || type == Q4_0 || type == Q6_K) && m >= PACKED_EXPAND_ROWS);
 }
 #if QUANT_ISA == 3
 #define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
@@ -413,6 +543,39 @@ ALWAYS_INLINE void packed_expand_nibbles(const int type, const uint8_t *panel, i
         }
         GV_STORE_F(d + (size_t)b * GEMM_PANEL, PV_D(in + 2 * (size_t)c0));
         GV_STORE_F(d + (size_t)b * GEMM_PANEL + GEMM_LANES, PV_D(in + 2 * (size_t)(c0 + GEMM_LANES)));
+    }
+}
+
+/* packed_expand_nibbles for Q6_K: gemm_unpack_k's panel (the values by dword rows,
+ * each 32 values' lower and upper 16's scales as int32 in the places of the
+ * scales and the mins, d as floats, dmin zero). */
+static void packed_expand_q6_k(const uint8_t *panel, int nb, int c0, uint8_t *scratch) {
+    const int nsb = nb / 8, P = PACKED_PANEL;
+    int32_t *sc = (int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
+    float *d = (float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
+    for (int sb = 0; sb < nsb; sb++) {
+        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) { /* unrolled: q6_join's shifts by constants */
+            const uint8_t *ql = q6_ql_rows(in, j, c0), *qh = q6_qh_rows(in, j, c0);
+            uint8_t *dst = scratch + (size_t)(sb * 8 + j) * 32 * GEMM_PANEL;
+            for (int t = 0; t < 8; t++)
+                for (int v = 0; v < 2; v++) {
+                    const size_t at = (size_t)t * 4 * P + 4 * (size_t)GEMM_LANES * v;
+                    PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL + 4 * (size_t)GEMM_LANES * v,
+                               q6_join(GV_LOAD_I(ql + at), GV_LOAD_I(qh + at), j % 4));
+                }
+            const uint8_t *s = in + PACKED_Q6_SC + (size_t)(2 * j) * P + c0;
+            for (int v = 0; v < 2; v++) {
+                PV_STORE_I(sc + (size_t)(sb * 8 + j) * GEMM_PANEL + GEMM_LANES * v, PV_SC8(s + GEMM_LANES * v));
+                PV_STORE_I(mn + (size_t)(sb * 8 + j) * GEMM_PANEL + GEMM_LANES * v, PV_SC8(s + P + GEMM_LANES * v));
+            }
+        }
+        for (int v = 0; v < 2; v++) {
+            const uint8_t *dv = in + PACKED_D + 2 * (size_t)(c0 + GEMM_LANES * v);
+            GV_STORE_F(d + (size_t)sb * GEMM_PANEL + GEMM_LANES * v, PV_D(dv));
+            GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL + GEMM_LANES * v, GV_ZERO_F());
+        }
     }
 }
 
@@ -451,7 +614,7 @@ static void packed_expand_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
 }
 #endif
 
-/* units: the weight's 256-value super-blocks (Q4_K) or 32-value blocks (Q8_0, Q5_0, Q4_0) a row. */
+/* units: the weight's 256-value super-blocks (Q4_K, Q6_K) or 32-value blocks (Q8_0, Q5_0, Q4_0) a row. */
 typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, const uint8_t *panel, int c0,
                                panel_ahead_t pf, gemm_f out[GEMM_MR][2]);
 #define PACKED_TILE_FN(T, MR)                                                                                        \
@@ -472,6 +635,7 @@ typedef void (*packed_tile_fn)(const xq_t *xq, const size_t *at, int units, cons
 #endif
 /* The tiles of 1 .. GEMM_MR rows. */
 PACKED_TILES(q4_k)
+PACKED_TILES(q6_k)
 PACKED_TILES(q8_0)
 PACKED_TILES(q5_0)
 PACKED_TILES(q4_0)
@@ -491,6 +655,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
     const packed_tile_fn *tiles_of = type == Q8_0   ? packed_tiles_q8_0
                                      : type == Q5_0 ? packed_tiles_q5_0
                                      : type == Q4_0 ? packed_tiles_q4_0
+                                     : type == Q6_K ? packed_tiles_q6_k
                                                     : packed_tiles_q4_k;
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
@@ -511,6 +676,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             const int cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
             if (expanded && type == Q5_0) packed_expand_nibbles(Q5_0, panel, units, h * GEMM_PANEL, scratch);
             else if (expanded && type == Q4_0) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
+            else if (expanded && type == Q6_K) packed_expand_q6_k(panel, units * 8, h * GEMM_PANEL, scratch);
 #if AMX_TILES
             else if (expanded) packed_expand_q4_k(panel, units * 8, scratch);
             if (m_amx)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
@@ -234,7 +235,7 @@ def _served(x: torch.Tensor) -> bool:
 
 def packs(qtype: GGMLQuantizationType) -> bool:
     """Whether the path in use multiplies `qtype` from weights repacked into its
-    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K, Q8_0, Q5_0 and Q4_0 on
+    GEMM's panel order (ggml_pack; csrc/packed_panels.h): Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 on
     the SIMD paths (but AVX2's Q8_0, which stays on the tile kernels)."""
     lib = _lib()
     return lib is not None and qtype in SUPPORTED_TYPES and bool(lib.ggml_quant_packed_serves(int(qtype)))
@@ -251,11 +252,30 @@ def ggml_pack(weight: torch.Tensor, qtype: GGMLQuantizationType, num_threads: in
     size = int(lib.ggml_quant_packed_bytes(int(qtype), weight.shape[0], k))
     if size == 0:
         return None
-    packed = torch.empty(size, dtype=torch.uint8)
+    packed = huge_page_bytes(size)
     lib.ggml_quant_pack(
         int(qtype), weight.data_ptr(), weight.shape[0], k, packed.data_ptr(), 0, num_threads or torch.get_num_threads()
     )
     return packed
+
+
+def huge_page_bytes(size: int) -> torch.Tensor:
+    """A uint8 tensor of `size` bytes on transparent huge pages where Linux offers them
+    (MADV_HUGEPAGE: the default THP setting, "madvise", gives them only to memory that
+    asks). One decoding row streams every packed weight from memory, and on 4 KiB
+    pages the TLB misses showed: one row of the 1B rung's Q6_K LM head took 25.0 ms
+    on one thread against 16.8 ms on huge pages, and its blocks read from the GGUF's
+    mapping 16.7-17.2 ms (docs/perf/decode-step.md, "Q6_K packed")."""
+    if size <= 0:
+        return torch.empty(0, dtype=torch.uint8)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            buffer.madvise(advice)
+        except OSError:  # a kernel built without THP: 4 KiB pages, the same bytes
+            pass
+    return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
 def ggml_unpack(packed: torch.Tensor, qtype: GGMLQuantizationType, n: int, k: int) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Weights repacked for the GEMM after the model serves, not before it can.
 
-Repacking (csrc/packed_panels.h) reads every Q4_K, Q8_0, Q5_0 and Q4_0 weight and
+Repacking (csrc/packed_panels.h) reads every Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 weight and
 writes a copy: ~0.25 s for a 1B model, 4-10 s for an 8B one, most of it the
 copy's first-touch page faults, and all of it from disk when the file is not
 in the page cache. Done at load, it took an 8B's start to ready from 3 s to

@@ -177,7 +177,7 @@ class _Part:
 
 def packs(qtype: GGMLQuantizationType) -> bool:
     """Whether a linear layer's `qtype` weights are repacked (_Part): where the path
-    in use multiplies them so (Q4_K, Q8_0, Q5_0, Q4_0), unless STOKER_DISABLE_PACKED_GGML=1."""
+    in use multiplies them so (Q4_K, Q6_K, Q8_0, Q5_0, Q4_0), unless STOKER_DISABLE_PACKED_GGML=1."""
     k = kernels()
     return k is not None and os.environ.get("STOKER_DISABLE_PACKED_GGML") != "1" and bool(k.packs(qtype))
 

@@ -1,8 +1,10 @@
-"""Q4_K, Q8_0, Q5_0 and Q4_0 weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
+"""Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0 weights repacked at load into the GEMM's panel order (csrc/packed_panels.h),
 on every ISA path this CPU can run: the same bits as the GGUF blocks give, at
 every row count, and the blocks back from the packing bit for bit."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,8 +19,8 @@ from stoker.models.quant.weights import GGMLLinear, GGMLTensor, packs
 T = GGMLQuantizationType
 pytestmark = pytest.mark.skipif(kernels._library("portable") is None, reason="no C compiler")
 
-# panels of 32 columns; (values, bytes) a column and unit: a Q4_K super-block, a Q8_0, Q5_0 or Q4_0 block
-PANEL, UNIT = 32, {T.Q4_K: (256, 148), T.Q8_0: (32, 34), T.Q5_0: (32, 22), T.Q4_0: (32, 18)}
+# panels of 32 columns; (values, bytes) a column and unit: a Q4_K or Q6_K super-block, a Q8_0, Q5_0 or Q4_0 block
+PANEL, UNIT = 32, {T.Q4_K: (256, 148), T.Q6_K: (256, 210), T.Q8_0: (32, 34), T.Q5_0: (32, 22), T.Q4_0: (32, 18)}
 PACKED = sorted(UNIT)
 
 
@@ -54,8 +56,8 @@ def test_packing_round_trips_bit_for_bit(isa: str, n: int, k: int, qtype: GGMLQu
 
 
 def test_what_is_packed_and_which_paths_multiply_it(isa: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Q4_K, Q8_0, Q5_0 and Q4_0, where the path multiplies them; no other type (Q6_K's one-row products read panels slower)."""
-    for qtype in (T.Q4_1, T.Q6_K):
+    """Q4_K, Q6_K, Q8_0, Q5_0 and Q4_0, where the path multiplies them; no other type."""
+    for qtype in (T.Q4_1, T.Q5_K):
         assert ggml_pack(torch.from_numpy(random_blocks(qtype, 4, 256, seed=1)), qtype) is None
         assert not packs(qtype)
     for qtype in PACKED:
@@ -117,12 +119,12 @@ def test_packed_bad_inputs_raise_value_error(isa: str) -> None:
 def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
     isa: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """GGMLLinear packs a Q4_K run where the path multiplies it so (a Q6_K part
+    """GGMLLinear packs a Q4_K run where the path multiplies it so (a Q5_K part
     beside it stays blocks); its output, dequantized weight and fallbacks are
     the blocks' own: bit for bit where the kernels serve, dense from the unpacked
     blocks where they do not (the path switched to portable after loading)."""
     parts = [GGMLTensor(blocks_of(50, 512, seed=s), T.Q4_K, 512) for s in (3, 4)]
-    parts.append(GGMLTensor(torch.from_numpy(random_blocks(T.Q6_K, 16, 512, seed=5)), T.Q6_K, 512))
+    parts.append(GGMLTensor(torch.from_numpy(random_blocks(T.Q5_K, 16, 512, seed=5)), T.Q5_K, 512))
     bias = torch.randn(116)
     x = torch.randn(6, 512)
     packed = GGMLLinear(parts, bias)
@@ -135,7 +137,7 @@ def test_linear_layers_pack_their_q4_k_runs_and_answer_as_the_blocks_do(
         assert torch.equal(packed(x[:rows]), blocks(x[:rows]))
     monkeypatch.setenv("STOKER_QUANT_ISA", "portable")
     want = x @ torch.cat([p.dequantize() for p in parts]).T + bias
-    # x rounded to int8 per 256 in the Q6_K part's kernels: ~0.7% of the product's norm
+    # x rounded to int8 per 256 in the Q5_K part's kernels: ~0.7% of the product's norm
     assert float((packed(x) - want).norm() / want.norm()) < 0.015
     assert (packed.parts[0].dense is not None) == (isa != "portable")
 
@@ -144,8 +146,6 @@ def test_packing_gives_back_the_mapped_pages(isa: str, tmp_path: object) -> None
     """A file-mapped Q4_K weight, once packed, leaves none of its pages mapped (the copy replaces them)."""
     if isa == "portable":
         pytest.skip("nothing is packed on the portable path")
-    from pathlib import Path
-
     path = Path(str(tmp_path)) / "w.bin"
     blocks = random_blocks(T.Q4_K, 2048, 2048, seed=6)  # 4.5 MiB
     blocks.tofile(path)
@@ -165,3 +165,28 @@ def test_packing_gives_back_the_mapped_pages(isa: str, tmp_path: object) -> None
 def _rss_file() -> int:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssFile:"))
+
+
+def test_packed_weights_ask_for_huge_pages() -> None:
+    """A packed copy is memory that asked for transparent huge pages (VmFlags `hg`):
+    on 4 KiB pages one decoding row's TLB misses cost the 1B's Q6_K LM head 1.5x
+    its time. Where the kernel has no THP the same bytes sit on small pages."""
+    if not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists():
+        pytest.skip("this kernel offers no transparent huge pages")
+    packed = ggml_pack(blocks_of(64, 2048, seed=7, qtype=T.Q6_K), T.Q6_K)
+    assert packed is not None
+    assert "hg" in _vm_flags(packed.data_ptr())
+    assert torch.equal(ggml_unpack(packed, T.Q6_K, 64, 2048), blocks_of(64, 2048, seed=7, qtype=T.Q6_K))
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
