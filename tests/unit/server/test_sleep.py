@@ -159,23 +159,34 @@ def test_concurrent_requests_during_a_wake_all_succeed_with_one_wake(server: Ser
 
 def test_sleep_drains_first_and_a_request_arriving_meanwhile_waits_and_wakes_it(server: ServerProcess) -> None:
     user = {"Authorization": f"Bearer {KEYS['user']}"}
-    long = {"model": "awake", "messages": PROMPT, "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+    # 200 tokens (~0.4 s of the tiny model): 40 took 70 ms, and a request that ended
+    # between two looks at the state left the first wait below spinning until the timeout.
+    long = {"model": "awake", "messages": PROMPT, "max_tokens": 200, "ignore_eos": True, "temperature": 0}
     short = {"model": "awake", "messages": PROMPT, "max_tokens": 4, "temperature": 0}
+
+    async def state(client: httpx.AsyncClient) -> dict:
+        """awake's state, asked without blocking the loop that sends the requests."""
+        listing = (await client.get("/admin/models", headers=_admin())).json()
+        return next(m["stable"] for m in listing["data"] if m["name"] == "awake")
 
     async def race() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            deadline = time.monotonic() + 60
             in_flight = asyncio.create_task(client.post("/v1/chat/completions", json=long, headers=user))
-            while not _stable(server, "awake")["in_flight"]:
-                await asyncio.sleep(0.01)
+            while not (await state(client))["in_flight"]:
+                assert not in_flight.done(), "the long request ended before it was seen in flight"
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
             sleeping = asyncio.create_task(client.post("/sleep", params={"model": "awake"}, headers=_admin()))
-            while not _stable(server, "awake")["sleeping"]:  # the gate is shut; the engine still runs
-                await asyncio.sleep(0.01)
+            while not (await state(client))["sleeping"]:  # the gate is shut; the engine still runs
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.005)
             late = await client.post("/v1/chat/completions", json=short, headers=user)
             return await in_flight, await sleeping, late
 
     wakes = _stable(server, "awake")["wakes"]
     in_flight, sleeping, late = asyncio.run(race())
-    assert in_flight.status_code == 200 and in_flight.json()["usage"]["completion_tokens"] == 40
+    assert in_flight.status_code == 200 and in_flight.json()["usage"]["completion_tokens"] == 200
     assert sleeping.status_code == 200, sleeping.text
     assert late.status_code == 200, late.text
     stable = _stable(server, "awake")
