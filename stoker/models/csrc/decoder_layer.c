@@ -127,6 +127,7 @@ typedef struct {
     int num_groups;
     int *group_order; /* the groups, most attention work (keys read over their rows) first */
     int16_t *isum32;       /* integer sums of qs32 per 32 (the exact kernels' offset term) */
+    int16_t *isum256;      /* integer sums of qs256 per 32 (the K-quants' mins term) */
     uint8_t *gemm_scratch; /* per thread: gemm_scratch_bytes(kmax, n); none for a small decode step */
     size_t gemm_scratch_size;
     float *lora_h;    /* [n, lora_width]: a row's A x for the linear in hand */
@@ -163,8 +164,13 @@ static inline float silu(float g) {
 /* ---- linear layers inside the parallel region --------------------------- */
 
 static inline xq_t xq_for(const Buffers *b, int be, int k) {
-    if (be == 32) return (xq_t){b->qs32, b->d32, b->s32, b->bsums32, k, b->isum32};
-    return (xq_t){b->qs256, b->d256, b->s256, b->bsums256, k, NULL};
+    if (be == 32) return (xq_t){.qs = b->qs32, .d = b->d32, .s = b->s32, .bsums = b->bsums32, .k = k, .isum = b->isum32};
+    return (xq_t){.qs = b->qs256,
+                  .d = b->d256,
+                  .s = b->s256,
+                  .bsums = b->bsums256,
+                  .k = k,
+                  .isum = b->isum256};
 }
 
 /* Row r of x (k = L->in_features wide) rounded to int8 for every block size L's parts use. */
@@ -420,7 +426,8 @@ static void rows_before_linear(RowOp op, const Model *M, const Layer *Ly, const 
     X(s256, float, kmax / 32)       \
     X(bsums32, int16_t, kmax / 16)  \
     X(bsums256, int16_t, kmax / 16) \
-    X(isum32, int16_t, kmax / 32)
+    X(isum32, int16_t, kmax / 32)   \
+    X(isum256, int16_t, kmax / 32)
 
 /* Thread t's view of the step's buffers: with private_rows, its own copy of
  * the per-row inputs of the linears. */

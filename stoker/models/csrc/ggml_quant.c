@@ -225,7 +225,7 @@ typedef struct {
     float *s;       /* [m, k / 32] d * sum(qs) per block (types with a min term) */
     int16_t *bsums; /* [m, k / 16] sums of 16 (K-quants) */
     int k;
-    int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term), or NULL where no GEMM runs */
+    int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term; K-quants: their mins'), or NULL where no GEMM runs */
 } xq_t;
 
 /* (y + 1.5 * 2^23) - 1.5 * 2^23 rounds half to even for |y| < 2^22 without
@@ -291,11 +291,15 @@ static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, c
             xq->s[row * (size_t)nb + b] = d * (float)sum;
             if (xq->isum) xq->isum[row * (size_t)nb + b] = (int16_t)sum;
         } else {
+            int16_t *bs = xq->bsums + row * (size_t)(k / 16) + (size_t)b * 16;
             for (int g = 0; g < 16; g++) {
                 int gs = 0;
                 for (int e = 0; e < 16; e++) gs += qs[b * be + g * 16 + e];
-                xq->bsums[row * (size_t)(k / 16) + b * 16 + g] = (int16_t)gs;
+                bs[g] = (int16_t)gs;
             }
+            if (xq->isum) /* the sums of 32 that the K-quants' mins term takes (k_mins_dots) */
+                for (int j = 0; j < 8; j++)
+                    xq->isum[row * (size_t)(k / 32) + (size_t)b * 8 + j] = (int16_t)(bs[2 * j] + bs[2 * j + 1]);
         }
     }
 }
@@ -875,12 +879,16 @@ ALWAYS_INLINE void panel_prefetch(const void *p, int nb) {
 
 /* Q4_K / Q5_K's M of one row of x and a super-block, for two column vectors, from the
  * mins of sub-blocks 2i and 2i + 1 as int16 pairs (mins[i][v], as gemm_unpack_k stores
- * them): two sub-blocks a vpdpwssd against x's sums of 32 (bs: its 16 sums of 16). */
-ALWAYS_INLINE void k_mins_dots(const int16_t *bs, const gemm_i mins[4][2], gemm_i mm[2]) {
+ * them): two sub-blocks a vpdpwssd against x's sums of 32 (sums32: the super-block's 8,
+ * xq_t's isum, made once by quantize_row: summed from the sums of 16 per row,
+ * tile and panel, they took ~40 scalar instructions of each row's fp32 step,
+ * as many as its vector ones, and AMX tiles' products waited on them). */
+ALWAYS_INLINE void k_mins_dots(const int16_t *sums32, const gemm_i mins[4][2], gemm_i mm[2]) {
     mm[0] = mm[1] = GV_ZERO_I();
     for (int i = 0; i < 4; i++) {
-        const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
-        const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+        int32_t pair; /* sub-blocks 2i and 2i + 1: int16 lanes as vpdpwssd pairs them */
+        memcpy(&pair, sums32 + 2 * i, sizeof pair);
+        const gemm_i xs = GV_SET1_I(pair);
         mm[0] = GV_DPWSSD(mm[0], mins[i][0], xs);
         mm[1] = GV_DPWSSD(mm[1], mins[i][1], xs);
     }
@@ -1345,7 +1353,6 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
         const gemm_f d0 = GV_LOAD_F(d + sb * GEMM_PANEL), d1 = GV_LOAD_F(d + sb * GEMM_PANEL + GEMM_LANES);
         const gemm_f m0 = GV_LOAD_F(dmin + sb * GEMM_PANEL), m1 = GV_LOAD_F(dmin + sb * GEMM_PANEL + GEMM_LANES);
         for (int r = 0; r < MR; r++) {
-            const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
             if (type == Q6_K) {
                 out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(p[r][0]), d0), dx, out[r][0]);
@@ -1355,8 +1362,9 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
             /* M, two sub-blocks a vpdpwssd: their mins against x's sums of 32 (at most 32 * 128, an int16) */
             gemm_i mm0 = GV_ZERO_I(), mm1 = GV_ZERO_I();
             for (int i = 0; i < 4; i++) {
-                const int xs0 = (int)bs[4 * i] + (int)bs[4 * i + 1], xs1 = (int)bs[4 * i + 2] + (int)bs[4 * i + 3];
-                const gemm_i xs = GV_SET1_I((int32_t)((uint32_t)(uint16_t)xs0 | (uint32_t)(uint16_t)xs1 << 16));
+                int32_t pair; /* sub-blocks 2i and 2i + 1: int16 lanes as vpdpwssd pairs them */
+                memcpy(&pair, xq->isum + at[r] * (size_t)(k / 32) + (size_t)sb * 8 + 2 * i, sizeof pair);
+                const gemm_i xs = GV_SET1_I(pair);
                 const int32_t *mi = mn + (size_t)(sb * 4 + i) * GEMM_PANEL;
                 mm0 = GV_DPWSSD(mm0, GV_LOAD_I(mi), xs);
                 mm1 = GV_DPWSSD(mm1, GV_LOAD_I(mi + GEMM_LANES), xs);
@@ -2043,9 +2051,12 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
     /* x's int8 rows and the scratch on cache lines: a tile load (amx_tiles.h) of rows
      * straddling two lines took 1.4x as long */
-    xq_t xq = {aligned_64((size_t)m * k), malloc(sizeof(float) * (size_t)m * (k / 32)),
-               malloc(sizeof(float) * (size_t)m * (k / 32)), malloc(sizeof(int16_t) * (size_t)m * (k / 16)), k,
-               exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
+    xq_t xq = {.qs = aligned_64((size_t)m * k),
+               .d = malloc(sizeof(float) * (size_t)m * (k / 32)),
+               .s = malloc(sizeof(float) * (size_t)m * (k / 32)),
+               .bsums = malloc(sizeof(int16_t) * (size_t)m * (k / 16)),
+               .k = k,
+               .isum = exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
     const size_t scratch_bytes = exact && (!packed || packed_expands(type, m)) ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? aligned_64(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;

@@ -384,11 +384,10 @@ ALWAYS_INLINE void packed_tile_q4_k(const int MR, const xq_t *xq, const size_t *
             mnv[i][1] = PV_MN(mi + 2 * GEMM_LANES);
         }
         for (int r = 0; r < MR; r++) {
-            const int16_t *bs = xq->bsums + at[r] * (size_t)(k / 16) + (size_t)sb * 16;
             const gemm_f dx = GV_SET1_F(xq->d[at[r] * (size_t)nsb + sb]);
             /* M, as gemm_tile_k (its term after P's, as there) */
             gemm_i mm[2];
-            k_mins_dots(bs, (const gemm_i(*)[2])mnv, mm);
+            k_mins_dots(xq->isum + at[r] * (size_t)(k / 32) + (size_t)sb * 8, (const gemm_i(*)[2])mnv, mm);
             out[r][0] = GV_FMADD(GV_MUL_F(GV_CVT(mm[0]), m0), dx, out[r][0]);
             out[r][1] = GV_FMADD(GV_MUL_F(GV_CVT(mm[1]), m1), dx, out[r][1]);
         }
