@@ -301,3 +301,17 @@ async def wait_for(predicate, timeout: float, what: str, interval: float = 0.02)
     while not predicate():
         assert time.monotonic() < deadline, f"{what} not within {timeout} s"
         await asyncio.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_put_back() -> Iterator[None]:
+    """An in-process engine started with num_threads=2 (tests/unit/models/test_fused_decoder.py)
+    sets torch's thread count for the whole worker. Left there, every later test on that
+    worker computed on two threads beside the other worker: CI once ran
+    test_fidelity.py's first test past its 600 s timeout (~80 s on one thread), its
+    main thread waiting at an OpenMP barrier. Put back after each test."""
+    yield
+    torch = sys.modules.get("torch")
+    wanted = os.environ.get("OMP_NUM_THREADS", "") if IN_XDIST_WORKER else ""
+    if torch is not None and wanted.isdigit() and torch.get_num_threads() != int(wanted):
+        torch.set_num_threads(int(wanted))
