@@ -107,6 +107,7 @@ class RedisRateLimiter:
         clock: Callable[[], float] | None = None,
         prefix: str = "stoker",
         count_failure: Callable[[str], None] | None = None,
+        socket_timeout: float = SOCKET_TIMEOUT,
     ) -> None:
         self.url = url
         self.count_failure = count_failure
@@ -123,8 +124,8 @@ class RedisRateLimiter:
             url,
             max_connections=MAX_CONNECTIONS,
             timeout=POOL_WAIT,
-            socket_connect_timeout=SOCKET_TIMEOUT,
-            socket_timeout=SOCKET_TIMEOUT,
+            socket_connect_timeout=socket_timeout,
+            socket_timeout=socket_timeout,
             retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
             health_check_interval=10,
         )

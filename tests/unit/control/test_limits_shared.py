@@ -36,6 +36,10 @@ _prefix = iter(range(10**6))
 def redis_limiter(server: RedisServer, **kw) -> RedisRateLimiter:
     # A fresh key prefix per limiter group keeps tests apart in the one Redis.
     kw.setdefault("prefix", f"t{next(_prefix)}-{time.monotonic_ns()}")
+    # A live Redis gets a long timeout here: on a loaded CI machine this process was once
+    # not scheduled for over a second, and asyncio ran the 1 s connect timeout before the
+    # finished connect, so a request got the store's 503 in a test about concurrency.
+    kw.setdefault("socket_timeout", 10.0)
     return RedisRateLimiter(server.url, **kw)
 
 
