@@ -231,7 +231,8 @@ static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratc
         if (G == 2) amx_rows(2, type, xq, (size_t)r0, nb, scratch, hi, lo, &ahead, out);
         else amx_rows(1, type, xq, (size_t)r0, nb, scratch, hi, lo, &ahead, out);
         for (int r = 0; r < G * AMX_ROWS; r++)
-            write_row(y, (size_t)(r0 + r), y_stride, j0, out[r], cols, y_bf16, bias, accumulate);
+            write_vectors(y, (size_t)(r0 + r), y_stride, j0, GV_LOAD_F(out[r]), GV_LOAD_F(out[r] + GEMM_LANES), cols,
+                          y_bf16, bias, accumulate);
         r0 += G * AMX_ROWS;
     }
 }

@@ -827,6 +827,26 @@ typedef __m256 gemm_f;
 #endif
 #endif
 #define GEMM_PANEL (2 * GEMM_LANES)
+
+/* write_row for a tile's row held as two vectors (GEMM_PANEL columns from j0).
+ * Whole fp32 rows go as vectors, in write_row's order of additions (bias, then
+ * the residual): its loop over elements compiled to a memcpy (rep movsq), 5% of
+ * a 16-row decode step. */
+ALWAYS_INLINE void write_vectors(void *y, size_t row, long y_stride, int j0, gemm_f v0, gemm_f v1, int cols,
+                                 int y_bf16, const float *bias, int accumulate) {
+    if (cols == GEMM_PANEL && !y_bf16) {
+        float *at = (float *)y + row * (size_t)y_stride + j0;
+        if (bias) v0 = GV_ADD_F(v0, GV_LOAD_F(bias + j0)), v1 = GV_ADD_F(v1, GV_LOAD_F(bias + j0 + GEMM_LANES));
+        if (accumulate) v0 = GV_ADD_F(GV_LOAD_F(at), v0), v1 = GV_ADD_F(GV_LOAD_F(at + GEMM_LANES), v1);
+        GV_STORE_F(at, v0);
+        GV_STORE_F(at + GEMM_LANES, v1);
+        return;
+    }
+    float vals[GEMM_PANEL];
+    GV_STORE_F(vals, v0);
+    GV_STORE_F(vals + GEMM_LANES, v1);
+    write_row(y, row, y_stride, j0, vals, cols, y_bf16, bias, accumulate);
+}
 /* Rows of x from which the GEMM serves a call, every type alike: below, the
  * small tiles (each weight block unpacked once per pair of rows) beat one
  * unpack of each panel for all rows. Since the K-quants' panel unpack works a
@@ -1425,28 +1445,10 @@ ALWAYS_INLINE panel_ahead_t ahead_share(const uint8_t *ahead, size_t lines, size
     return (panel_ahead_t){ahead ? ahead + 64 * from : NULL, to - from};
 }
 
-/* A tile's mr rows of output (columns j0 .. j0 + cols - 1) into y, by write_row. */
+/* A tile's mr rows of output (columns j0 .. j0 + cols - 1) into y, by write_vectors. */
 ALWAYS_INLINE void write_tile(int mr, const size_t *at, gemm_f out[GEMM_MR][2], void *y, long y_stride, int j0,
                               int cols, int y_bf16, const float *bias, int accumulate) {
-    if (cols == GEMM_PANEL && !y_bf16) {
-        /* Whole fp32 rows as vectors, in write_row's order of additions: its loop over
-         * elements became a memcpy here (rep movsq), 5% of a 16-row decode step. */
-        for (int r = 0; r < mr; r++) {
-            float *row = (float *)y + at[r] * (size_t)y_stride + j0;
-            gemm_f v0 = out[r][0], v1 = out[r][1];
-            if (bias) v0 = GV_ADD_F(v0, GV_LOAD_F(bias + j0)), v1 = GV_ADD_F(v1, GV_LOAD_F(bias + j0 + GEMM_LANES));
-            if (accumulate) v0 = GV_ADD_F(GV_LOAD_F(row), v0), v1 = GV_ADD_F(GV_LOAD_F(row + GEMM_LANES), v1);
-            GV_STORE_F(row, v0);
-            GV_STORE_F(row + GEMM_LANES, v1);
-        }
-        return;
-    }
-    for (int r = 0; r < mr; r++) {
-        float vals[GEMM_PANEL];
-        GV_STORE_F(vals, out[r][0]);
-        GV_STORE_F(vals + GEMM_LANES, out[r][1]);
-        write_row(y, at[r], y_stride, j0, vals, cols, y_bf16, bias, accumulate);
-    }
+    for (int r = 0; r < mr; r++) write_vectors(y, at[r], y_stride, j0, out[r][0], out[r][1], cols, y_bf16, bias, accumulate);
 }
 
 /* Thread t of nt's share of the GEMM: a contiguous range of panels, each
