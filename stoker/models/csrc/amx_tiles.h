@@ -196,7 +196,7 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, in
                             const int8_t *hi, const int8_t *lo, const amx_ahead_t *ahead,
                             float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int nsb = nb / 8;
-    const int8_t *x = xq->qs + r0 * (size_t)xq->k;
+    const int8_t *x = xq_row(xq, r0);
     /* on cache lines: a bare loop of TDPBSSDs whose sums were stored 16 bytes off a line ran 1.2x as long */
     amx_c_t c[2] __attribute__((aligned(64)));
     for (int r = 0; r < G * AMX_ROWS; r++) {
@@ -204,7 +204,7 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, in
         GV_STORE_F(out[r] + GEMM_LANES, GV_ZERO_F());
     }
     for (int sb = 0; sb <= nsb; sb++) {
-        if (sb < nsb) amx_superblock(G, x, (size_t)xq->k, sb, hi, lo, c[sb % 2]);
+        if (sb < nsb) amx_superblock(G, x, xq_stride(xq->k), sb, hi, lo, c[sb % 2]);
         if (sb) amx_take(G, type, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
         for (int r = ahead->rows * sb / (nsb + 1); r < ahead->rows * (sb + 1) / (nsb + 1); r++) {
             __builtin_prefetch(ahead->y + (size_t)r * ahead->stride, 1);

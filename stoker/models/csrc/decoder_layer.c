@@ -418,8 +418,8 @@ static void rows_before_linear(RowOp op, const Model *M, const Layer *Ly, const 
 #define PRIVATE_ROW_FIELDS(X)       \
     X(normed, float, M->hidden)     \
     X(act, float, M->intermediate)  \
-    X(qs32, int8_t, kmax)           \
-    X(qs256, int8_t, kmax)          \
+    X(qs32, int8_t, xq_stride(kmax)) \
+    X(qs256, int8_t, xq_stride(kmax)) \
     X(d32, float, kmax / 32)        \
     X(s32, float, kmax / 32)        \
     X(d256, float, kmax / 32)       \

@@ -228,6 +228,12 @@ typedef struct {
     int16_t *isum; /* [m, k / 32] sum(qs) per 32 (the GEMM's offset term; K-quants: their mins'), or NULL where no GEMM runs */
 } xq_t;
 
+/* Bytes from one row of an xq_t's qs to the next: k and a cache line more, so
+ * that the 16 rows an AMX tile loads (and the GEMM's tiles read side by side)
+ * do not fall into one L1 set where k is a multiple of 4 KB. */
+ALWAYS_INLINE size_t xq_stride(int k) { return (size_t)k + 64; }
+ALWAYS_INLINE int8_t *xq_row(const xq_t *xq, size_t row) { return xq->qs + row * xq_stride(xq->k); }
+
 /* (y + 1.5 * 2^23) - 1.5 * 2^23 rounds half to even for |y| < 2^22 without
  * libm: vroundps/rint's result in the default rounding mode. Then clamped to
  * +-127 and stored as int8; returns the integers. */
@@ -290,7 +296,7 @@ ALWAYS_INLINE void quantize_256(const float *v, int8_t *qs, float *d_out, int16_
 
 static void quantize_row(const void *x, int x_bf16, size_t row, int k, int be, const xq_t *xq) {
     const int nb = k / be;
-    int8_t *qs = xq->qs + row * (size_t)k;
+    int8_t *qs = xq_row(xq, row);
     int b = 0;
     for (; !x_bf16 && be == 32 && b + 8 <= nb; b += 8)
         quantize_32x8((const float *)x + row * (size_t)k + (size_t)b * 32, qs + b * 32, xq->d + row * (size_t)nb + b,
@@ -609,7 +615,7 @@ ALWAYS_INLINE void tile32(const int type, const int MR, const int NR, const uint
         }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
-            const int8_t *x = xq->qs + row * k + (size_t)b * 32;
+            const int8_t *x = xq_row(xq, row) + (size_t)b * 32;
             const scale_t dx = scale_of(xq->d[row * nb + b]);
             for (int j = 0; j < NR; j++) {
                 const isum_t p = is_signed32(type) ? dot_signed(wb[j].q, wb[j].aq, x) : dot_unsigned(wb[j].q, x);
@@ -639,7 +645,7 @@ ALWAYS_INLINE void tilek(const int type, const int MR, const int NR, const uint8
         }
         for (int i = 0; i < MR; i++) {
             const size_t row = i0 + i;
-            const int8_t *x = xq->qs + row * k + (size_t)b * 256;
+            const int8_t *x = xq_row(xq, row) + (size_t)b * 256;
             const int16_t *bs = xq->bsums + row * (k / 16) + (size_t)b * 16;
             const scale_t dxs = scale_of(xq->d[row * nb + b]);
             for (int j = 0; j < NR; j++) {
@@ -1303,7 +1309,7 @@ ALWAYS_INLINE void gemm_tile(const int MR, const xq_t *xq, const size_t *at, int
     const float *d = (const float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
     for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)k;
+        x[r] = xq_row(xq, at[r]);
         out[r][0] = out[r][1] = GV_ZERO_F();
     }
     for (int b = 0; b < nb; b++) {
@@ -1353,7 +1359,7 @@ ALWAYS_INLINE void gemm_tile_k(const int type, const int MR, const xq_t *xq, con
     const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
     for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)k;
+        x[r] = xq_row(xq, at[r]);
         out[r][0] = out[r][1] = GV_ZERO_F();
     }
     for (int sb = 0; sb < nsb; sb++) {
@@ -1551,7 +1557,7 @@ ALWAYS_INLINE void exact_tile(const int type, const int MR, const int NR, const 
     const int ts = ggml_quant_type_size(type), k = xq->k, nb = k / 32;
     __m256 acc = _mm256_setzero_ps();
     const int8_t *x[2];
-    for (int i = 0; i < MR; i++) x[i] = xq->qs + rows[i] * (size_t)k;
+    for (int i = 0; i < MR; i++) x[i] = xq_row(xq, rows[i]);
     for (int b = 0; b < nb; b++) {
         float dx[2], sx[2];
         __m256i p[8];
@@ -1598,7 +1604,7 @@ ALWAYS_INLINE void exact_tile_k(const int type, const int MR, const int NR, cons
             for (int c = 0; c < 8; c++) {
                 const __m256i q = k_values(type, blk, c), scale = scale_one((int)((sc8 >> (8 * c)) & 0xFF));
                 for (int i = 0; i < MR; i++) {
-                    const int8_t *xc = xq->qs + rows[i] * (size_t)k + (size_t)sb * 256 + 32 * c;
+                    const int8_t *xc = xq_row(xq, rows[i]) + (size_t)sb * 256 + 32 * c;
                     p[i * NR + j] = _mm256_add_epi32(p[i * NR + j], dot_scaled(q, xc, scale));
                 }
             }
@@ -1633,7 +1639,7 @@ ALWAYS_INLINE void exact_tile_q6k(const int MR, const int NR, const uint8_t *con
             for (int c = 0; c < 8; c++) {
                 const __m256i q = q6_values(blk, c), scale = scales_pair(sc[2 * c], sc[2 * c + 1]);
                 for (int i = 0; i < MR; i++) {
-                    const int8_t *xc = xq->qs + rows[i] * (size_t)k + (size_t)sb * 256 + 32 * c;
+                    const int8_t *xc = xq_row(xq, rows[i]) + (size_t)sb * 256 + 32 * c;
                     p[i * NR + j] = _mm256_add_epi32(p[i * NR + j], dot_scaled(q, xc, scale));
                 }
             }
@@ -1809,7 +1815,7 @@ ALWAYS_INLINE void exact_rows(const int type, const int MR, const uint8_t *const
     const int8_t *x[4];
     const int16_t *bsums[4];
     for (int i = 0; i < MR; i++) {
-        x[i] = xq->qs + rows[i] * (size_t)k;
+        x[i] = xq_row(xq, rows[i]);
         bsums[i] = xq->bsums + rows[i] * (size_t)(k / 16);
     }
     /* each pair of rows of x its own arrays: as planes of one array, three rows of Q4_K ran 6% slower */
@@ -2081,7 +2087,7 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
     /* x's int8 rows and the scratch on cache lines: a tile load (amx_tiles.h) of rows
      * straddling two lines took 1.4x as long */
-    xq_t xq = {.qs = aligned_64((size_t)m * k),
+    xq_t xq = {.qs = aligned_64((size_t)m * xq_stride(k)),
                .d = malloc(sizeof(float) * (size_t)m * (k / 32)),
                .s = malloc(sizeof(float) * (size_t)m * (k / 32)),
                .bsums = malloc(sizeof(int16_t) * (size_t)m * (k / 16)),

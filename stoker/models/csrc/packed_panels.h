@@ -339,7 +339,7 @@ ALWAYS_INLINE void packed_dots(const int MR, const int high, const int8_t *const
 ALWAYS_INLINE void packed_tile_start(const int MR, const xq_t *xq, const size_t *at, const int8_t *x[GEMM_MR],
                                      gemm_f out[GEMM_MR][2]) {
     for (int r = 0; r < MR; r++) {
-        x[r] = xq->qs + at[r] * (size_t)xq->k;
+        x[r] = xq_row(xq, at[r]);
         out[r][0] = out[r][1] = GV_ZERO_F();
     }
 }
