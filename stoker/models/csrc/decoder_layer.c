@@ -415,18 +415,18 @@ static void rows_before_linear(RowOp op, const Model *M, const Layer *Ly, const 
 /* The per-row inputs of the linears and each one's width in elements: with
  * private_rows, lay_out places a copy of them per thread and thread_buffers
  * points thread t at its own (`M` and `kmax` in scope where it is expanded). */
-#define PRIVATE_ROW_FIELDS(X)       \
-    X(normed, float, M->hidden)     \
-    X(act, float, M->intermediate)  \
-    X(qs32, int8_t, xq_stride(kmax)) \
+#define PRIVATE_ROW_FIELDS(X)         \
+    X(normed, float, M->hidden)       \
+    X(act, float, M->intermediate)    \
+    X(qs32, int8_t, xq_stride(kmax))  \
     X(qs256, int8_t, xq_stride(kmax)) \
-    X(d32, float, kmax / 32)        \
-    X(s32, float, kmax / 32)        \
-    X(d256, float, kmax / 32)       \
-    X(s256, float, kmax / 32)       \
-    X(bsums32, int16_t, kmax / 16)  \
-    X(bsums256, int16_t, kmax / 16) \
-    X(isum32, int16_t, kmax / 32)   \
+    X(d32, float, kmax / 32)          \
+    X(s32, float, kmax / 32)          \
+    X(d256, float, kmax / 32)         \
+    X(s256, float, kmax / 32)         \
+    X(bsums32, int16_t, kmax / 16)    \
+    X(bsums256, int16_t, kmax / 16)   \
+    X(isum32, int16_t, kmax / 32)     \
     X(isum256, int16_t, kmax / 32)
 
 /* Thread t's view of the step's buffers: with private_rows, its own copy of

@@ -1305,7 +1305,6 @@ ALWAYS_INLINE void gemm_dots(const int MR, const int8_t *const *x, int b, const 
 /* MR (<= GEMM_MR) rows of x (at[]) by the unpacked panel: out[r][0] its first GEMM_LANES columns, out[r][1] the rest. */
 ALWAYS_INLINE void gemm_tile(const int MR, const xq_t *xq, const size_t *at, int nb, int offset, int has_min,
                              const uint8_t *scratch, panel_ahead_t pf, gemm_f out[GEMM_MR][2]) {
-    const int k = xq->k;
     const float *d = (const float *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = d + (size_t)nb * GEMM_PANEL;
     const int8_t *x[GEMM_MR];
     for (int r = 0; r < MR; r++) {
