@@ -20,7 +20,11 @@
  * then gemm_tile_k's fp32 operations in its order, one lane per output: every
  * output is the VNNI GEMM's, bit for bit, and batch invariance holds across the
  * switch (which depends on m alone). The mins' term M (Q4_K, Q5_K) is the
- * vector units' as in gemm_tile_k.
+ * vector units' as in gemm_tile_k. Packed Q4_K splits the scale instead (sc =
+ * 8 * sh + sl: planes sh * q and sl * q, P = 8 * hi + lo), one multiply a
+ * vector straight from the packed panel (amx_planes_q4_k, packed_panels.h):
+ * cheap enough that its tiles serve from 16 rows, a super-block's planes made
+ * just before the tiles take them while they stay in L1.
  *
  * The other types keep the VNNI GEMM: their exact arithmetic has an fp32 term
  * per 32-value block, so the tiles would go to memory every block; tried that
@@ -52,8 +56,20 @@ static int amx_permitted(void) {
 #define AMX_MIN_ROWS 64
 ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX_MIN_ROWS && amx_permitted(); }
 
-/* Bytes of the two planes of a panel of k values a column (after gemm_panel_bytes' panel). */
+/* Packed Q4_K makes its planes straight from the packed panel in one pass
+ * (amx_planes_q4_k, packed_panels.h), cheap enough to pay from one group of 16
+ * rows: a decode step of 16 sequences. */
+#define AMX_PACKED_MIN_ROWS 16
+#define AMX_FUSED_MAX_ROWS 64
+ALWAYS_INLINE int amx_serves_packed(int type, int m) {
+    return type == Q4_K ? m >= AMX_PACKED_MIN_ROWS && amx_permitted() : amx_serves(type, m);
+}
+
+/* Bytes of the two planes of a panel of k values a column, and where they lie:
+ * after gemm_panel_bytes' panel in a thread's scratch. */
 ALWAYS_INLINE size_t amx_planes_bytes(int k) { return 2 * (size_t)k * GEMM_PANEL; }
+ALWAYS_INLINE int8_t *amx_hi(uint8_t *scratch, int k) { return (int8_t *)(scratch + gemm_panel_bytes(k)); }
+ALWAYS_INLINE int8_t *amx_lo(uint8_t *scratch, int k) { return amx_hi(scratch, k) + (size_t)k * GEMM_PANEL; }
 
 /* The unpacked K-quant panel (gemm_unpack_k's scratch: values by dword rows,
  * int32 scales a column per 32 values, Q6_K's upper 16 in the mins' place)
@@ -108,9 +124,10 @@ static void amx_begin(void) {
 }
 ALWAYS_INLINE void amx_end(void) { _tile_release(); }
 
-/* c[h][g][plane][r][q]: row 16g + r of x with column 16h + q of the hi / lo plane, over super-block sb. */
+/* c[h][g][plane][r][q]: row 16g + r of x with column 16h + q of the hi / lo plane, over
+ * one super-block: x and the planes from where that super-block starts. */
 typedef int32_t amx_c_t[2][2][2][AMX_ROWS][GEMM_LANES];
-ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride, int sb, const int8_t *hi,
+ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride, const int8_t *hi,
                                   const int8_t *lo, amx_c_t c) {
     for (int h = 0; h < 2; h++) {
         _tile_zero(0);
@@ -120,8 +137,8 @@ ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride,
             _tile_zero(3);
         }
         for (int step = 0; step < 4; step++) { /* 64 values, two 32-value blocks' dword rows */
-            const size_t w_at = (size_t)(sb * 8 + 2 * step) * 32 * GEMM_PANEL + (size_t)h * 4 * GEMM_LANES;
-            const size_t x_at = (size_t)sb * 256 + 64 * (size_t)step;
+            const size_t w_at = (size_t)(2 * step) * 32 * GEMM_PANEL + (size_t)h * 4 * GEMM_LANES;
+            const size_t x_at = 64 * (size_t)step;
             _tile_loadd(6, hi + w_at, 4 * GEMM_PANEL);
             _tile_loadd(7, lo + w_at, 4 * GEMM_PANEL);
             _tile_loadd(4, x + x_at, (long)x_stride);
@@ -142,14 +159,15 @@ ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride,
     }
 }
 
-/* P = 64 * hi + lo of row r, column half h, from the tiles' sums. */
-ALWAYS_INLINE gemm_i amx_p(amx_c_t c, int h, int r) {
-    return GV_ADD_I(_mm512_slli_epi32(GV_LOAD_I(c[h][r / AMX_ROWS][0][r % AMX_ROWS]), 6),
+/* P = 2^shift * hi + lo of row r, column half h, from the tiles' sums (shift: 6 for
+ * amx_planes' planes, 3 for amx_planes_q4_k's). */
+ALWAYS_INLINE gemm_i amx_p(const int shift, amx_c_t c, int h, int r) {
+    return GV_ADD_I(_mm512_slli_epi32(GV_LOAD_I(c[h][r / AMX_ROWS][0][r % AMX_ROWS]), shift),
                     GV_LOAD_I(c[h][r / AMX_ROWS][1][r % AMX_ROWS]));
 }
 
 /* gemm_tile_k's fp32 terms of super-block sb: P's, then M's (Q4_K, Q5_K) as there. */
-ALWAYS_INLINE void amx_take(const int G, int type, const xq_t *xq, size_t r0, int sb, int nb, const uint8_t *scratch,
+ALWAYS_INLINE void amx_take(const int G, int type, const int shift, const xq_t *xq, size_t r0, int sb, int nb, const uint8_t *scratch,
                             amx_c_t c, float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
@@ -164,8 +182,8 @@ ALWAYS_INLINE void amx_take(const int G, int type, const xq_t *xq, size_t r0, in
     for (int r = 0; r < G * AMX_ROWS; r++) {
         const size_t row = r0 + (size_t)r;
         const gemm_f dx = GV_SET1_F(xq->d[row * (size_t)nsb + sb]);
-        gemm_f o0 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 0, r)), d0), dx, GV_LOAD_F(out[r]));
-        gemm_f o1 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(c, 1, r)), d1), dx, GV_LOAD_F(out[r] + GEMM_LANES));
+        gemm_f o0 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(shift, c, 0, r)), d0), dx, GV_LOAD_F(out[r]));
+        gemm_f o1 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(shift, c, 1, r)), d1), dx, GV_LOAD_F(out[r] + GEMM_LANES));
         if (type != Q6_K) {
             gemm_i mm[2];
             k_mins_dots(xq->isum + row * (size_t)(k / 32) + (size_t)sb * 8, (const gemm_i(*)[2])mins, mm);
@@ -188,15 +206,25 @@ typedef struct {
     int rows;           /* how many */
 } amx_ahead_t;
 
+/* Defined with the packed layout (packed_panels.h): super-block sb of a packed
+ * Q4_K panel as planes at hi, lo (one super-block's) and its mins and scales in
+ * scratch, as amx_planes_q4_k makes a whole panel's. */
+static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
+                               panel_ahead_t pf);
+
 /* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out,
  * super-block by super-block, pipelined as two stages: the tiles take
  * super-block i into one of two buffers while the vector units take i - 1's
- * from the other; each stage asks for its share of `ahead`. */
-ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, int nb, const uint8_t *scratch,
-                            const int8_t *hi, const int8_t *lo, const amx_ahead_t *ahead,
-                            float out[2 * AMX_ROWS][GEMM_PANEL]) {
+ * from the other; each stage asks for its share of `ahead`. With `packed` (a
+ * packed Q4_K panel) each super-block's planes are made just before the tiles
+ * take them, into hi and lo, which then hold one super-block: they stay in L1,
+ * where a whole panel's (128 KB at k = 2048) went to L2 and back. */
+ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *xq, size_t r0, int nb,
+                            uint8_t *scratch, int8_t *hi, int8_t *lo, const uint8_t *packed, panel_ahead_t pf,
+                            const amx_ahead_t *ahead, float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int nsb = nb / 8;
     const int8_t *x = xq_row(xq, r0);
+    const size_t sb_plane = 8 * 32 * GEMM_PANEL;
     /* on cache lines: a bare loop of TDPBSSDs whose sums were stored 16 bytes off a line ran 1.2x as long */
     amx_c_t c[2] __attribute__((aligned(64)));
     for (int r = 0; r < G * AMX_ROWS; r++) {
@@ -204,8 +232,13 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, in
         GV_STORE_F(out[r] + GEMM_LANES, GV_ZERO_F());
     }
     for (int sb = 0; sb <= nsb; sb++) {
-        if (sb < nsb) amx_superblock(G, x, xq_stride(xq->k), sb, hi, lo, c[sb % 2]);
-        if (sb) amx_take(G, type, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
+        if (sb < nsb && packed) {
+            amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, pf);
+            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2]);
+        } else if (sb < nsb) {
+            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane, c[sb % 2]);
+        }
+        if (sb) amx_take(G, type, shift, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
         for (int r = ahead->rows * sb / (nsb + 1); r < ahead->rows * (sb + 1) / (nsb + 1); r++) {
             __builtin_prefetch(ahead->y + (size_t)r * ahead->stride, 1);
             __builtin_prefetch(ahead->y + (size_t)r * ahead->stride + ahead->bytes - 1, 1);
@@ -213,14 +246,16 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const xq_t *xq, size_t r0, in
     }
 }
 
-/* Rows 0 .. m16 - 1 (whole AMX_ROWS) of x by the unpacked K-quant panel at scratch
- * (its planes made right after the panel, gemm_scratch_bytes) into y's columns
- * j0 .. j0 + cols - 1, as write_tile writes the GEMM's: 32 rows at a time (each
- * weight tile taken by two of x), 16 for an odd last group. */
-static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratch, void *y, long y_stride, int j0,
-                      int cols, int y_bf16, const float *bias, int accumulate) {
-    int8_t *hi = (int8_t *)(scratch + gemm_panel_bytes(xq->k)), *lo = hi + (size_t)xq->k * GEMM_PANEL;
-    amx_planes(type, nb, scratch, hi, lo);
+/* Rows 0 .. m16 - 1 (whole AMX_ROWS) of x by the panel's planes (amx_hi, amx_lo:
+ * made by the caller, P = 2^shift * hi + lo; or, given `packed`, a super-block
+ * at a time by amx_rows) and its mins and scales in the unpacked panel's places
+ * at scratch into y's columns j0 .. j0 + cols - 1, as write_tile writes the
+ * GEMM's: 32 rows at a time (each weight tile taken by two of x), 16 for an
+ * odd last group. */
+static void amx_panel(int type, const int shift, const xq_t *xq, int m16, int nb, uint8_t *scratch,
+                      const uint8_t *packed, panel_ahead_t pf, void *y, long y_stride, int j0, int cols, int y_bf16, const float *bias,
+                      int accumulate) {
+    int8_t *hi = amx_hi(scratch, xq->k), *lo = amx_lo(scratch, xq->k);
     float out[2 * AMX_ROWS][GEMM_PANEL] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < m16;) {
         const int G = m16 - r0 >= 2 * AMX_ROWS ? 2 : 1;
@@ -228,8 +263,10 @@ static void amx_panel(int type, const xq_t *xq, int m16, int nb, uint8_t *scratc
         const size_t y_elem = y_bf16 ? 2 : 4;
         const amx_ahead_t ahead = {(const char *)y + ((size_t)next * (size_t)y_stride + (size_t)j0) * y_elem,
                                    (size_t)y_stride * y_elem, (size_t)cols * y_elem, next_rows};
-        if (G == 2) amx_rows(2, type, xq, (size_t)r0, nb, scratch, hi, lo, &ahead, out);
-        else amx_rows(1, type, xq, (size_t)r0, nb, scratch, hi, lo, &ahead, out);
+        /* the first group's planes ask for the panel ahead (packed), the others read what it brought */
+        const panel_ahead_t group_pf = r0 ? (panel_ahead_t){NULL, 0} : pf;
+        if (G == 2) amx_rows(2, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
+        else amx_rows(1, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
         for (int r = 0; r < G * AMX_ROWS; r++)
             write_vectors(y, (size_t)(r0 + r), y_stride, j0, GV_LOAD_F(out[r]), GV_LOAD_F(out[r] + GEMM_LANES), cols,
                           y_bf16, bias, accumulate);
@@ -242,6 +279,7 @@ ALWAYS_INLINE int amx_serves(int type, int m) {
     (void)type, (void)m;
     return 0;
 }
+ALWAYS_INLINE int amx_serves_packed(int type, int m) { return amx_serves(type, m); }
 ALWAYS_INLINE size_t amx_planes_bytes(int k) {
     (void)k;
     return 0;

@@ -942,14 +942,31 @@ ALWAYS_INLINE size_t gemm_panel_bytes(int k) {
     return (size_t)k * GEMM_PANEL + 2 * sizeof(float) * ((size_t)(k / 32) + (size_t)(k / 256)) * GEMM_PANEL;
 }
 
+/* A later panel's weight rows, asked for while this panel's tiles run: at 8-16
+ * rows of x the unpack's own asking (eight rows ahead) left most of a step's
+ * time with no weight bytes in flight, the tiles computing while nothing was
+ * fetched, and then the unpack waiting on memory (the LM head's product at 16
+ * rows spent ~40% of its time in the unpack). Block b of a tile's nb asks
+ * for its even share of the tile's `lines` cache lines from `ahead` (none when
+ * ahead is NULL). */
+typedef struct {
+    const uint8_t *ahead;
+    size_t lines;
+} panel_ahead_t;
+ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
+    if (!pf.ahead) return;
+    const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
+    for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
+}
+
 #include "amx_tiles.h"
 
 /* Bytes of one thread's GEMM scratch for m rows of k elements: none below
  * GEMM_MIN_ROWS, else one unpacked panel, and where the AMX tiles can serve m
- * rows (of a K-quant) its planes. */
+ * rows (of a K-quant, packed or not) its planes. */
 static size_t gemm_scratch_bytes(int k, int m) {
     if (m < GEMM_MIN_ROWS) return 0;
-    return gemm_panel_bytes(k) + (amx_serves(Q4_K, m) ? amx_planes_bytes(k) : 0);
+    return gemm_panel_bytes(k) + (amx_serves_packed(Q4_K, m) ? amx_planes_bytes(k) : 0);
 }
 
 /* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
@@ -1265,23 +1282,6 @@ static void gemm_unpack(int type, const uint8_t *w, size_t row_bytes, int cols, 
 #undef UNPACK_AS
 }
 
-/* A later panel's weight rows, asked for while this panel's tiles run: at 8-16
- * rows of x the unpack's own asking (eight rows ahead) left most of a step's
- * time with no weight bytes in flight, the tiles computing while nothing was
- * fetched, and then the unpack waiting on memory (the LM head's product at 16
- * rows spent ~40% of its time in the unpack). Block b of a tile's nb asks
- * for its even share of the tile's `lines` cache lines from `ahead` (none when
- * ahead is NULL). */
-typedef struct {
-    const uint8_t *ahead;
-    size_t lines;
-} panel_ahead_t;
-ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
-    if (!pf.ahead) return;
-    const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
-    for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
-}
-
 /* s[r] += the dots of x's rows (values 4t .. 4t + 3 of block b) with the two column vectors w0, w1. */
 ALWAYS_INLINE void gemm_dot_rows(const int MR, const int8_t *const *x, int b, int t, gemm_i w0, gemm_i w1,
                                  gemm_i s[GEMM_MR][2]) {
@@ -1480,8 +1480,10 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
         const int j0 = p * GEMM_PANEL, cols = n - j0 < GEMM_PANEL ? n - j0 : GEMM_PANEL;
         gemm_unpack(type, w + (size_t)j0 * row_bytes, row_bytes, cols, nb, scratch);
 #if AMX_TILES
-        if (m_amx)
-            amx_panel(type, xq, m_amx, nb, scratch, y, y_stride, j0, cols, y_bf16, bias, accumulate);
+        if (m_amx) {
+            amx_planes(type, nb, scratch, amx_hi(scratch, xq->k), amx_lo(scratch, xq->k));
+            amx_panel(type, 6, xq, m_amx, nb, scratch, NULL, (panel_ahead_t){NULL, 0}, y, y_stride, j0, cols, y_bf16, bias, accumulate);
+        }
 #endif
         /* The rows of the panel PANELS_AHEAD on (contiguous in W), asked for in even
          * shares by this panel's tiles; none past the thread's last panel. */
@@ -2092,7 +2094,8 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
                .bsums = malloc(sizeof(int16_t) * (size_t)m * (k / 16)),
                .k = k,
                .isum = exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
-    const size_t scratch_bytes = exact && (!packed || packed_expands(type, m)) ? gemm_scratch_bytes(k, m) : 0;
+    const size_t scratch_bytes =
+        exact && (!packed || packed_expands(type, m) || amx_serves_packed(type, m)) ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? aligned_64(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
     if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {

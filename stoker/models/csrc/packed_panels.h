@@ -516,10 +516,12 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
  * same bits. */
 #define PACKED_EXPAND_ROWS 32
-/* Q6_K too (its values joined from two planes), and with AMX Q4_K where the
- * tiles serve (amx_serves): they read the GEMM's panel. */
+#define AMX_PANELS_AHEAD 2
+/* Q6_K too (its values joined from two planes; and where the AMX tiles serve it,
+ * amx_planes reads the GEMM's panel). Packed Q4_K never: the AMX tiles' planes
+ * are made from the packed panel itself (amx_planes_q4_k). */
 ALWAYS_INLINE int packed_expands(int type, int m) {
-    return amx_serves(type, m) || ((type == Q5_0 || type == Q4_0 || type == Q6_K) && m >= PACKED_EXPAND_ROWS);
+    return (type == Q5_0 || type == Q4_0 || type == Q6_K) && m >= PACKED_EXPAND_ROWS;
 }
 #if QUANT_ISA == 3
 #define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
@@ -579,37 +581,64 @@ static void packed_expand_q6_k(const uint8_t *panel, int nb, int c0, uint8_t *sc
 }
 
 #if AMX_TILES
-/* packed_expand_nibbles for Q4_K: the nibbles split by sub-block, the scales widened to
- * gemm_unpack_k's int32 and int16 pairs, dmin negated as there. */
-static void packed_expand_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
+/* A packed Q4_K panel straight to the AMX planes (amx_tiles.h), no unpacked
+ * copy between: w = sc * q split by the scale, sc = 8 * sh + sl, as the planes
+ * hi = sh * q and lo = sl * q (each at most 7 * 15 = 105), so that P = 8 * (x .
+ * hi) + x . lo, the same integer. An int16 lane holds two values of one column
+ * (a dword row's bytes) whose products are below 256, so one vpmullw by the
+ * column's sh (in both halves of its dword) makes both bytes: no carry crosses.
+ * The mins as int16 pairs and d, -dmin as floats go where amx_take reads them
+ * (gemm_unpack_k's places). Made through the unpacked panel and amx_planes
+ * (each value widened to int16, multiplied, split), the planes cost more than
+ * 16 rows' dots: the tiles served from 64 rows only. */
+static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
+                               panel_ahead_t pf) {
     const int nsb = nb / 8, P = PACKED_PANEL;
-    int32_t *sc = (int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL), *mn = sc + (size_t)nb * GEMM_PANEL;
+    int32_t *mn = (int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
     float *d = (float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
-    for (int sb = 0; sb < nsb; sb++) {
-        const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q4_K;
-        for (int j = 0; j < 8; j++) {
-            const uint8_t *pair = in + PACKED_QS + (size_t)(j / 2) * 8 * 4 * P;
-            uint8_t *dst = scratch + (size_t)(sb * 8 + j) * 32 * GEMM_PANEL;
-            for (int t = 0; t < 8; t++) {
-                const uint8_t *row = pair + (size_t)t * 4 * P;
-                const gemm_i raw0 = GV_LOAD_I(row), raw1 = GV_LOAD_I(row + 4 * GEMM_LANES);
-                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL, j & 1 ? PV_HIGH4(raw0) : PV_LOW4(raw0));
-                PV_STORE_I(dst + (size_t)t * 4 * GEMM_PANEL + 4 * GEMM_LANES, j & 1 ? PV_HIGH4(raw1) : PV_LOW4(raw1));
+    const __m512i seven = _mm512_set1_epi32(7);
+    const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q4_K;
+    for (int i = 0; i < 4; i++) { /* sub-blocks 2i (low nibbles) and 2i + 1 (high) */
+        __m512i sh[2][2], sl[2][2]; /* [high][column half v]: each column's piece in both int16 lanes */
+        for (int high = 0; high < 2; high++)
+            for (int v = 0; v < 2; v++) {
+                const __m512i s = PV_SC(in + PACKED_SC + (size_t)(2 * i + high) * P + GEMM_LANES * v);
+                const __m512i h = _mm512_srli_epi32(s, 3), l = _mm512_and_si512(s, seven);
+                sh[high][v] = _mm512_or_si512(h, _mm512_slli_epi32(h, 16));
+                sl[high][v] = _mm512_or_si512(l, _mm512_slli_epi32(l, 16));
             }
-            const uint8_t *s = in + PACKED_SC + (size_t)j * P;
-            PV_STORE_I(sc + (size_t)(sb * 8 + j) * GEMM_PANEL, PV_SC(s));
-            PV_STORE_I(sc + (size_t)(sb * 8 + j) * GEMM_PANEL + GEMM_LANES, PV_SC(s + GEMM_LANES));
+        const uint8_t *pair = in + PACKED_QS + (size_t)i * 8 * 4 * P;
+        for (int t = 0; t < 8; t++) {
+            prefetch_share(pf, (sb * 4 + i) * 8 + t, nsb * 32);
+            for (int v = 0; v < 2; v++) {
+                const __m512i raw = GV_LOAD_I(pair + (size_t)t * 4 * P + 4 * GEMM_LANES * v);
+                const __m512i q[2] = {PV_LOW4(raw), PV_HIGH4(raw)};
+                for (int high = 0; high < 2; high++) {
+                    const size_t out =
+                        (size_t)(2 * i + high) * 32 * GEMM_PANEL + (size_t)t * 4 * GEMM_PANEL + 4 * (size_t)GEMM_LANES * v;
+                    PV_STORE_I(hi + out, _mm512_mullo_epi16(q[high], sh[high][v]));
+                    PV_STORE_I(lo + out, _mm512_mullo_epi16(q[high], sl[high][v]));
+                }
+            }
         }
-        for (int i = 0; i < 4; i++) {
-            const uint8_t *mi = in + PACKED_MN + (size_t)i * P * 2;
-            PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL, PV_MN(mi));
-            PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL + GEMM_LANES, PV_MN(mi + 2 * GEMM_LANES));
-        }
-        GV_STORE_F(d + (size_t)sb * GEMM_PANEL, PV_D(in + PACKED_D));
-        GV_STORE_F(d + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_D(in + PACKED_D + 2 * GEMM_LANES));
-        GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL, PV_NEG(PV_D(in + PACKED_DMIN)));
-        GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_NEG(PV_D(in + PACKED_DMIN + 2 * GEMM_LANES)));
     }
+    for (int i = 0; i < 4; i++) {
+        const uint8_t *mi = in + PACKED_MN + (size_t)i * P * 2;
+        PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL, PV_MN(mi));
+        PV_STORE_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL + GEMM_LANES, PV_MN(mi + 2 * GEMM_LANES));
+    }
+    GV_STORE_F(d + (size_t)sb * GEMM_PANEL, PV_D(in + PACKED_D));
+    GV_STORE_F(d + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_D(in + PACKED_D + 2 * GEMM_LANES));
+    GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL, PV_NEG(PV_D(in + PACKED_DMIN)));
+    GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_NEG(PV_D(in + PACKED_DMIN + 2 * GEMM_LANES)));
+}
+
+/* A whole panel's planes, for prompts: made once, taken by every group of rows. */
+static void amx_planes_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
+    int8_t *hi = amx_hi(scratch, nb * 32), *lo = amx_lo(scratch, nb * 32);
+    for (int sb = 0; sb < nb / 8; sb++)
+        amx_planes_q4_k_sb(panel, sb, nb, scratch, hi + (size_t)sb * 8 * 32 * GEMM_PANEL,
+                           lo + (size_t)sb * 8 * 32 * GEMM_PANEL, (panel_ahead_t){NULL, 0});
 }
 #endif
 
@@ -660,7 +689,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int expanded = packed_expands(type, m);
     /* rows 0 .. m_amx - 1 on the AMX tiles, from the expanded panel (amx_tiles.h) */
-    const int m_amx = amx_serves(type, m) && lo < hi ? m - m % AMX_ROWS : 0;
+    const int m_amx = amx_serves_packed(type, m) && lo < hi ? m - m % AMX_ROWS : 0;
     const int tiles = halves * ((m - m_amx + GEMM_MR - 1) / GEMM_MR);
 #if AMX_TILES
     if (m_amx) amx_begin();
@@ -677,9 +706,16 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             else if (expanded && type == Q4_0) packed_expand_nibbles(Q4_0, panel, units, h * GEMM_PANEL, scratch);
             else if (expanded && type == Q6_K) packed_expand_q6_k(panel, units * 8, h * GEMM_PANEL, scratch);
 #if AMX_TILES
-            else if (expanded) packed_expand_q4_k(panel, units * 8, scratch);
+            const int fused = m_amx <= AMX_FUSED_MAX_ROWS;
+            if (m_amx && type == Q4_K && !fused) amx_planes_q4_k(panel, units * 8, scratch);
+            else if (m_amx && type != Q4_K)
+                amx_planes(type, units * 8, scratch, amx_hi(scratch, xq->k), amx_lo(scratch, xq->k));
             if (m_amx)
-                amx_panel(type, xq, m_amx, xq->k / 32, scratch, y, y_stride, j0, cols, y_bf16, bias, accumulate);
+                amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, units * 8, scratch,
+                          type == Q4_K && fused ? panel : NULL,
+                          ahead_share(p + AMX_PANELS_AHEAD < hi ? panel + AMX_PANELS_AHEAD * panel_bytes : NULL,
+                                      panel_bytes / 64, 0, 1), y,
+                          y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
             for (int i0 = m_amx; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
