@@ -14,11 +14,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from stoker.bench.workload import LengthDist, RequestSpec, Tokenizer
+from stoker.bench.workload import LengthDist, RequestSpec, ServedTokenizer, Tokenizer
 from stoker.cli_keys import add_key_options, api_key_of
 
 if TYPE_CHECKING:
-    from stoker.bench.serve import Stage
+    from rich.console import Console
+
+    from stoker.bench.serve import BenchConfig, Stage, Target
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -185,7 +187,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for /ready after --between-runs")
     g.add_argument(
-        "--tokenizer", default=None, help="GGUF file or HF folder to count tokens; default: stoker's default model"
+        "--tokenizer",
+        default=None,
+        help="GGUF file or HF folder whose tokenizer counts the prompts' tokens here, instead of the served "
+        "model's through --url's /tokenize (vLLM's or llama-server's schema; where the server answers neither, "
+        "stoker's default model's, with a line saying so)",
     )
     g.add_argument("--seed", type=int, default=0)
     add_soak_arguments(p)
@@ -293,6 +299,28 @@ async def soak_main(args: argparse.Namespace) -> int:
     return 0 if summary["errors"] == 0 and summary["health_after"] == 200 else 1
 
 
+def choose_tokenizer(args: argparse.Namespace, target: Target, headers: dict[str, str]) -> tuple[Tokenizer, str | None]:
+    """What counts the prompts' tokens, and a line to print when it is not what the user
+    would expect: --tokenizer's file; else the served model's, through the first server's
+    /tokenize; else (the server does not answer it) stoker's default model's."""
+    from stoker.bench import workload
+
+    if args.tokenizer:
+        return workload.load_tokenizer(args.tokenizer), None
+    try:
+        return workload.served_tokenizer(target.url, target.model_for(0), headers, min(args.timeout, 60.0)), None
+    except workload.BenchError as exc:
+        why = str(exc)
+        if exc.status == 401 and "authorization" not in {k.lower() for k in headers}:
+            why += " (--api-key-file or $STOKER_API_KEY)"
+    tok = workload.load_tokenizer()
+    return tok, (
+        f"tokens: {target.label} gives no tokenizer through /tokenize ({why}); counting with {tok.name} instead, "
+        "so --input-len and the prompt lengths are in the default model's tokens, not the served model's: "
+        "pass --tokenizer FILE (the served model's GGUF or HF folder) to count with its tokenizer"
+    )
+
+
 def build_workload(args: argparse.Namespace, tok: Tokenizer | None = None) -> Callable[[int], list[RequestSpec]]:
     """Prompts for the k-th (stage, repetition): new ones each time (see run_bench)."""
     from stoker.bench import workload
@@ -337,10 +365,10 @@ def build_stages(args: argparse.Namespace) -> list[Stage]:
 
 
 async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> int:
-    """The whole of `stoker bench serve`; `tok` lets tests skip loading a real tokenizer."""
+    """The whole of `stoker bench serve`; `tok` lets tests skip choosing a tokenizer (choose_tokenizer)."""
     from rich.console import Console
 
-    from stoker.bench import report, serve, stats
+    from stoker.bench import serve, stats
 
     console = Console(stderr=False)
     slo = stats.parse_slo(args.slo)
@@ -366,22 +394,47 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         between_runs=args.between_runs,
         ready_timeout=args.ready_timeout,
     )
+    if args.prefix_fill and (args.shared_prefix_len <= 0 or args.dataset or args.workload != "random"):
+        console.print("[red]--prefix-fill needs --shared-prefix-len (and the random workload)[/red]")
+        return 2
     t = time.perf_counter()
-    if args.prefix_fill:
-        if args.shared_prefix_len <= 0 or args.dataset or args.workload != "random":
-            console.print("[red]--prefix-fill needs --shared-prefix-len (and the random workload)[/red]")
-            return 2
-        from stoker.bench.workload import load_tokenizer, prefix_fill
+    if tok is not None:
+        return await measure(console, args, cfg, slo, tok, t)
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    # In a thread: a server in this process (the tests' fake one) answers the probes meanwhile.
+    chosen, note = await asyncio.to_thread(choose_tokenizer, args, targets[0], headers)
+    if note:
+        console.print(note, style="yellow", markup=False, highlight=False, soft_wrap=True)
+    try:
+        return await measure(console, args, cfg, slo, chosen, t)
+    finally:
+        if isinstance(chosen, ServedTokenizer):
+            chosen.close()
 
-        tok = tok or load_tokenizer(args.tokenizer)
-        cfg.prefix_fill = prefix_fill(tok, args.shared_prefix_len, args.num_prefixes, args.seed)
+
+async def measure(
+    console: Console, args: argparse.Namespace, cfg: BenchConfig, slo: dict[str, float], tok: Tokenizer, t: float
+) -> int:
+    """serve_main's runs once its tokenizer is chosen (`t`: when the workload's building began)."""
+    from stoker.bench import report, serve, stats
+
+    if args.prefix_fill:
+        from stoker.bench.workload import prefix_fill
+
+        cfg.prefix_fill = await asyncio.to_thread(
+            prefix_fill, tok, args.shared_prefix_len, args.num_prefixes, args.seed
+        )
     workload = functools.lru_cache(maxsize=2)(build_workload(args, tok))  # k=0 is printed, then run
-    specs = workload(0)
+    specs = await asyncio.to_thread(workload, 0)
     lens = [s.input_len for s in specs if s.input_len is not None]
+    counted = getattr(tok, "name", None)
     console.print(
         f"workload: {len(specs)} prompts"
         + (f", {min(lens)}–{max(lens)} tokens" if lens else "")
         + f" (built in {time.perf_counter() - t:.1f}s)"
+        + (f", counted with {counted}" if counted else ""),
+        markup=False,
+        soft_wrap=True,
     )
     if args.shared_prefix_len > 0:
         await serve.print_prefix_working_set(console, cfg, args.shared_prefix_len, args.num_prefixes)
@@ -416,6 +469,7 @@ async def serve_main(args: argparse.Namespace, tok: Tokenizer | None = None) -> 
         result = {
             "command": _command(),
             "config": {k: v for k, v in vars(args).items() if k not in ("func", "api_key", "api_key_file", "key_env")},
+            "tokenizer": counted,
             "targets": [vars(t) for t in cfg.targets],
             "merged": merged,
             "comparisons": comparisons,

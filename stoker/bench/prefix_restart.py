@@ -31,13 +31,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
 
 from stoker.bench.server_ready import wait_until_ready
+
+# These three live with the workloads (bench serve counts with the served tokenizer too); pd imports them from here.
+from stoker.bench.workload import BenchError as BenchError
+from stoker.bench.workload import ServedTokenizer as ServedTokenizer
+from stoker.bench.workload import checked as checked
 from stoker.bench.workload import fit_text
 
 PHASES = ("new", "ram", "disk")
@@ -96,10 +100,6 @@ class Report:
         return {phase: statistics.median(s.ttft_s for s in self.of(phase)) for phase in PHASES if self.of(phase)}
 
 
-class BenchError(Exception):
-    """A failure the bench reports in one line (exit 2)."""
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -141,28 +141,6 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-class ServedTokenizer:
-    """The served model's tokenizer through /tokenize and /detokenize: any model, nothing loaded here."""
-
-    def __init__(self, client: httpx.Client, model: str) -> None:
-        self.client = client
-        self.model = model
-
-    def encode(self, text: str) -> list[int]:
-        body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-        return [int(t) for t in checked(self.client.post("/tokenize", json=body)).json()["tokens"]]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        body = {"model": self.model, "tokens": list(ids)}
-        return str(checked(self.client.post("/detokenize", json=body)).json()["prompt"])
-
-
-def checked(reply: httpx.Response) -> httpx.Response:
-    if reply.status_code != 200:
-        raise BenchError(f"{reply.request.method} {reply.request.url.path}: {reply.status_code} {reply.text[:500]}")
-    return reply
 
 
 def complete(client: httpx.Client, model: str, prompt: str, max_tokens: int) -> tuple[float, int, int, str]:

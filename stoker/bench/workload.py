@@ -2,8 +2,8 @@
 prompts, grounded (copy/quote) prompts, and JSONL datasets.
 
 Synthetic text is random words from a built-in list (no downloads), measured
-with the served model's tokenizer so `--input-len 100:1000` means tokens, not
-words."""
+with the served model's tokenizer (through the server's /tokenize, or a local
+file) so `--input-len 100:1000` means tokens, not words."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlparse
+
+import httpx
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -42,7 +45,7 @@ north south east west green yellow purple orange silent golden wooden frozen cro
 """.split()  # noqa: SIM905 - a readable block beats 180 quoted words
 
 
-def load_tokenizer(model: str | None = None) -> Tokenizer:
+def load_tokenizer(model: str | None = None) -> HFTokenizer:
     """The served model's tokenizer, loaded as `stoker serve` loads it (or
     transformers' reading of the file if stoker's loader is unavailable).
     Offline only; the default is stoker's default GGUF."""
@@ -50,26 +53,31 @@ def load_tokenizer(model: str | None = None) -> Tokenizer:
     from stoker.config import default_model_path
 
     path = model or default_model_path()
+    name = (
+        f"the local tokenizer of {path}" if model else f"stoker's default model's tokenizer ({os.path.basename(path)})"
+    )
     try:
         from stoker.models.loader import load_tokenizer as stoker_tokenizer
     except ImportError:
         pass
     else:
-        return HFTokenizer(stoker_tokenizer(path).hf)
+        return HFTokenizer(stoker_tokenizer(path).hf, name)
     from transformers import AutoTokenizer
 
     if path.endswith(".gguf"):
         hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
     else:
         hf = AutoTokenizer.from_pretrained(path)
-    return HFTokenizer(hf)
+    return HFTokenizer(hf, name)
 
 
 class HFTokenizer:
     """Counts content tokens only: the server adds its own BOS / chat template."""
 
-    def __init__(self, hf: PreTrainedTokenizerBase) -> None:
+    def __init__(self, hf: PreTrainedTokenizerBase, name: str = "a local tokenizer") -> None:
         self.hf = hf
+        self.name = name
+        """What counted, for the bench to print."""
 
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
@@ -88,6 +96,133 @@ class HFTokenizer:
         if isinstance(ids, Mapping):  # newer transformers return a BatchEncoding
             ids = ids["input_ids"]
         return max(0, len(ids) - len(self.encode("x")))
+
+
+class BenchError(Exception):
+    """A failure a bench command reports in one line (exit 2); `status`: the HTTP status behind it, if any."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def checked(reply: httpx.Response) -> httpx.Response:
+    if reply.status_code != 200:
+        request = f"{reply.request.method} {reply.request.url.path}"
+        raise BenchError(f"{request}: {reply.status_code} {reply.text[:500]}", reply.status_code)
+    return reply
+
+
+VLLM = "vllm"
+"""/tokenize {"model", "prompt", "add_special_tokens"} -> {"tokens"}, /detokenize {"model", "tokens"} -> {"prompt"}:
+vLLM's schema, which stoker serves."""
+LLAMA_SERVER = "llama-server"
+"""llama.cpp's: /tokenize {"content", "add_special"} -> {"tokens"}, /detokenize {"tokens"} -> {"content"}."""
+SCHEMA_NAMES = {VLLM: "vLLM's", LLAMA_SERVER: "llama-server's"}
+PROBE = "Hello world"
+
+
+class ServedTokenizer:
+    """The served model's tokenizer through /tokenize and /detokenize: any model,
+    nothing loaded here. One persistent client; the last text counted is
+    remembered (synthetic() counts its prompt again once fit_text has)."""
+
+    def __init__(self, client: httpx.Client, model: str | None, schema: str = VLLM) -> None:
+        self.client = client
+        self.model = model
+        self.schema = schema
+        self._last: tuple[str, list[int]] | None = None
+
+    @property
+    def name(self) -> str:
+        where = f"{urlparse(str(self.client.base_url)).netloc}/tokenize"
+        served = f"{self.model}'s" if self.model and self.schema == VLLM else "the served model's"
+        return f"{served} tokenizer through {where}" + (" (llama-server)" if self.schema == LLAMA_SERVER else "")
+
+    def _body(self, **fields: object) -> dict[str, object]:
+        return fields if self.model is None or self.schema == LLAMA_SERVER else {"model": self.model, **fields}
+
+    def encode(self, text: str) -> list[int]:
+        if self._last is not None and self._last[0] == text:
+            return list(self._last[1])
+        if self.schema == LLAMA_SERVER:
+            body = self._body(content=text, add_special=False)
+        else:
+            body = self._body(prompt=text, add_special_tokens=False)
+        ids = [int(t) for t in checked(self.client.post("/tokenize", json=body)).json()["tokens"]]
+        self._last = (text, ids)
+        return list(ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        reply = checked(self.client.post("/detokenize", json=self._body(tokens=list(ids)))).json()
+        return str(reply["content" if self.schema == LLAMA_SERVER else "prompt"])
+
+    def chat_overhead(self) -> int:
+        """Tokens the chat template wraps around one user message: vLLM's chat form
+        of /tokenize (llama-server: its /apply-template, then /tokenize); 0 where
+        the server refuses it."""
+        messages = [{"role": "user", "content": "x"}]
+        try:
+            if self.schema == LLAMA_SERVER:
+                prompt = checked(self.client.post("/apply-template", json={"messages": messages})).json()["prompt"]
+                body = self._body(content=str(prompt), add_special=False)
+            else:
+                body = self._body(messages=messages, add_generation_prompt=True)
+            templated = len(checked(self.client.post("/tokenize", json=body)).json()["tokens"])
+            return max(0, templated - len(self.encode("x")))
+        except (BenchError, httpx.HTTPError, ValueError, KeyError, TypeError):
+            return 0
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def served_tokenizer(
+    url: str, model: str | None = None, headers: Mapping[str, str] | None = None, timeout: float = 60.0
+) -> ServedTokenizer:
+    """The tokenizer of the model served at `url` (base URL, no /v1), in whichever
+    schema its /tokenize answers: vLLM's (and stoker's), else llama-server's, each
+    tried once with a round trip through /detokenize. Without `model`, the first
+    one /v1/models lists. A BenchError saying why when neither answers."""
+    client = httpx.Client(base_url=url, headers=dict(headers or {}), timeout=timeout)
+    try:
+        if model is None:
+            model = listed_model(client)
+        reasons: dict[str, str] = {}
+        for schema in (VLLM, LLAMA_SERVER):
+            tok = ServedTokenizer(client, model, schema)
+            try:
+                ids = tok.encode(PROBE)
+                decoded = tok.decode(ids) if ids else ""
+            except httpx.TransportError as exc:
+                raise BenchError(f"cannot reach {url} ({type(exc).__name__}: {exc})") from None
+            except BenchError as exc:
+                if exc.status in (401, 403):
+                    why = "the API key was refused" if "authorization" in client.headers else "no API key was given"
+                    raise BenchError(f"its /tokenize answered {exc.status}: {why}", exc.status) from None
+                reasons[schema] = str(exc)[:120]
+                continue
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+                reasons[schema] = f"{type(exc).__name__} {str(exc)[:80]}"
+                continue
+            if " ".join(decoded.split()) == PROBE:
+                return tok
+            reasons[schema] = f"{PROBE!r} came back as {decoded[:60]!r}" if ids else f"no tokens for {PROBE!r}"
+        if len(set(reasons.values())) == 1:  # both bodies refused alike: a server without /tokenize
+            raise BenchError(reasons[VLLM])
+        raise BenchError("; ".join(f"{SCHEMA_NAMES[schema]} schema: {why}" for schema, why in reasons.items()))
+    except BaseException:
+        client.close()
+        raise
+
+
+def listed_model(client: httpx.Client) -> str | None:
+    """The first model id the server's /v1/models lists; None where it lists none or does not answer."""
+    try:
+        data = client.get("/v1/models").json().get("data") or []
+        return str(data[0]["id"]) if data else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 @dataclass
@@ -255,12 +390,32 @@ def grounded(
     specs = []
     for i in range(num):
         ask = rng.choice(_GROUNDED_ASKS)
-        sentences: list[str] = []
-        while len(tok.encode(" ".join(sentences) + "\n\n" + ask)) < in_lens[i]:
-            sentences.append(_sentence(rng))
-        text = " ".join(sentences) + "\n\n" + ask
+        text = " ".join(_sentences_reaching(tok, rng, in_lens[i], "\n\n" + ask)) + "\n\n" + ask
         specs.append(RequestSpec(prompt=text, input_len=len(tok.encode(text)), output_len=out_lens[i]))
     return specs
+
+
+def _sentences_reaching(tok: Tokenizer, rng: random.Random, length: int, tail: str) -> list[str]:
+    """The fewest of the sentences rng draws next whose passage, then `tail`, is at
+    least `length` tokens, and rng left as drawing exactly those leaves it: what
+    adding one sentence at a time and counting gives (counts grow with sentences),
+    in a few counts, not one per sentence (each may be a call to the server)."""
+    state = rng.getstate()
+    drawn: list[str] = []
+
+    def reaches(m: int) -> bool:
+        while len(drawn) < m:
+            drawn.append(_sentence(rng))
+        return len(tok.encode(" ".join(drawn[:m]) + tail)) >= length
+
+    low, high = -1, 0  # not reached at low (-1: none counted), reached at high once found
+    while not reaches(high):
+        low, high = high, max(1, 2 * high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if reaches(mid) else (mid, high)
+    rng.setstate(state)
+    return [_sentence(rng) for _ in range(high)]
 
 
 def synthetic_token_ids(tok: Tokenizer, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
