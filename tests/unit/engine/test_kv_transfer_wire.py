@@ -184,13 +184,14 @@ def test_a_hostile_length_is_refused_before_anything_is_allocated(hostile: tuple
     port, script = hostile
     script.append(FRAME.pack(Kind.BLOCK, 2**32 - 1))
     failure, timed_out, took = pull_from(port)
-    assert failure is not None and "at most" in failure and not timed_out and took < 1
+    # refused on reading the length, well before the 5 s deadline (a loaded CI machine can take a second)
+    assert failure is not None and "at most" in failure and not timed_out and took < 3
 
 
 def test_a_silent_peer_ends_at_the_deadline(hostile: tuple[int, list[bytes]]) -> None:
     port, _ = hostile
     failure, timed_out, took = pull_from(port, deadline_s=0.5)
-    assert failure == "timed out" and timed_out and 0.4 < took < 2
+    assert failure == "timed out" and timed_out and 0.4 < took < 4
 
 
 def test_check_peer_names_what_differs(server: KVTransferServer) -> None:

@@ -158,7 +158,7 @@ def test_an_oversized_subscription_is_dropped_and_others_still_receive() -> None
         time.sleep(0.5)
         started = time.monotonic()
         sent = [pub.publish([kv_events.BlockRemoved([i])]) for i in range(5)]
-        assert all(sent) and time.monotonic() - started < 1
+        assert all(sent) and time.monotonic() - started < 3  # no send waited on the hostile subscriber
         received = []
         while honest.poll(2000):
             received.append(int.from_bytes(honest.recv_multipart()[1], "big"))
