@@ -167,7 +167,8 @@ ALWAYS_INLINE gemm_i amx_p(const int shift, amx_c_t c, int h, int r) {
 }
 
 /* gemm_tile_k's fp32 terms of super-block sb: P's, then M's (Q4_K, Q5_K) as there. */
-ALWAYS_INLINE void amx_take(const int G, int type, const int shift, const xq_t *xq, size_t r0, int sb, int nb, const uint8_t *scratch,
+ALWAYS_INLINE void amx_take(const int G, int type, const int shift, const xq_t *xq, size_t r0, int sb, int nb,
+                            const uint8_t *scratch,
                             amx_c_t c, float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
@@ -236,7 +237,8 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *
             amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, pf);
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2]);
         } else if (sb < nsb) {
-            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane, c[sb % 2]);
+            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane,
+                           c[sb % 2]);
         }
         if (sb) amx_take(G, type, shift, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
         for (int r = ahead->rows * sb / (nsb + 1); r < ahead->rows * (sb + 1) / (nsb + 1); r++) {
@@ -253,8 +255,8 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *
  * GEMM's: 32 rows at a time (each weight tile taken by two of x), 16 for an
  * odd last group. */
 static void amx_panel(int type, const int shift, const xq_t *xq, int m16, int nb, uint8_t *scratch,
-                      const uint8_t *packed, panel_ahead_t pf, void *y, long y_stride, int j0, int cols, int y_bf16, const float *bias,
-                      int accumulate) {
+                      const uint8_t *packed, panel_ahead_t pf, void *y, long y_stride, int j0, int cols, int y_bf16,
+                      const float *bias, int accumulate) {
     int8_t *hi = amx_hi(scratch, xq->k), *lo = amx_lo(scratch, xq->k);
     float out[2 * AMX_ROWS][GEMM_PANEL] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < m16;) {

@@ -1482,7 +1482,8 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
 #if AMX_TILES
         if (m_amx) {
             amx_planes(type, nb, scratch, amx_hi(scratch, xq->k), amx_lo(scratch, xq->k));
-            amx_panel(type, 6, xq, m_amx, nb, scratch, NULL, (panel_ahead_t){NULL, 0}, y, y_stride, j0, cols, y_bf16, bias, accumulate);
+            amx_panel(type, 6, xq, m_amx, nb, scratch, NULL, (panel_ahead_t){NULL, 0}, y, y_stride, j0, cols, y_bf16,
+                      bias, accumulate);
         }
 #endif
         /* The rows of the panel PANELS_AHEAD on (contiguous in W), asked for in even

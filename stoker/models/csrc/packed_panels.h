@@ -516,7 +516,6 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
  * same bits. */
 #define PACKED_EXPAND_ROWS 32
-#define AMX_PANELS_AHEAD 2
 /* Q6_K too (its values joined from two planes; and where the AMX tiles serve it,
  * amx_planes reads the GEMM's panel). Packed Q4_K never: the AMX tiles' planes
  * are made from the packed panel itself (amx_planes_q4_k). */
@@ -713,8 +712,7 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             if (m_amx)
                 amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, units * 8, scratch,
                           type == Q4_K && fused ? panel : NULL,
-                          ahead_share(p + AMX_PANELS_AHEAD < hi ? panel + AMX_PANELS_AHEAD * panel_bytes : NULL,
-                                      panel_bytes / 64, 0, 1), y,
+                          ahead_share(ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL, ahead_lines, 0, 1), y,
                           y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
             for (int i0 = m_amx; i0 < m; i0 += GEMM_MR, tile++) {
