@@ -230,8 +230,11 @@ async def test_the_queue_the_limits_and_the_budget_see_one_estimate(tmp_path) ->
     adm = await gate.admit(request_id="r", key=key, model="m", prompt_tokens=40, max_tokens=50, n=2, prompts=4)
     assert adm.estimated_tokens == adm.lease.estimated_tokens == 40 + 4 * 2 * 50
     assert gate.queue().tokens == 2 * 40  # each of the n samples prefills its prompt
-    assert gate.limiter.headers(key)["x-ratelimit-remaining-tokens"] == str(10_000 - 440)
+    # 440 taken; the bucket refills ~167 tokens a second, so a slow machine may show a few back
+    remaining = int(gate.limiter.headers(key)["x-ratelimit-remaining-tokens"])
+    assert 10_000 - 440 <= remaining < 10_000 - 440 + 300
     with pytest.raises(APIError) as err:  # 440 reserved + 1600 > 2000
         await gate.admit(request_id="r2", key=key, model="m", prompt_tokens=400, max_tokens=300, n=2, prompts=2)
     assert err.value.code == "insufficient_quota"
-    assert gate.limiter.headers(key)["x-ratelimit-remaining-tokens"] == str(10_000 - 440)  # the refusal took none
+    after = int(gate.limiter.headers(key)["x-ratelimit-remaining-tokens"])
+    assert remaining <= after < remaining + 300  # the refusal took none
