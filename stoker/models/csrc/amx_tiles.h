@@ -22,9 +22,11 @@
  * switch (which depends on m alone). The mins' term M (Q4_K, Q5_K) is the
  * vector units' as in gemm_tile_k. Packed Q4_K splits the scale instead (sc =
  * 8 * sh + sl: planes sh * q and sl * q, P = 8 * hi + lo), one multiply a
- * vector straight from the packed panel (amx_planes_q4_k, packed_panels.h):
- * cheap enough that its tiles serve from 16 rows, a super-block's planes made
- * just before the tiles take them while they stay in L1.
+ * vector straight from the packed panel (amx_planes_q4_k_sb, packed_panels.h);
+ * packed Q6_K splits the product as amx_planes does, but straight from its
+ * packed panel too (amx_planes_q6_k_sb). Cheap enough that their tiles serve
+ * from 16 rows, a super-block's planes made just before the tiles take them
+ * while they stay in L1.
  *
  * The other types keep the VNNI GEMM: their exact arithmetic has an fp32 term
  * per 32-value block, so the tiles would go to memory every block; tried that
@@ -56,13 +58,13 @@ static int amx_permitted(void) {
 #define AMX_MIN_ROWS 64
 ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX_MIN_ROWS && amx_permitted(); }
 
-/* Packed Q4_K makes its planes straight from the packed panel in one pass
- * (amx_planes_q4_k, packed_panels.h), cheap enough to pay from one group of 16
- * rows: a decode step of 16 sequences. */
+/* Packed Q4_K and Q6_K make their planes straight from the packed panel in one
+ * pass (amx_planes_q4_k_sb, amx_planes_q6_k_sb: packed_panels.h), cheap enough
+ * to pay from one group of 16 rows: a decode step of 16 sequences. */
 #define AMX_PACKED_MIN_ROWS 16
 #define AMX_FUSED_MAX_ROWS 64
 ALWAYS_INLINE int amx_serves_packed(int type, int m) {
-    return type == Q4_K ? m >= AMX_PACKED_MIN_ROWS && amx_permitted() : amx_serves(type, m);
+    return type == Q4_K || type == Q6_K ? m >= AMX_PACKED_MIN_ROWS && amx_permitted() : amx_serves(type, m);
 }
 
 /* Bytes of the two planes of a panel of k values a column, and where they lie:
@@ -160,7 +162,7 @@ ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride,
 }
 
 /* P = 2^shift * hi + lo of row r, column half h, from the tiles' sums (shift: 6 for
- * amx_planes' planes, 3 for amx_planes_q4_k's). */
+ * amx_planes' and amx_planes_q6_k_sb's planes, 3 for amx_planes_q4_k_sb's). */
 ALWAYS_INLINE gemm_i amx_p(const int shift, amx_c_t c, int h, int r) {
     return GV_ADD_I(_mm512_slli_epi32(GV_LOAD_I(c[h][r / AMX_ROWS][0][r % AMX_ROWS]), shift),
                     GV_LOAD_I(c[h][r / AMX_ROWS][1][r % AMX_ROWS]));
@@ -208,16 +210,18 @@ typedef struct {
 } amx_ahead_t;
 
 /* Defined with the packed layout (packed_panels.h): super-block sb of a packed
- * Q4_K panel as planes at hi, lo (one super-block's) and its mins and scales in
- * scratch, as amx_planes_q4_k makes a whole panel's. */
+ * Q4_K (Q6_K) panel as planes at hi, lo (one super-block's) and its mins and
+ * scales (its d) in scratch, as amx_planes_packed makes a whole panel's. */
 static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
+                               panel_ahead_t pf);
+static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
                                panel_ahead_t pf);
 
 /* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out,
  * super-block by super-block, pipelined as two stages: the tiles take
  * super-block i into one of two buffers while the vector units take i - 1's
  * from the other; each stage asks for its share of `ahead`. With `packed` (a
- * packed Q4_K panel) each super-block's planes are made just before the tiles
+ * packed Q4_K or Q6_K panel) each super-block's planes are made just before the tiles
  * take them, into hi and lo, which then hold one super-block: they stay in L1,
  * where a whole panel's (128 KB at k = 2048) went to L2 and back. */
 ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *xq, size_t r0, int nb,
@@ -234,7 +238,8 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *
     }
     for (int sb = 0; sb <= nsb; sb++) {
         if (sb < nsb && packed) {
-            amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, pf);
+            if (type == Q4_K) amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, pf);
+            else amx_planes_q6_k_sb(packed, sb, nb, scratch, hi, lo, pf);
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2]);
         } else if (sb < nsb) {
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane,

@@ -958,6 +958,16 @@ ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
     const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
     for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
 }
+/* prefetch_share into L2 whatever the row length, for share b of `shares`: the
+ * AMX tiles' packed panels (amx_planes_q4_k_sb, amx_planes_q6_k_sb) sweep one
+ * super-block's planes in L1, not an unpacked panel in L2, so no panel of theirs
+ * is evicted by what they ask for. Into L1 (panel_prefetch past 256 KB), the
+ * prefetches themselves stalled: the 1B's Q6_K LM head at 16 rows ran 1.7x as long. */
+ALWAYS_INLINE void prefetch_share_l2(panel_ahead_t pf, int b, int shares) {
+    if (!pf.ahead) return;
+    const size_t from = pf.lines * (size_t)b / (size_t)shares, to = pf.lines * (size_t)(b + 1) / (size_t)shares;
+    for (size_t l = from; l < to; l++) prefetch_l2(pf.ahead + 64 * l);
+}
 
 #include "amx_tiles.h"
 

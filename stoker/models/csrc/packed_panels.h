@@ -516,11 +516,12 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * 5-9% slower than the GEMM at 512 rows). The same integers and floats, so the
  * same bits. */
 #define PACKED_EXPAND_ROWS 32
-/* Q6_K too (its values joined from two planes; and where the AMX tiles serve it,
- * amx_planes reads the GEMM's panel). Packed Q4_K never: the AMX tiles' planes
- * are made from the packed panel itself (amx_planes_q4_k). */
+/* Q6_K too (its values joined from two planes), but not where the AMX tiles
+ * serve it: they, and packed Q4_K's, make their planes from the packed panel
+ * itself (amx_planes_packed), and the rows past the last 16 take the packed tiles. */
 ALWAYS_INLINE int packed_expands(int type, int m) {
-    return (type == Q5_0 || type == Q4_0 || type == Q6_K) && m >= PACKED_EXPAND_ROWS;
+    return (type == Q5_0 || type == Q4_0 || (type == Q6_K && !amx_serves_packed(Q6_K, m))) &&
+           m >= PACKED_EXPAND_ROWS;
 }
 #if QUANT_ISA == 3
 #define PV_STORE_I(p, v) _mm512_storeu_si512((void *)(p), v)
@@ -608,7 +609,7 @@ static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
             }
         const uint8_t *pair = in + PACKED_QS + (size_t)i * 8 * 4 * P;
         for (int t = 0; t < 8; t++) {
-            prefetch_share(pf, (sb * 4 + i) * 8 + t, nsb * 32);
+            prefetch_share_l2(pf, (sb * 4 + i) * 8 + t, nsb * 32);
             for (int v = 0; v < 2; v++) {
                 const __m512i raw = GV_LOAD_I(pair + (size_t)t * 4 * P + 4 * GEMM_LANES * v);
                 const __m512i q[2] = {PV_LOW4(raw), PV_HIGH4(raw)};
@@ -632,12 +633,63 @@ static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
     GV_STORE_F(dmin + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_NEG(PV_D(in + PACKED_DMIN + 2 * GEMM_LANES)));
 }
 
-/* A whole panel's planes, for prompts: made once, taken by every group of rows. */
-static void amx_planes_q4_k(const uint8_t *panel, int nb, uint8_t *scratch) {
+/* amx_planes_q4_k_sb for a packed Q6_K panel: w = sc * (q - 32), each of the
+ * 16-value group's signed scale, split as amx_planes splits it (w = 64 * hi + lo,
+ * lo in 0 .. 63, hi in -64 .. 64). An int16 lane holds two values of one column,
+ * each taken out to an int16 of its own (the low byte by mask, the high by a
+ * shift), multiplied by the column's scale and split; the two planes' bytes are
+ * put back in their lanes by one masked blend each. No mins; d as floats where
+ * amx_take reads it. Through the unpacked panel and amx_planes (widened and
+ * narrowed by vpmovzxbw and vpmovwb, a panel at a time), the tiles paid only from
+ * 64 rows; at 16 the VNNI tiles also scale every 16-value group's dots per row. */
+static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
+                               panel_ahead_t pf) {
+    const int nsb = nb / 8, P = PACKED_PANEL;
+    const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
+    float *d = (float *)(mn + (size_t)nb * GEMM_PANEL);
+    const __m512i low_byte = _mm512_set1_epi16(0x00FF), thirty_two = _mm512_set1_epi16(32);
+    const __m512i low6 = _mm512_set1_epi8(63);
+    const __mmask64 high_bytes = 0xAAAAAAAAAAAAAAAAull;
+    const uint8_t *in = panel + (size_t)sb * PACKED_SB_Q6_K;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) { /* unrolled: q6_join's shifts by constants */
+        const uint8_t *ql = q6_ql_rows(in, j, 0), *qh = q6_qh_rows(in, j, 0);
+        for (int g = 0; g < 2; g++) { /* dword rows 4g .. 4g + 3: the 16-value group 2j + g */
+            __m512i s[2]; /* [column half v]: each column's scale in both int16 lanes of its dword */
+            for (int v = 0; v < 2; v++) {
+                const __m512i s32 = PV_SC8(in + PACKED_Q6_SC + (size_t)(2 * j + g) * P + GEMM_LANES * v);
+                s[v] = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
+            }
+            for (int t = 4 * g; t < 4 * g + 4; t++) {
+                prefetch_share_l2(pf, (sb * 8 + j) * 8 + t, nsb * 64);
+                for (int v = 0; v < 2; v++) {
+                    const size_t at = (size_t)t * 4 * P + 4 * (size_t)GEMM_LANES * v;
+                    const __m512i q = q6_join(GV_LOAD_I(ql + at), GV_LOAD_I(qh + at), j % 4);
+                    const __m512i even = _mm512_sub_epi16(_mm512_and_si512(q, low_byte), thirty_two);
+                    const __m512i odd = _mm512_sub_epi16(_mm512_srli_epi16(q, 8), thirty_two);
+                    const __m512i we = _mm512_mullo_epi16(even, s[v]), wo = _mm512_mullo_epi16(odd, s[v]);
+                    const size_t out = (size_t)j * 32 * GEMM_PANEL + (size_t)t * 4 * GEMM_PANEL + 4 * (size_t)GEMM_LANES * v;
+                    /* bits 6-13 of each: the low byte's by a right shift, the high byte's by a left one */
+                    PV_STORE_I(hi + out, _mm512_mask_blend_epi8(high_bytes, _mm512_srli_epi16(we, 6),
+                                                                _mm512_slli_epi16(wo, 2)));
+                    PV_STORE_I(lo + out,
+                               _mm512_and_si512(_mm512_mask_blend_epi8(high_bytes, we, _mm512_slli_epi16(wo, 8)), low6));
+                }
+            }
+        }
+    }
+    GV_STORE_F(d + (size_t)sb * GEMM_PANEL, PV_D(in + PACKED_D));
+    GV_STORE_F(d + (size_t)sb * GEMM_PANEL + GEMM_LANES, PV_D(in + PACKED_D + 2 * GEMM_LANES));
+}
+
+/* A whole packed panel's planes (Q4_K or Q6_K), for prompts: made once, taken by every group of rows. */
+static void amx_planes_packed(int type, const uint8_t *panel, int nb, uint8_t *scratch) {
     int8_t *hi = amx_hi(scratch, nb * 32), *lo = amx_lo(scratch, nb * 32);
-    for (int sb = 0; sb < nb / 8; sb++)
-        amx_planes_q4_k_sb(panel, sb, nb, scratch, hi + (size_t)sb * 8 * 32 * GEMM_PANEL,
-                           lo + (size_t)sb * 8 * 32 * GEMM_PANEL, (panel_ahead_t){NULL, 0});
+    for (int sb = 0; sb < nb / 8; sb++) {
+        int8_t *h = hi + (size_t)sb * 8 * 32 * GEMM_PANEL, *l = lo + (size_t)sb * 8 * 32 * GEMM_PANEL;
+        if (type == Q4_K) amx_planes_q4_k_sb(panel, sb, nb, scratch, h, l, (panel_ahead_t){NULL, 0});
+        else amx_planes_q6_k_sb(panel, sb, nb, scratch, h, l, (panel_ahead_t){NULL, 0});
+    }
 }
 #endif
 
@@ -706,12 +758,9 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             else if (expanded && type == Q6_K) packed_expand_q6_k(panel, units * 8, h * GEMM_PANEL, scratch);
 #if AMX_TILES
             const int fused = m_amx <= AMX_FUSED_MAX_ROWS;
-            if (m_amx && type == Q4_K && !fused) amx_planes_q4_k(panel, units * 8, scratch);
-            else if (m_amx && type != Q4_K)
-                amx_planes(type, units * 8, scratch, amx_hi(scratch, xq->k), amx_lo(scratch, xq->k));
+            if (m_amx && !fused) amx_planes_packed(type, panel, units * 8, scratch);
             if (m_amx)
-                amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, units * 8, scratch,
-                          type == Q4_K && fused ? panel : NULL,
+                amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, units * 8, scratch, fused ? panel : NULL,
                           ahead_share(ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL, ahead_lines, 0, 1), y,
                           y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
