@@ -32,8 +32,8 @@
  * per 32-value block, so the tiles would go to memory every block; tried that
  * way, Q8_0, Q5_0 and Q4_0 products ran 0.8-1.1x the VNNI GEMM.
  *
- * Rows past the last whole AMX_ROWS of a call go through the GEMM's tiles. */
-#define AMX_ROWS 16
+ * Rows past the last whole AMX_ROWS (ggml_quant.c) of a call go through the
+ * GEMM's tiles, or (packed) as one more group where that pays: amx_packed_rows. */
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && QUANT_ISA == 3
 #define AMX_TILES 1
 #include <sys/syscall.h>
@@ -60,11 +60,26 @@ ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX
 
 /* Packed Q4_K and Q6_K make their planes straight from the packed panel in one
  * pass (amx_planes_q4_k_sb, amx_planes_q6_k_sb: packed_panels.h), cheap enough
- * to pay from one group of 16 rows: a decode step of 16 sequences. */
-#define AMX_PACKED_MIN_ROWS 16
+ * to pay from one group of 16 rows: a decode step of 16 sequences. Up to
+ * AMX_FUSED_MAX_ROWS, each super-block's planes are made as the tiles take them
+ * (in L1), for every pair of 16-row groups; past it, a panel's at once. */
 #define AMX_FUSED_MAX_ROWS 64
-ALWAYS_INLINE int amx_serves_packed(int type, int m) {
-    return type == Q4_K || type == Q6_K ? m >= AMX_PACKED_MIN_ROWS && amx_permitted() : amx_serves(type, m);
+/* Rows the AMX tiles take of a packed product of m rows: whole groups of 16,
+ * and from AMX_PAD_MIN_ROWS left over one more group (x's rows past m are
+ * loaded and their sums dropped: xq_t's qs holds AMX_ROWS - 1 rows more).
+ * Before, a decode step of 15 sequences (the 16th prefilling) took the VNNI
+ * tiles on all 15 rows, the LM head's 215 MB among them. Against the VNNI tiles
+ * on the rest, one thread, the 1B's Q4_K and Q6_K products with the weight in
+ * L3 paid from 10 rows (1.09x, 1.02x at 9), the Q6_K LM head from memory
+ * from 13 (1.02x slower at 12, 1.03x faster at 13, 1.11x at 15); 1-6 rows left
+ * after 16 or 64 cost less on the VNNI tiles than a group on the AMX ones (17
+ * rows 1.03x, 70 rows 1.05x slower padded). */
+#define AMX_PAD_MIN_ROWS 13
+ALWAYS_INLINE int amx_packed_rows(int type, int m) {
+    const int whole = m - m % AMX_ROWS;
+    if (type != Q4_K && type != Q6_K) return amx_serves(type, m) ? whole : 0;
+    if (!amx_permitted()) return 0;
+    return m % AMX_ROWS >= AMX_PAD_MIN_ROWS ? whole + AMX_ROWS : whole;
 }
 
 /* Bytes of the two planes of a panel of k values a column, and where they lie:
@@ -169,9 +184,8 @@ ALWAYS_INLINE gemm_i amx_p(const int shift, amx_c_t c, int h, int r) {
 }
 
 /* gemm_tile_k's fp32 terms of super-block sb: P's, then M's (Q4_K, Q5_K) as there. */
-ALWAYS_INLINE void amx_take(const int G, int type, const int shift, const xq_t *xq, size_t r0, int sb, int nb,
-                            const uint8_t *scratch,
-                            amx_c_t c, float out[2 * AMX_ROWS][GEMM_PANEL]) {
+ALWAYS_INLINE void amx_take(int rows, int type, const int shift, const xq_t *xq, size_t r0, int sb, int nb,
+                            const uint8_t *scratch, amx_c_t c, float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int k = xq->k, nsb = nb / 8;
     const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
     const float *d = (const float *)(mn + (size_t)nb * GEMM_PANEL), *dmin = d + (size_t)nsb * GEMM_PANEL;
@@ -182,7 +196,7 @@ ALWAYS_INLINE void amx_take(const int G, int type, const int shift, const xq_t *
         mins[i][0] = GV_LOAD_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL);
         mins[i][1] = GV_LOAD_I(mn + (size_t)(sb * 4 + i) * GEMM_PANEL + GEMM_LANES);
     }
-    for (int r = 0; r < G * AMX_ROWS; r++) {
+    for (int r = 0; r < rows; r++) {
         const size_t row = r0 + (size_t)r;
         const gemm_f dx = GV_SET1_F(xq->d[row * (size_t)nsb + sb]);
         gemm_f o0 = GV_FMADD(GV_MUL_F(GV_CVT(amx_p(shift, c, 0, r)), d0), dx, GV_LOAD_F(out[r]));
@@ -217,14 +231,15 @@ static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
 static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
                                panel_ahead_t pf);
 
-/* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out,
+/* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out (the
+ * first `rows` of them: the others' sums are not taken),
  * super-block by super-block, pipelined as two stages: the tiles take
  * super-block i into one of two buffers while the vector units take i - 1's
  * from the other; each stage asks for its share of `ahead`. With `packed` (a
  * packed Q4_K or Q6_K panel) each super-block's planes are made just before the tiles
  * take them, into hi and lo, which then hold one super-block: they stay in L1,
  * where a whole panel's (128 KB at k = 2048) went to L2 and back. */
-ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *xq, size_t r0, int nb,
+ALWAYS_INLINE void amx_rows(const int G, int rows, int type, const int shift, const xq_t *xq, size_t r0, int nb,
                             uint8_t *scratch, int8_t *hi, int8_t *lo, const uint8_t *packed, panel_ahead_t pf,
                             const amx_ahead_t *ahead, float out[2 * AMX_ROWS][GEMM_PANEL]) {
     const int nsb = nb / 8;
@@ -245,7 +260,7 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane,
                            c[sb % 2]);
         }
-        if (sb) amx_take(G, type, shift, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
+        if (sb) amx_take(rows, type, shift, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
         for (int r = ahead->rows * sb / (nsb + 1); r < ahead->rows * (sb + 1) / (nsb + 1); r++) {
             __builtin_prefetch(ahead->y + (size_t)r * ahead->stride, 1);
             __builtin_prefetch(ahead->y + (size_t)r * ahead->stride + ahead->bytes - 1, 1);
@@ -259,22 +274,25 @@ ALWAYS_INLINE void amx_rows(const int G, int type, const int shift, const xq_t *
  * at scratch into y's columns j0 .. j0 + cols - 1, as write_tile writes the
  * GEMM's: 32 rows at a time (each weight tile taken by two of x), 16 for an
  * odd last group. */
-static void amx_panel(int type, const int shift, const xq_t *xq, int m16, int nb, uint8_t *scratch,
+static void amx_panel(int type, const int shift, const xq_t *xq, int m16, int m, int nb, uint8_t *scratch,
                       const uint8_t *packed, panel_ahead_t pf, void *y, long y_stride, int j0, int cols, int y_bf16,
                       const float *bias, int accumulate) {
     int8_t *hi = amx_hi(scratch, xq->k), *lo = amx_lo(scratch, xq->k);
     float out[2 * AMX_ROWS][GEMM_PANEL] __attribute__((aligned(64)));
     for (int r0 = 0; r0 < m16;) {
         const int G = m16 - r0 >= 2 * AMX_ROWS ? 2 : 1;
-        const int next = r0 + G * AMX_ROWS, next_rows = m16 - next < 2 * AMX_ROWS ? m16 - next : 2 * AMX_ROWS;
+        const int next = r0 + G * AMX_ROWS, left = (m < m16 ? m : m16) - next;
+        const int next_rows = left < 2 * AMX_ROWS ? (left > 0 ? left : 0) : 2 * AMX_ROWS;
         const size_t y_elem = y_bf16 ? 2 : 4;
         const amx_ahead_t ahead = {(const char *)y + ((size_t)next * (size_t)y_stride + (size_t)j0) * y_elem,
                                    (size_t)y_stride * y_elem, (size_t)cols * y_elem, next_rows};
         /* the first group's planes ask for the panel ahead (packed), the others read what it brought */
         const panel_ahead_t group_pf = r0 ? (panel_ahead_t){NULL, 0} : pf;
-        if (G == 2) amx_rows(2, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
-        else amx_rows(1, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
-        for (int r = 0; r < G * AMX_ROWS; r++)
+        /* rows past m (the last group's, amx_packed_rows): loaded by the tiles, their sums dropped */
+        const int rows = m - r0 < G * AMX_ROWS ? m - r0 : G * AMX_ROWS;
+        if (G == 2) amx_rows(2, rows, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
+        else amx_rows(1, rows, type, shift, xq, (size_t)r0, nb, scratch, hi, lo, packed, group_pf, &ahead, out);
+        for (int r = 0; r < rows; r++)
             write_vectors(y, (size_t)(r0 + r), y_stride, j0, GV_LOAD_F(out[r]), GV_LOAD_F(out[r] + GEMM_LANES), cols,
                           y_bf16, bias, accumulate);
         r0 += G * AMX_ROWS;
@@ -286,7 +304,10 @@ ALWAYS_INLINE int amx_serves(int type, int m) {
     (void)type, (void)m;
     return 0;
 }
-ALWAYS_INLINE int amx_serves_packed(int type, int m) { return amx_serves(type, m); }
+ALWAYS_INLINE int amx_packed_rows(int type, int m) {
+    (void)type, (void)m;
+    return 0;
+}
 ALWAYS_INLINE size_t amx_planes_bytes(int k) {
     (void)k;
     return 0;

@@ -605,7 +605,8 @@ static size_t lay_out(Buffers *B, char *block, const Model *M, const Step *S, si
 #define PLACE(field, type, count)                                         \
     B->field = block ? (type *)(void *)(block + used) : NULL;             \
     used += (sizeof(type) * (size_t)(count) + 63) / 64 * 64
-#define PLACE_COPIES(field, type, width) PLACE(field, type, copies * rows * (size_t)(width));
+/* AMX_ROWS - 1 rows more: the AMX tiles' last group may load qs rows past the step's (amx_packed_rows) */
+#define PLACE_COPIES(field, type, width) PLACE(field, type, (copies * rows + AMX_ROWS - 1) * (size_t)(width));
     PRIVATE_ROW_FIELDS(PLACE_COPIES)
 #undef PLACE_COPIES
     PLACE(qkv, float, rows * qkv_w);

@@ -232,6 +232,9 @@ typedef struct {
  * that the 16 rows an AMX tile loads (and the GEMM's tiles read side by side)
  * do not fall into one L1 set where k is a multiple of 4 KB. */
 ALWAYS_INLINE size_t xq_stride(int k) { return (size_t)k + 64; }
+/* Rows of x an AMX tile takes (amx_tiles.h); xq_t's qs holds AMX_ROWS - 1 rows
+ * more than its product's, which a last group of tiles may load (amx_packed_rows). */
+#define AMX_ROWS 16
 ALWAYS_INLINE int8_t *xq_row(const xq_t *xq, size_t row) { return xq->qs + row * xq_stride(xq->k); }
 
 /* (y + 1.5 * 2^23) - 1.5 * 2^23 rounds half to even for |y| < 2^22 without
@@ -976,7 +979,7 @@ ALWAYS_INLINE void prefetch_share_l2(panel_ahead_t pf, int b, int shares) {
  * rows (of a K-quant, packed or not) its planes. */
 static size_t gemm_scratch_bytes(int k, int m) {
     if (m < GEMM_MIN_ROWS) return 0;
-    return gemm_panel_bytes(k) + (amx_serves_packed(Q4_K, m) ? amx_planes_bytes(k) : 0);
+    return gemm_panel_bytes(k) + (amx_packed_rows(Q4_K, m) ? amx_planes_bytes(k) : 0);
 }
 
 /* The fp16 d (and, Q4_1/Q5_1, m) at the start of each weight row's block at
@@ -1492,7 +1495,7 @@ static void gemm_thread(int type, const uint8_t *w, size_t row_bytes, const xq_t
 #if AMX_TILES
         if (m_amx) {
             amx_planes(type, nb, scratch, amx_hi(scratch, xq->k), amx_lo(scratch, xq->k));
-            amx_panel(type, 6, xq, m_amx, nb, scratch, NULL, (panel_ahead_t){NULL, 0}, y, y_stride, j0, cols, y_bf16,
+            amx_panel(type, 6, xq, m_amx, m, nb, scratch, NULL, (panel_ahead_t){NULL, 0}, y, y_stride, j0, cols, y_bf16,
                       bias, accumulate);
         }
 #endif
@@ -2054,6 +2057,10 @@ static size_t gemm_scratch_bytes(int k, int m) {
     (void)k, (void)m;
     return 0;
 }
+ALWAYS_INLINE int amx_packed_rows(int type, int m) {
+    (void)type, (void)m;
+    return 0;
+}
 #endif
 #include "packed_panels.h"
 
@@ -2099,14 +2106,15 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     const int threads = num_threads > 0 ? num_threads : 1, exact = exact_serves(type);
     /* x's int8 rows and the scratch on cache lines: a tile load (amx_tiles.h) of rows
      * straddling two lines took 1.4x as long */
-    xq_t xq = {.qs = aligned_64((size_t)m * xq_stride(k)),
+    /* (AMX_ROWS - 1 rows more of qs: the AMX tiles' last group may load rows past m, amx_packed_rows) */
+    xq_t xq = {.qs = aligned_64(((size_t)m + AMX_ROWS - 1) * xq_stride(k)),
                .d = malloc(sizeof(float) * (size_t)m * (k / 32)),
                .s = malloc(sizeof(float) * (size_t)m * (k / 32)),
                .bsums = malloc(sizeof(int16_t) * (size_t)m * (k / 16)),
                .k = k,
                .isum = exact ? malloc(sizeof(int16_t) * (size_t)m * (k / 32)) : NULL};
     const size_t scratch_bytes =
-        exact && (!packed || packed_expands(type, m) || amx_serves_packed(type, m)) ? gemm_scratch_bytes(k, m) : 0;
+        exact && (!packed || packed_expands(type, m) || amx_packed_rows(type, m)) ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? aligned_64(scratch_bytes * (size_t)threads) : NULL;
     int rc = 0;
     if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {

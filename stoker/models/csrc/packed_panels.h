@@ -520,7 +520,7 @@ ALWAYS_INLINE void packed_tile_q4_0(const int MR, const xq_t *xq, const size_t *
  * serve it: they, and packed Q4_K's, make their planes from the packed panel
  * itself (amx_planes_packed), and the rows past the last 16 take the packed tiles. */
 ALWAYS_INLINE int packed_expands(int type, int m) {
-    return (type == Q5_0 || type == Q4_0 || (type == Q6_K && !amx_serves_packed(Q6_K, m))) &&
+    return (type == Q5_0 || type == Q4_0 || (type == Q6_K && !amx_packed_rows(Q6_K, m))) &&
            m >= PACKED_EXPAND_ROWS;
 }
 #if QUANT_ISA == 3
@@ -740,8 +740,8 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int expanded = packed_expands(type, m);
     /* rows 0 .. m_amx - 1 on the AMX tiles, from the expanded panel (amx_tiles.h) */
-    const int m_amx = amx_serves_packed(type, m) && lo < hi ? m - m % AMX_ROWS : 0;
-    const int tiles = halves * ((m - m_amx + GEMM_MR - 1) / GEMM_MR);
+    const int m_amx = lo < hi ? amx_packed_rows(type, m) : 0, m_vnni = m_amx < m ? m_amx : m;
+    const int tiles = halves * ((m - m_vnni + GEMM_MR - 1) / GEMM_MR);
 #if AMX_TILES
     if (m_amx) amx_begin();
 #endif
@@ -760,11 +760,11 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
             const int fused = m_amx <= AMX_FUSED_MAX_ROWS;
             if (m_amx && !fused) amx_planes_packed(type, panel, units * 8, scratch);
             if (m_amx)
-                amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, units * 8, scratch, fused ? panel : NULL,
+                amx_panel(type, type == Q4_K ? 3 : 6, xq, m_amx, m, units * 8, scratch, fused ? panel : NULL,
                           ahead_share(ahead_lines ? panel + PANELS_AHEAD * panel_bytes : NULL, ahead_lines, 0, 1), y,
                           y_stride, j0, cols, y_bf16, bias, accumulate);
 #endif
-            for (int i0 = m_amx; i0 < m; i0 += GEMM_MR, tile++) {
+            for (int i0 = m_vnni; i0 < m; i0 += GEMM_MR, tile++) {
                 const int mr = m - i0 < GEMM_MR ? m - i0 : GEMM_MR;
                 size_t at[GEMM_MR];
                 for (int r = 0; r < mr; r++) at[r] = (size_t)(i0 + r);

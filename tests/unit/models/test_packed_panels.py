@@ -86,13 +86,14 @@ def test_packed_product_is_the_blocks_product_at_every_row_count(
     w = blocks_of(n, k, seed=k, qtype=qtype)
     packed = ggml_pack(w, qtype)
     assert packed is not None
-    x = torch.randn(100, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    x = torch.randn(109, k, generator=torch.Generator().manual_seed(n)).to(dtype)
     threads = torch.get_num_threads()
     try:
         for num_threads in (1, 2):
             torch.set_num_threads(num_threads)
-            # AMX tiles: 16-64 rows make each super-block's planes as they go, 100 a panel's at once
-            for rows in (*range(1, 18), 23, 40, 64, 70, 100):
+            # AMX tiles: 16-64 rows make each super-block's planes as they go, 100 a panel's at once;
+            # 13-15, 61 and 109 take a last group of 16 past their rows (amx_packed_rows)
+            for rows in (*range(1, 18), 23, 40, 61, 64, 70, 100, 109):
                 want = ggml_matmul(x[:rows], w, qtype)
                 assert want is not None
                 got = ggml_matmul_packed(x[:rows], packed, qtype, n)
