@@ -668,12 +668,13 @@ static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
                     const __m512i even = _mm512_sub_epi16(_mm512_and_si512(q, low_byte), thirty_two);
                     const __m512i odd = _mm512_sub_epi16(_mm512_srli_epi16(q, 8), thirty_two);
                     const __m512i we = _mm512_mullo_epi16(even, s[v]), wo = _mm512_mullo_epi16(odd, s[v]);
-                    const size_t out = (size_t)j * 32 * GEMM_PANEL + (size_t)t * 4 * GEMM_PANEL + 4 * (size_t)GEMM_LANES * v;
+                    const size_t out =
+                        (size_t)j * 32 * GEMM_PANEL + (size_t)t * 4 * GEMM_PANEL + 4 * (size_t)GEMM_LANES * v;
                     /* bits 6-13 of each: the low byte's by a right shift, the high byte's by a left one */
                     PV_STORE_I(hi + out, _mm512_mask_blend_epi8(high_bytes, _mm512_srli_epi16(we, 6),
                                                                 _mm512_slli_epi16(wo, 2)));
-                    PV_STORE_I(lo + out,
-                               _mm512_and_si512(_mm512_mask_blend_epi8(high_bytes, we, _mm512_slli_epi16(wo, 8)), low6));
+                    const __m512i lo_bytes = _mm512_mask_blend_epi8(high_bytes, we, _mm512_slli_epi16(wo, 8));
+                    PV_STORE_I(lo + out, _mm512_and_si512(lo_bytes, low6));
                 }
             }
         }
@@ -739,7 +740,8 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
     const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
     const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int expanded = packed_expands(type, m);
-    /* rows 0 .. m_amx - 1 on the AMX tiles, from the expanded panel (amx_tiles.h) */
+    /* rows 0 .. m_amx - 1 on the AMX tiles (amx_tiles.h; m_amx may pass m: amx_packed_rows), the rest on
+     * the packed tiles (or, expanded, the GEMM's) */
     const int m_amx = lo < hi ? amx_packed_rows(type, m) : 0, m_vnni = m_amx < m ? m_amx : m;
     const int tiles = halves * ((m - m_vnni + GEMM_MR - 1) / GEMM_MR);
 #if AMX_TILES
