@@ -76,9 +76,8 @@ ALWAYS_INLINE int amx_serves(int type, int m) { return exact_k(type) && m >= AMX
  * rows 1.03x, 70 rows 1.05x slower padded). */
 #define AMX_PAD_MIN_ROWS 13
 ALWAYS_INLINE int amx_packed_rows(int type, int m) {
+    if ((type != Q4_K && type != Q6_K) || !amx_permitted()) return 0; /* the other packed types: the VNNI tiles */
     const int whole = m - m % AMX_ROWS;
-    if (type != Q4_K && type != Q6_K) return amx_serves(type, m) ? whole : 0;
-    if (!amx_permitted()) return 0;
     return m % AMX_ROWS >= AMX_PAD_MIN_ROWS ? whole + AMX_ROWS : whole;
 }
 

@@ -956,10 +956,16 @@ typedef struct {
     const uint8_t *ahead;
     size_t lines;
 } panel_ahead_t;
+/* Share `tile` of `tiles`: its even share of the `lines` cache lines from
+ * `ahead`, the panel PANELS_AHEAD on (none when ahead is NULL). */
+ALWAYS_INLINE panel_ahead_t ahead_share(const uint8_t *ahead, size_t lines, size_t tile, size_t tiles) {
+    const size_t from = lines * tile / tiles, to = lines * (tile + 1) / tiles;
+    return (panel_ahead_t){ahead ? ahead + 64 * from : NULL, to - from};
+}
 ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
     if (!pf.ahead) return;
-    const size_t from = pf.lines * (size_t)b / (size_t)nb, to = pf.lines * (size_t)(b + 1) / (size_t)nb;
-    for (size_t l = from; l < to; l++) panel_prefetch(pf.ahead + 64 * l, nb);
+    const panel_ahead_t share = ahead_share(pf.ahead, pf.lines, (size_t)b, (size_t)nb);
+    for (size_t l = 0; l < share.lines; l++) panel_prefetch(share.ahead + 64 * l, nb);
 }
 /* prefetch_share into L2 whatever the row length, for share b of `shares`: the
  * AMX tiles' packed panels (amx_planes_q4_k_sb, amx_planes_q6_k_sb) sweep one
@@ -968,8 +974,8 @@ ALWAYS_INLINE void prefetch_share(panel_ahead_t pf, int b, int nb) {
  * prefetches themselves stalled: the 1B's Q6_K LM head at 16 rows ran 1.7x as long. */
 ALWAYS_INLINE void prefetch_share_l2(panel_ahead_t pf, int b, int shares) {
     if (!pf.ahead) return;
-    const size_t from = pf.lines * (size_t)b / (size_t)shares, to = pf.lines * (size_t)(b + 1) / (size_t)shares;
-    for (size_t l = from; l < to; l++) prefetch_l2(pf.ahead + 64 * l);
+    const panel_ahead_t share = ahead_share(pf.ahead, pf.lines, (size_t)b, (size_t)shares);
+    for (size_t l = 0; l < share.lines; l++) prefetch_l2(share.ahead + 64 * l);
 }
 
 #include "amx_tiles.h"
@@ -1455,13 +1461,6 @@ static const gemm_tile_fn gemm_tiles[GEMM_MR] = {gemm_tile_1, gemm_tile_2, gemm_
 static const gemm_tile_fn gemm_tiles[GEMM_MR] = {gemm_tile_1, gemm_tile_2, gemm_tile_3};
 #endif
 #undef GEMM_TILE_FN
-
-/* Tile `tile` of a panel's `tiles`: its even share of the `lines` cache lines from
- * `ahead`, the panel PANELS_AHEAD on (none when ahead is NULL). */
-ALWAYS_INLINE panel_ahead_t ahead_share(const uint8_t *ahead, size_t lines, size_t tile, size_t tiles) {
-    const size_t from = lines * tile / tiles, to = lines * (tile + 1) / tiles;
-    return (panel_ahead_t){ahead ? ahead + 64 * from : NULL, to - from};
-}
 
 /* A tile's mr rows of output (columns j0 .. j0 + cols - 1) into y, by write_vectors. */
 ALWAYS_INLINE void write_tile(int mr, const size_t *at, gemm_f out[GEMM_MR][2], void *y, long y_stride, int j0,
