@@ -144,7 +144,7 @@ ALWAYS_INLINE void amx_end(void) { _tile_release(); }
  * one super-block: x and the planes from where that super-block starts. */
 typedef int32_t amx_c_t[2][2][2][AMX_ROWS][GEMM_LANES];
 ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride, const int8_t *hi,
-                                  const int8_t *lo, amx_c_t c) {
+                                  const int8_t *lo, amx_c_t c, panel_ahead_t pf) {
     for (int h = 0; h < 2; h++) {
         _tile_zero(0);
         _tile_zero(1);
@@ -165,6 +165,7 @@ ALWAYS_INLINE void amx_superblock(const int G, const int8_t *x, size_t x_stride,
                 _tile_dpbssd(2, 5, 6);
                 _tile_dpbssd(3, 5, 7);
             }
+            prefetch_share_l2(pf, 4 * h + step, 8);
         }
         _tile_stored(0, c[h][0][0], 4 * GEMM_LANES);
         _tile_stored(1, c[h][0][1], 4 * GEMM_LANES);
@@ -224,20 +225,32 @@ typedef struct {
 
 /* Defined with the packed layout (packed_panels.h): super-block sb of a packed
  * Q4_K (Q6_K) panel as planes at hi, lo (one super-block's) and its mins and
- * scales (its d) in scratch, as amx_planes_packed makes a whole panel's. */
+ * scales (its d) in scratch, as amx_planes_packed makes a whole panel's; asking
+ * for pf's lines (prefetch_share_l2) evenly as it goes. */
 static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
                                panel_ahead_t pf);
 static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
                                panel_ahead_t pf);
 
 /* Rows r0 .. r0 + 16G - 1 of x by the panel (planes and scratch) into out (the
- * first `rows` of them: the others' sums are not taken),
- * super-block by super-block, pipelined as two stages: the tiles take
- * super-block i into one of two buffers while the vector units take i - 1's
- * from the other; each stage asks for its share of `ahead`. With `packed` (a
- * packed Q4_K or Q6_K panel) each super-block's planes are made just before the tiles
- * take them, into hi and lo, which then hold one super-block: they stay in L1,
- * where a whole panel's (128 KB at k = 2048) went to L2 and back. */
+ * first `rows` of them: the others' sums are not taken), super-block by
+ * super-block: the tiles take super-block i into one of two buffers, then the
+ * vector units take i - 1's from the other; each asks for its share of `ahead`.
+ * (On the Xeon measured, the tiles and the vector units do not run at once: a
+ * loop of tile products and an independent loop of FMAs took the sum of their
+ * times.) With `packed` (a packed Q4_K or Q6_K panel) each super-block's planes
+ * are made just before the tiles take them, into hi and lo, which then hold one
+ * super-block: they stay in L1, where a whole panel's (128 KB at k = 2048) went
+ * to L2 and back.
+ *
+ * The packed panel PANELS_AHEAD on (`pf`) is asked for half as a super-block's
+ * planes are made, half between the tiles' steps. All of it asked for by the
+ * plane makers, the requests came in bursts that filled the core's miss buffers
+ * (a third of the Q4_K plane maker's samples fell on the instruction after its
+ * prefetch) while the tiles' stretch asked for nothing: split so, the 1B's Q6_K
+ * LM head at 16 rows ran 1.2x as fast and its decode step 1.15x. All of it
+ * between the tiles' steps: no faster; a third or half of it during the take:
+ * slower. */
 ALWAYS_INLINE void amx_rows(const int G, int rows, int type, const int shift, const xq_t *xq, size_t r0, int nb,
                             uint8_t *scratch, int8_t *hi, int8_t *lo, const uint8_t *packed, panel_ahead_t pf,
                             const amx_ahead_t *ahead, float out[2 * AMX_ROWS][GEMM_PANEL]) {
@@ -251,13 +264,17 @@ ALWAYS_INLINE void amx_rows(const int G, int rows, int type, const int shift, co
         GV_STORE_F(out[r] + GEMM_LANES, GV_ZERO_F());
     }
     for (int sb = 0; sb <= nsb; sb++) {
+        /* this super-block's share of the panel ahead, in two halves (above) */
+        const panel_ahead_t share = ahead_share(sb < nsb ? pf.ahead : NULL, pf.lines, (size_t)sb, (size_t)nsb);
+        const panel_ahead_t to_planes = ahead_share(share.ahead, share.lines, 0, 2);
+        const panel_ahead_t to_tiles = ahead_share(share.ahead, share.lines, 1, 2);
         if (sb < nsb && packed) {
-            if (type == Q4_K) amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, pf);
-            else amx_planes_q6_k_sb(packed, sb, nb, scratch, hi, lo, pf);
-            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2]);
+            if (type == Q4_K) amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, to_planes);
+            else amx_planes_q6_k_sb(packed, sb, nb, scratch, hi, lo, to_planes);
+            amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2], to_tiles);
         } else if (sb < nsb) {
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi + sb * sb_plane, lo + sb * sb_plane,
-                           c[sb % 2]);
+                           c[sb % 2], (panel_ahead_t){NULL, 0});
         }
         if (sb) amx_take(rows, type, shift, xq, r0, sb - 1, nb, scratch, c[(sb - 1) % 2], out);
         for (int r = ahead->rows * sb / (nsb + 1); r < ahead->rows * (sb + 1) / (nsb + 1); r++) {

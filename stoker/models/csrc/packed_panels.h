@@ -609,7 +609,7 @@ static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
             }
         const uint8_t *pair = in + PACKED_QS + (size_t)i * 8 * 4 * P;
         for (int t = 0; t < 8; t++) {
-            prefetch_share_l2(pf, (sb * 4 + i) * 8 + t, nsb * 32);
+            prefetch_share_l2(pf, i * 8 + t, 32);
             for (int v = 0; v < 2; v++) {
                 const __m512i raw = GV_LOAD_I(pair + (size_t)t * 4 * P + 4 * GEMM_LANES * v);
                 const __m512i q[2] = {PV_LOW4(raw), PV_HIGH4(raw)};
@@ -644,7 +644,7 @@ static void amx_planes_q4_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
  * 64 rows; at 16 the VNNI tiles also scale every 16-value group's dots per row. */
 static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *scratch, int8_t *hi, int8_t *lo,
                                panel_ahead_t pf) {
-    const int nsb = nb / 8, P = PACKED_PANEL;
+    const int P = PACKED_PANEL;
     const int32_t *mn = (const int32_t *)(scratch + (size_t)nb * 32 * GEMM_PANEL) + (size_t)nb * GEMM_PANEL;
     float *d = (float *)(mn + (size_t)nb * GEMM_PANEL);
     const __m512i low_byte = _mm512_set1_epi16(0x00FF), thirty_two = _mm512_set1_epi16(32);
@@ -661,7 +661,7 @@ static void amx_planes_q6_k_sb(const uint8_t *panel, int sb, int nb, uint8_t *sc
                 s[v] = _mm512_or_si512(_mm512_and_si512(s32, _mm512_set1_epi32(0xFFFF)), _mm512_slli_epi32(s32, 16));
             }
             for (int t = 4 * g; t < 4 * g + 4; t++) {
-                prefetch_share_l2(pf, (sb * 8 + j) * 8 + t, nsb * 64);
+                prefetch_share_l2(pf, j * 8 + t, 64);
                 for (int v = 0; v < 2; v++) {
                     const size_t at = (size_t)t * 4 * P + 4 * (size_t)GEMM_LANES * v;
                     const __m512i q = q6_join(GV_LOAD_I(ql + at), GV_LOAD_I(qh + at), j % 4);
