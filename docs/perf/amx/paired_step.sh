@@ -7,13 +7,5 @@ set -eu
 A=$1; B=$2; G=$3; N=${4:-32}
 here=$(cd "$(dirname "$0")" && pwd)
 one() { SEQS=${SEQS:-16} THREADS=1 PYTHONPATH=$1 taskset -c "$2" python "$here/step_time.py" "$G" "$N" 2>&1 | tail -1 | awk '{print $1}'; }
-ratios=()
-for round in 1 2 3 4; do
-  if (( round % 2 )); then ca=0; cb=1; else ca=1; cb=0; fi
-  one "$A" $ca > /tmp/paired_a.$$ & one "$B" $cb > /tmp/paired_b.$$ & wait
-  a=$(cat /tmp/paired_a.$$); b=$(cat /tmp/paired_b.$$)
-  echo "round $round: A $a ms, B $b ms"
-  ratios+=("$(python -c "print($a / $b)")")
-done
-rm -f /tmp/paired_a.$$ /tmp/paired_b.$$
-python -c "import math, sys; r = [float(v) for v in sys.argv[1:]]; print(f'A / B: {math.exp(sum(map(math.log, r)) / len(r)):.3f} (rounds {min(r):.3f}-{max(r):.3f})')" "${ratios[@]}"
+source "$here/paired_rounds.sh"
+paired_rounds 4 "$A" "$B"
