@@ -264,11 +264,11 @@ ALWAYS_INLINE void amx_rows(const int G, int rows, int type, const int shift, co
         GV_STORE_F(out[r] + GEMM_LANES, GV_ZERO_F());
     }
     for (int sb = 0; sb <= nsb; sb++) {
-        /* this super-block's share of the panel ahead, in two halves (above) */
-        const panel_ahead_t share = ahead_share(sb < nsb ? pf.ahead : NULL, pf.lines, (size_t)sb, (size_t)nsb);
-        const panel_ahead_t to_planes = ahead_share(share.ahead, share.lines, 0, 2);
-        const panel_ahead_t to_tiles = ahead_share(share.ahead, share.lines, 1, 2);
         if (sb < nsb && packed) {
+            /* this super-block's share of the panel ahead, in two halves (above) */
+            const panel_ahead_t share = ahead_share(pf.ahead, pf.lines, (size_t)sb, (size_t)nsb);
+            const panel_ahead_t to_planes = ahead_share(share.ahead, share.lines, 0, 2);
+            const panel_ahead_t to_tiles = ahead_share(share.ahead, share.lines, 1, 2);
             if (type == Q4_K) amx_planes_q4_k_sb(packed, sb, nb, scratch, hi, lo, to_planes);
             else amx_planes_q6_k_sb(packed, sb, nb, scratch, hi, lo, to_planes);
             amx_superblock(G, x + (size_t)sb * 256, xq_stride(xq->k), hi, lo, c[sb % 2], to_tiles);
