@@ -1,6 +1,9 @@
 """A decode step of the fused decoder in process: `LLM.generate` on SEQS
-sequences of 8-token prompts, the best of 3 runs of N tokens, as ms a step. The
-tree whose kernels run is the one on PYTHONPATH; paired_step.sh runs two at once.
+sequences of 8-token prompts, the best of 3 runs of N tokens, as ms a step
+(and their mean). The tree whose kernels run is the one on PYTHONPATH;
+paired_step.sh runs two at once. The weights' repack (quant/repack.py) is
+waited for first: in process, back-to-back steps can keep its thread from the
+weights lock for many seconds, and the steps would time the blocks' kernels.
 
     THREADS=1 SEQS=16 python docs/perf/amx/step_time.py GGUF [N]
 """
@@ -29,11 +32,12 @@ def main() -> None:
         speculative_method="none",
         num_threads=threads,
     )
+    llm.engine.runner.model.repack.finish()
     prompts = [[100 + 7 * i + j for j in range(8)] for i in range(seqs)]
     params = SamplingParams(max_tokens=int(sys.argv[2]) if len(sys.argv) > 2 else 32, ignore_eos=True, temperature=0)
     llm.generate(prompts, params)
-    best = min(_timed(llm, prompts, params) for _ in range(3))
-    print(f"{best * 1e3 / params.max_tokens:.1f} ms a step ({seqs} rows, {params.max_tokens} steps, best of 3)")
+    runs = [_timed(llm, prompts, params) * 1e3 / params.max_tokens for _ in range(3)]
+    print(f"{min(runs):.1f} ms a step ({seqs} rows, {params.max_tokens} steps, best of 3; mean {sum(runs) / 3:.1f})")
 
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:

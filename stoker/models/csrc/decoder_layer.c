@@ -79,9 +79,10 @@ typedef struct {
     const float *bt[LORA_MAX_MODULES];
 } LoraLinear;
 
-enum { LORA_QKV, LORA_O, LORA_GATE_UP, LORA_DOWN, LORA_LINEARS };
+/* A layer's linears, in order: its adapters' tables and its panel claims are indexed by them. */
+enum { LINEAR_QKV, LINEAR_O, LINEAR_GATE_UP, LINEAR_DOWN, LINEARS };
 typedef struct {
-    LoraLinear linears[LORA_LINEARS];
+    LoraLinear linears[LINEARS];
 } LoraLayer;
 
 typedef struct {
@@ -135,6 +136,8 @@ typedef struct {
     int *lora_starts; /* [num_loras + 1] */
     int private_rows; /* every thread keeps its own normed, act and int8 rows: see run_layers */
     int kmax;         /* the widest linear input: each private copy's row width */
+    panel_claims_t *claims; /* [layer][LINEARS][MAX_PARTS][claim_slots]: each packed part's panels */
+    int claim_slots;        /* the threads asked for */
 } Buffers;
 
 /* ---- row operations: fixed summation order, vectorizable as written -------- */
@@ -186,16 +189,38 @@ static void quantize_input_row(const Linear *L, const Buffers *b, const float *x
     }
 }
 
-/* Thread t's share of y[n rows] (= or +=) x W^T (+ bias), x already quantized. */
-static void linear_thread(const Linear *L, const Buffers *b, int m, float *y, long y_stride, int accumulate, int t,
-                          int nt) {
+/* Layer l's linear `which` (LINEAR_QKV .. LINEAR_DOWN) and its parts' panel claims. */
+static const Linear *layer_linear(const Layer *Ly, int which) {
+    return which == LINEAR_QKV ? &Ly->qkv : which == LINEAR_O ? &Ly->o_proj : which == LINEAR_GATE_UP ? &Ly->gate_up : &Ly->down;
+}
+static panel_claims_t *linear_claims(const Buffers *b, int l, int which) {
+    return b->claims + ((size_t)l * LINEARS + (size_t)which) * MAX_PARTS * (size_t)b->claim_slots;
+}
+
+/* Every packed part's panels split between the threads afresh: before the parallel region. */
+static void claims_init(const Model *M, const Buffers *b) {
+    for (int l = 0; l < M->num_layers; l++)
+        for (int which = 0; which < LINEARS; which++) {
+            const Linear *L = layer_linear(&M->layers[l], which);
+            for (int p = 0; p < L->num_parts; p++)
+                if (L->packed[p])
+                    panel_claims_init(linear_claims(b, l, which) + (size_t)p * (size_t)b->claim_slots, b->claim_slots,
+                                      (L->rows[p] + PACKED_PANEL - 1) / PACKED_PANEL);
+        }
+}
+
+/* Thread t's share of layer l's linear `which`: y[n rows] (= or +=) x W^T (+ bias), x already quantized. */
+static void linear_thread(const Layer *Ly, int l, int which, const Buffers *b, int m, float *y, long y_stride,
+                          int accumulate, int t, int nt) {
+    const Linear *L = layer_linear(Ly, which);
     for (int p = 0; p < L->num_parts; p++) {
         const int type = L->types[p], be = block_elems(type);
         const xq_t xq = xq_for(b, be, L->in_features);
         const size_t row_bytes = (size_t)(L->in_features / be) * ggml_quant_type_size(type);
         quant_matmul_thread(type, L->weights[p], L->packed[p], row_bytes, &xq, m, L->rows[p], y + L->starts[p], y_stride, 0,
                             L->bias ? L->bias + L->starts[p] : NULL, accumulate,
-                            b->gemm_scratch + b->gemm_scratch_size * (size_t)t, t, nt);
+                            b->gemm_scratch + b->gemm_scratch_size * (size_t)t,
+                            linear_claims(b, l, which) + (size_t)p * (size_t)b->claim_slots, b->claim_slots, t, nt);
     }
 }
 
@@ -459,11 +484,11 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
                                       S->row_seq, S->k_caches[l], S->v_caches[l], S->block_size, S->kv_format};
         /* Each `omp for` ends in a barrier; a linear's output is read only after an explicit one. */
         rows_before_linear(INPUT_NORM, M, Ly, hidden, B, n);
-        if (lora) lora_shrink(S, B, l, LORA_QKV, B->normed, hid, hid, t, nt);
-        linear_thread(&Ly->qkv, B, n, B->qkv, qkv_w, 0, t, nt);
+        if (lora) lora_shrink(S, B, l, LINEAR_QKV, B->normed, hid, hid, t, nt);
+        linear_thread(Ly, l, LINEAR_QKV, B, n, B->qkv, qkv_w, 0, t, nt);
 #pragma omp barrier
         if (lora) {
-            lora_expand(S, B, l, LORA_QKV, B->qkv, qkv_w, t, nt);
+            lora_expand(S, B, l, LINEAR_QKV, B->qkv, qkv_w, t, nt);
 #pragma omp barrier
         }
 #pragma omp for schedule(static)
@@ -485,27 +510,27 @@ static void run_layers(const Model *M, const Step *S, float *hidden, const Buffe
                 attend(&attn_layer, B->qkv, (size_t)qkv_w, B->attn, r0, nrows, h, per_call, attn_scratch);
         }
         rows_before_linear(ATTN_OUT, M, Ly, hidden, B, n);
-        if (lora) lora_shrink(S, B, l, LORA_O, B->attn, H * D, H * D, t, nt);
-        linear_thread(&Ly->o_proj, B, n, hidden, hid, 1, t, nt); /* h = h + attn Wo^T */
+        if (lora) lora_shrink(S, B, l, LINEAR_O, B->attn, H * D, H * D, t, nt);
+        linear_thread(Ly, l, LINEAR_O, B, n, hidden, hid, 1, t, nt); /* h = h + attn Wo^T */
 #pragma omp barrier
         if (lora) {
-            lora_expand(S, B, l, LORA_O, hidden, hid, t, nt);
+            lora_expand(S, B, l, LINEAR_O, hidden, hid, t, nt);
 #pragma omp barrier
         }
         rows_before_linear(POST_NORM, M, Ly, hidden, B, n);
-        if (lora) lora_shrink(S, B, l, LORA_GATE_UP, B->normed, hid, hid, t, nt);
-        linear_thread(&Ly->gate_up, B, n, B->gate_up, 2L * I, 0, t, nt);
+        if (lora) lora_shrink(S, B, l, LINEAR_GATE_UP, B->normed, hid, hid, t, nt);
+        linear_thread(Ly, l, LINEAR_GATE_UP, B, n, B->gate_up, 2L * I, 0, t, nt);
 #pragma omp barrier
         if (lora) {
-            lora_expand(S, B, l, LORA_GATE_UP, B->gate_up, 2L * I, t, nt);
+            lora_expand(S, B, l, LINEAR_GATE_UP, B->gate_up, 2L * I, t, nt);
 #pragma omp barrier
         }
         rows_before_linear(ACTIVATION, M, Ly, hidden, B, n);
-        if (lora) lora_shrink(S, B, l, LORA_DOWN, B->act, I, I, t, nt);
-        linear_thread(&Ly->down, B, n, hidden, hid, 1, t, nt); /* h = h + act Wd^T */
+        if (lora) lora_shrink(S, B, l, LINEAR_DOWN, B->act, I, I, t, nt);
+        linear_thread(Ly, l, LINEAR_DOWN, B, n, hidden, hid, 1, t, nt); /* h = h + act Wd^T */
 #pragma omp barrier
         if (lora) {
-            lora_expand(S, B, l, LORA_DOWN, hidden, hid, t, nt);
+            lora_expand(S, B, l, LINEAR_DOWN, hidden, hid, t, nt);
 #pragma omp barrier
         }
     }
@@ -619,6 +644,7 @@ static size_t lay_out(Buffers *B, char *block, const Model *M, const Step *S, si
     PLACE(lora_h, float, lora ? rows * (size_t)S->lora_width : 0);
     PLACE(lora_rows, int, lora ? rows : 0);
     PLACE(lora_starts, int, lora ? S->num_loras + 1 : 0);
+    PLACE(claims, panel_claims_t, (size_t)M->num_layers * LINEARS * MAX_PARTS * (size_t)num_threads);
 #undef PLACE
     return used;
 }
@@ -680,11 +706,13 @@ int decoder_forward(const Model *M, const Step *S, float *hidden, int num_thread
     B.gemm_scratch_size = gemm_scratch_bytes(kmax, n);
     B.private_rows = num_threads > 1 && n <= PRIVATE_ROWS_MAX;
     B.kmax = kmax;
+    B.claim_slots = num_threads;
     const size_t total = lay_out(&B, NULL, M, S, rows, kmax, num_threads);
     char *block = step_block_take(total), *own = NULL;
     if (!block) block = own = aligned_alloc(64, total);
     if (!block) return 1;
     lay_out(&B, block, M, S, rows, kmax, num_threads);
+    claims_init(M, &B);
     if (S->row_lora) group_lora_rows(S, &B);
     /* Consecutive rows of one sequence (a prompt chunk, a verification), up to ATTEND_ROWS at a time. */
     B.num_groups = 0;

@@ -25,6 +25,7 @@
  * stoker/models/quant/kernels.py: portable C, AVX2 (maddubs with the sign
  * trick), AVX-VNNI and AVX-512 VNNI (vpdpbusd on 256-bit vectors).
  */
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -2061,6 +2062,56 @@ ALWAYS_INLINE int amx_packed_rows(int type, int m) {
     return 0;
 }
 #endif
+
+/* A product's packed panels shared out between its threads. Each thread's
+ * range starts as the static split's, and its owner takes panels from the
+ * front, asking for the panel PANELS_AHEAD on as before; a thread with none
+ * of its own left takes another's from the back, one at a time. Served, the
+ * front end and the clients run on the engine's cores: a thread taken off its
+ * core left the others waiting at the barrier after the product until it was
+ * back (libgomp's waits: 12% of a served 16-stream run's engine samples, 6.6%
+ * with the claims; docs/perf/quantized.md). One word a range (next << 32 | end,
+ * a cache line of its own), changed by compare-and-swap: no panel is taken
+ * twice, none is left. Whichever thread takes a panel computes it the same
+ * way: the same bits. */
+typedef struct {
+    _Alignas(64) _Atomic uint64_t range;
+} panel_claims_t;
+
+/* slots ranges over panels: the static split for `slots` threads. Before the threads start. */
+static void panel_claims_init(panel_claims_t *claims, int slots, int panels) {
+    for (int s = 0; s < slots; s++) {
+        const uint64_t lo = (uint64_t)((long)panels * s / slots), hi = (uint64_t)((long)panels * (s + 1) / slots);
+        atomic_init(&claims[s].range, lo << 32 | hi);
+    }
+}
+
+/* Thread t's next panel: the front of range t, else the back of another; -1 when
+ * all are empty. *end: range t's end as taken (a stolen panel's own index: the
+ * thief asks for no panel ahead). */
+static int panel_claim(panel_claims_t *claims, int slots, int t, int *end) {
+    if (t < slots) {
+        uint64_t v = atomic_load_explicit(&claims[t].range, memory_order_relaxed);
+        while ((uint32_t)(v >> 32) < (uint32_t)v)
+            if (atomic_compare_exchange_weak_explicit(&claims[t].range, &v, v + ((uint64_t)1 << 32),
+                                                      memory_order_relaxed, memory_order_relaxed)) {
+                *end = (int)(uint32_t)v;
+                return (int)(v >> 32);
+            }
+    }
+    for (int i = 1; i <= slots; i++) {
+        panel_claims_t *other = &claims[(t + i) % slots];
+        uint64_t v = atomic_load_explicit(&other->range, memory_order_relaxed);
+        while ((uint32_t)(v >> 32) < (uint32_t)v)
+            if (atomic_compare_exchange_weak_explicit(&other->range, &v, v - 1, memory_order_relaxed,
+                                                      memory_order_relaxed)) {
+                *end = (int)(uint32_t)v - 1;
+                return *end;
+            }
+    }
+    return -1;
+}
+
 #include "packed_panels.h"
 
 /* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
@@ -2070,10 +2121,10 @@ ALWAYS_INLINE int amx_packed_rows(int type, int m) {
  * or, packed (w laid out by ggml_quant_pack), the tiles that read the panels in place. */
 static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t row_bytes, const xq_t *xq, int m, int n,
                                 void *y, long y_stride, int y_bf16, const float *bias, int accumulate, uint8_t *scratch,
-                                int t, int nt) {
+                                panel_claims_t *claims, int slots, int t, int nt) {
 #if EXACT_KERNELS
     if (packed) {
-        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, t, nt);
+        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, claims, slots, t, nt);
         return;
     }
     if (exact_serves(type)) {
@@ -2084,7 +2135,7 @@ static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t r
         return;
     }
 #endif
-    (void)scratch, (void)packed;
+    (void)scratch, (void)packed, (void)claims, (void)slots;
     matmul_thread(tiles_for(type), w, row_bytes, xq, m, n, y, y_stride, y_bf16, bias, accumulate, t, nt);
 }
 
@@ -2115,11 +2166,14 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
     const size_t scratch_bytes =
         exact && (!packed || packed_expands(type, m) || amx_packed_rows(type, m)) ? gemm_scratch_bytes(k, m) : 0;
     uint8_t *scratch = scratch_bytes ? aligned_64(scratch_bytes * (size_t)threads) : NULL;
+    panel_claims_t *claims = packed ? aligned_64(sizeof *claims * (size_t)threads) : NULL;
     int rc = 0;
-    if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch)) {
+    if (!xq.qs || !xq.d || !xq.s || !xq.bsums || (exact && !xq.isum) || (scratch_bytes && !scratch) ||
+        (packed && !claims)) {
         rc = 1;
         goto done;
     }
+    if (claims) panel_claims_init(claims, threads, (n + PACKED_PANEL - 1) / PACKED_PANEL);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -2131,9 +2185,10 @@ static int matmul_call(int type, const void *x, int x_bf16, int m, int k, const 
         const int nt = 1, t = 0;
 #endif
         quant_matmul_thread(type, w, packed, row_bytes, &xq, m, n, y, y_stride, x_bf16, NULL, 0,
-                            scratch ? scratch + scratch_bytes * (size_t)t : NULL, t, nt);
+                            scratch ? scratch + scratch_bytes * (size_t)t : NULL, claims, threads, t, nt);
     }
 done:
+    free(claims);
     free(xq.qs);
     free(xq.d);
     free(xq.s);

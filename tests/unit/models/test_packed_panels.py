@@ -106,6 +106,32 @@ def test_packed_product_is_the_blocks_product_at_every_row_count(
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", PACKED, ids=lambda t: t.name)
+def test_threads_taking_each_others_panels_leave_none_out_and_none_twice(isa: str, qtype: GGMLQuantizationType) -> None:
+    """More threads than panels (4 panels, 7 threads on this machine's few cores): the
+    threads with no range of their own, or done with it, take the others' panels from
+    the back (panel_claim). Every panel is computed once, by whichever thread: the
+    same bits as one thread gives."""
+    if not multiplies_packed(isa, qtype):
+        pytest.skip(f"the {isa} path multiplies {qtype.name}'s blocks only")
+    n, k = 100, 512
+    w = blocks_of(n, k, seed=9, qtype=qtype)
+    packed = ggml_pack(w, qtype)
+    assert packed is not None
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(9))
+    threads = torch.get_num_threads()
+    try:
+        for rows in (1, 16, 70):
+            torch.set_num_threads(1)
+            want = ggml_matmul_packed(x[:rows], packed, qtype, n)
+            torch.set_num_threads(7)
+            for _ in range(5):
+                got = ggml_matmul_packed(x[:rows], packed, qtype, n)
+                assert want is not None and got is not None and torch.equal(got, want), rows
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_packed_bad_inputs_raise_value_error(isa: str) -> None:
     packed = ggml_pack(blocks_of(40, 512, seed=2), T.Q4_K)
     assert packed is not None
