@@ -191,7 +191,10 @@ static void quantize_input_row(const Linear *L, const Buffers *b, const float *x
 
 /* Layer l's linear `which` (LINEAR_QKV .. LINEAR_DOWN) and its parts' panel claims. */
 static const Linear *layer_linear(const Layer *Ly, int which) {
-    return which == LINEAR_QKV ? &Ly->qkv : which == LINEAR_O ? &Ly->o_proj : which == LINEAR_GATE_UP ? &Ly->gate_up : &Ly->down;
+    return which == LINEAR_QKV       ? &Ly->qkv
+           : which == LINEAR_O       ? &Ly->o_proj
+           : which == LINEAR_GATE_UP ? &Ly->gate_up
+                                     : &Ly->down;
 }
 static panel_claims_t *linear_claims(const Buffers *b, int l, int which) {
     return b->claims + ((size_t)l * LINEARS + (size_t)which) * MAX_PARTS * (size_t)b->claim_slots;
