@@ -9,40 +9,18 @@
  *   gcc -O3 -march=sapphirerapids docs/perf/amx/overlap.c -o /tmp/overlap
  *   taskset -c 1 /tmp/overlap
  */
-#include <immintrin.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <time.h>
-#include <unistd.h>
+#include "tile_bench.h"
 
-#define PANEL 32
-#define X_STRIDE 2112 /* k = 2048 plus a line, as xq_stride */
-
-static int8_t x[32 * X_STRIDE] __attribute__((aligned(64)));
-static int8_t hi[8 * 32 * PANEL * 8] __attribute__((aligned(64))), lo[8 * 32 * PANEL * 8] __attribute__((aligned(64)));
-typedef int32_t sums_t[2][2][2][16][16]; /* [column half][row group][plane][row][column] */
-static sums_t sums[2] __attribute__((aligned(64)));
 static float out[32][PANEL] __attribute__((aligned(64)));
 static int16_t isum[32 * 64];
 static float dx[32 * 8], d[PANEL];
 static int32_t mins[8 * 4 * PANEL];
 static __m512 registers[12];
 
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
 __attribute__((noinline)) static void tiles(int sb, sums_t c) {
     const int8_t *xs = x + sb * 256, *h = hi + sb * 8 * 32 * PANEL, *l = lo + sb * 8 * 32 * PANEL;
     for (int half = 0; half < 2; half++) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        sums_zeroed();
         for (int step = 0; step < 4; step++) {
             const size_t w = (size_t)(2 * step) * 32 * PANEL + (size_t)half * 64, xa = 64 * (size_t)step;
             _tile_loadd(6, h + w, 4 * PANEL);
@@ -99,20 +77,7 @@ __attribute__((noinline)) static void fmas(void) {
 }
 
 int main(void) {
-    if (syscall(SYS_arch_prctl, 0x1023, 18)) { /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
-        puts("no AMX tiles for this process");
-        return 1;
-    }
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config;
-    memset(&config, 0, sizeof config);
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) config.rows[t] = 16, config.colsb[t] = 64;
-    _tile_loadconfig(&config);
-    memset(x, 1, sizeof x), memset(hi, 1, sizeof hi), memset(lo, 1, sizeof lo);
+    if (tiles_set_up()) return 1;
     const char *names[] = {"tiles", "take", "tiles, then take", "FMAs", "tiles, then FMAs"};
     const long rounds = 200000;
     for (int mode = 0; mode < 5; mode++) {
