@@ -2086,20 +2086,20 @@ static void panel_claims_init(panel_claims_t *claims, int slots, int panels) {
     }
 }
 
-/* Thread t's next panel: the front of range t, else the back of another; -1 when
- * all are empty. *end: range t's end as taken (a stolen panel's own index: the
- * thief asks for no panel ahead). */
+/* Thread t's next panel (t < slots: a team has at most the threads asked for):
+ * the front of range t, else the back of another; -1 when all are empty. *end:
+ * range t's end as taken (a stolen panel's own index: the thief asks for no
+ * panel ahead). A range only shrinks, so once t's is empty only the others' are
+ * looked at. */
 static int panel_claim(panel_claims_t *claims, int slots, int t, int *end) {
-    if (t < slots) {
-        uint64_t v = atomic_load_explicit(&claims[t].range, memory_order_relaxed);
-        while ((uint32_t)(v >> 32) < (uint32_t)v)
-            if (atomic_compare_exchange_weak_explicit(&claims[t].range, &v, v + ((uint64_t)1 << 32),
-                                                      memory_order_relaxed, memory_order_relaxed)) {
-                *end = (int)(uint32_t)v;
-                return (int)(v >> 32);
-            }
-    }
-    for (int i = 1; i <= slots; i++) {
+    uint64_t v = atomic_load_explicit(&claims[t].range, memory_order_relaxed);
+    while ((uint32_t)(v >> 32) < (uint32_t)v)
+        if (atomic_compare_exchange_weak_explicit(&claims[t].range, &v, v + ((uint64_t)1 << 32), memory_order_relaxed,
+                                                  memory_order_relaxed)) {
+            *end = (int)(uint32_t)v;
+            return (int)(v >> 32);
+        }
+    for (int i = 1; i < slots; i++) {
         panel_claims_t *other = &claims[(t + i) % slots];
         uint64_t v = atomic_load_explicit(&other->range, memory_order_relaxed);
         while ((uint32_t)(v >> 32) < (uint32_t)v)
@@ -2124,7 +2124,7 @@ static void quant_matmul_thread(int type, const uint8_t *w, int packed, size_t r
                                 panel_claims_t *claims, int slots, int t, int nt) {
 #if EXACT_KERNELS
     if (packed) {
-        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, claims, slots, t, nt);
+        packed_thread(type, w, xq, m, n, y, y_stride, y_bf16, bias, accumulate, scratch, claims, slots, t);
         return;
     }
     if (exact_serves(type)) {

@@ -722,16 +722,16 @@ PACKED_TILES(q4_0)
 #undef PACKED_TILES
 #undef PACKED_TILE_FN
 
-/* Thread t of nt's share of y = x @ W^T (+ bias; = or +=) for already quantized x
- * and W packed (n rows): a contiguous range of packed panels (with `claims`, its
- * range of them and what it takes from the others': panel_claim), each swept by
- * all m rows GEMM_MR at a time (a 256-bit build: each half of it), the tiles
- * asking for the panel PANELS_AHEAD on as they go. The same y writes as
+/* Thread t's share of y = x @ W^T (+ bias; = or +=) for already quantized x and
+ * W packed (n rows): its range of the packed panels in `claims` and what it
+ * takes from the others' (panel_claim), each swept by all m rows GEMM_MR at a
+ * time (a 256-bit build: each half of it), the tiles asking for the panel
+ * PANELS_AHEAD on as they go. The same y writes as
  * gemm_thread, without its unpack (but a prompt's Q5_0 / Q4_0 panels,
  * packed_expands: into `scratch`, one GEMM panel a thread). */
 static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m, int n, void *y, long y_stride,
                           int y_bf16, const float *bias, int accumulate, uint8_t *scratch, panel_claims_t *claims,
-                          int slots, int t, int nt) {
+                          int slots, int t) {
     const int units = xq->k / block_elems(type), halves = PACKED_PANEL / GEMM_PANEL;
     const size_t panel_bytes = packed_panel_bytes(type, xq->k);
     const packed_tile_fn *tiles_of = type == Q8_0   ? packed_tiles_q8_0
@@ -739,21 +739,15 @@ static void packed_thread(int type, const uint8_t *packed, const xq_t *xq, int m
                                      : type == Q4_0 ? packed_tiles_q4_0
                                      : type == Q6_K ? packed_tiles_q6_k
                                                     : packed_tiles_q4_k;
-    const int panels = (n + PACKED_PANEL - 1) / PACKED_PANEL;
-    const int lo = (int)((long)panels * t / nt), hi = (int)((long)panels * (t + 1) / nt);
     const int expanded = packed_expands(type, m);
     /* rows 0 .. m_amx - 1 on the AMX tiles (amx_tiles.h; m_amx may pass m: amx_packed_rows), the rest on
      * the packed tiles (or, expanded, the GEMM's) */
-    const int m_amx = claims || lo < hi ? amx_packed_rows(type, m) : 0, m_vnni = m_amx < m ? m_amx : m;
+    const int m_amx = amx_packed_rows(type, m), m_vnni = m_amx < m ? m_amx : m;
     const int tiles = halves * ((m - m_vnni + GEMM_MR - 1) / GEMM_MR);
 #if AMX_TILES
     if (m_amx) amx_begin();
 #endif
-    for (int next = lo;;) {
-        int p, end = hi;
-        if (claims) p = panel_claim(claims, slots, t, &end);
-        else p = next < hi ? next++ : -1;
-        if (p < 0) break;
+    for (int p, end; (p = panel_claim(claims, slots, t, &end)) >= 0;) {
         const uint8_t *panel = packed + (size_t)p * panel_bytes;
         const size_t ahead_lines = p + PANELS_AHEAD < end ? panel_bytes / 64 : 0;
         int tile = 0;
